@@ -1,0 +1,38 @@
+# Two commands do everything on a fresh clone:
+#   make demo   create .venv, install memfit, train the embedded default
+#   make test   create .venv, install memfit with test extras, run the tests
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# The CPU build of torch when none is installed; a torch you already have (CUDA
+# included, seen through --system-site-packages) is kept.
+TORCH_SPEC ?= torch==2.13.0
+EXTRAS ?= all,dev
+
+.PHONY: demo test setup lint bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv --system-site-packages $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+$(VENV)/.installed: $(BIN)/python pyproject.toml
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q -e ".[$(EXTRAS)]"
+	touch $@
+
+setup: $(VENV)/.installed
+
+demo: setup
+	$(BIN)/memfit train
+
+test: setup
+	$(BIN)/python -m pytest tests
+
+lint: setup
+	$(BIN)/ruff check src tests benchmarks
+
+bench: setup
+	$(BIN)/python benchmarks/bench_engine.py
+
+clean:
+	rm -rf $(VENV) runs

@@ -1,0 +1,29 @@
+"""memfit: train and fine-tune causal language models within the memory you have.
+
+Library entry points:
+
+    from memfit import TrainConfig, load_config, train
+    result = train(load_config(overrides={"max_steps": 10}))
+"""
+
+from memfit.config import TrainConfig, load_config
+
+__all__ = ["TrainConfig", "load_config", "train", "estimate", "plan"]
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # Heavy modules (torch, transformers) load only when these are used.
+    if name == "train":
+        from memfit.train.loop import train
+
+        return train
+    if name == "estimate":
+        from memfit.memory.estimator import estimate
+
+        return estimate
+    if name == "plan":
+        from memfit.memory.planner import plan
+
+        return plan
+    raise AttributeError(name)

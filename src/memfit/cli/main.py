@@ -1,0 +1,55 @@
+"""Entry point of the `memfit` command: dispatch to a subcommand, turn errors into one line."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import sys
+
+from memfit.config import suggest
+from memfit.errors import MemfitError
+
+# subcommand -> (module under memfit.cli, one-line summary)
+COMMANDS = {
+    "train": ("train", "train or fine-tune a causal language model"),
+    "estimate": ("estimate", "will it fit? predicted memory breakdown"),
+    "plan": ("plan", "the fastest configuration that fits a GPU or a budget"),
+    "profile": ("profile", "run a few steps and show where the memory goes"),
+    "find-batch-size": ("find_batch_size", "the largest micro-batch that fits"),
+    "presets": ("presets", "the models and GPUs the offline tables know"),
+}
+
+USAGE = "usage: memfit {" + ",".join(COMMANDS) + "} [--FLAG VALUE ...]   (memfit COMMAND --help for its flags)"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        if not argv:
+            argv = ["train"]  # the embedded default is the first thing a newcomer types
+        else:
+            print(USAGE)
+            for name, (_, summary) in COMMANDS.items():
+                print(f"  {name:<16} {summary}")
+            return 0
+    command, rest = argv[0], argv[1:]
+    if command.startswith("--"):
+        command, rest = "train", argv
+    if command not in COMMANDS:
+        print(f"memfit: unknown command {command!r}{suggest(command, COMMANDS)}; {USAGE}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=os.environ.get("MEMFIT_LOG_LEVEL", "INFO"), format="%(message)s", stream=sys.stderr)
+    module = importlib.import_module(f"memfit.cli.{COMMANDS[command][0]}")
+    try:
+        return module.run(rest)
+    except MemfitError as error:
+        print(f"memfit {command}: error: {error}", file=sys.stderr)
+        return error.exit_code
+    except KeyboardInterrupt:
+        print(f"memfit {command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

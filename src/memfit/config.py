@@ -1,0 +1,558 @@
+"""Typed configuration of a memfit run: one dataclass per concern.
+
+Every field has a docstring (shown by `memfit train --help`). The same names work
+on the command line (with dashes: `--seq-len 512`) and in a YAML file (with
+underscores: `seq_len: 512`), flat or under a section (`data: {seq_len: 512}`).
+The seeds' names are accepted as aliases (`--window-size`, `optim: adamw_8bit`, ...).
+
+`load_config(yaml_path, overrides)` builds a `TrainConfig` from a file and flags,
+flags winning; `TrainConfig.validate()` collects every problem and raises once.
+Command-line parsing itself lives in `memfit.cli.flags`.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import inspect
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from memfit.errors import UsageError
+from memfit.units import parse_size
+
+PRECISIONS = ("auto", "amp", "fp32", "bf16", "fp16")
+WEIGHT_DTYPES = ("fp32", "bf16", "fp16")
+ATTENTION_KINDS = ("auto", "flash", "sdpa", "eager")
+OPTIMIZERS = ("adamw", "adamw-8bit", "paged-adamw-8bit", "adafactor", "sgd")
+LR_SCHEDULES = ("cosine", "linear", "constant")
+CHECKPOINTING_MODES = ("off", "full", "selective", "auto")
+QUANTIZE_MODES = ("none", "4bit", "8bit")
+SHARDING_MODES = ("none", "ddp", "fsdp")
+
+
+def _choices(*values: str) -> dict:
+    return {"choices": values}
+
+
+SIZE = {"size": True}
+
+
+@dataclass
+class ModelConfig:
+    model: str = "tiny"
+    """Model to train: 'tiny' (built-in), a local directory, a Hugging Face id, or a preset name."""
+    tokenizer: str | None = None
+    """Tokenizer to use; defaults to the model's own."""
+    dtype: str = field(default="fp32", metadata=_choices(*WEIGHT_DTYPES))
+    """Dtype the weights are stored in: fp32 (default for full training), bf16 or fp16."""
+    trust_remote_code: bool = False
+    """Run code shipped with a Hugging Face model. Off unless you trust the model's authors."""
+    attention: str = field(default="auto", metadata=_choices(*ATTENTION_KINDS))
+    """Attention kernel: auto picks flash-attn on a supporting GPU, else PyTorch SDPA, else eager."""
+
+
+@dataclass
+class DataConfig:
+    dataset: str | None = None
+    """Training text: a .txt, .jsonl or .parquet file, or hf:NAME[:CONFIG][@SPLIT]. Default: the bundled corpus."""
+    text_field: str = "text"
+    """Field holding the text in .jsonl, .parquet and Hugging Face datasets."""
+    seq_len: int = 256
+    """Tokens per training sample (window). Lower it if activations do not fit."""
+    stride: int = 0
+    """Tokens shared by consecutive windows of a long document (0: no overlap)."""
+    packing: bool = True
+    """Pack short documents together into full windows; --no-packing pads them instead."""
+    cache_dir: str | None = None
+    """Where tokenized datasets are cached. Default: ~/.cache/memfit/tokens."""
+
+
+@dataclass
+class OptimizerConfig:
+    optimizer: str = field(default="adamw", metadata=_choices(*OPTIMIZERS))
+    """Optimizer. 8-bit variants come from bitsandbytes and fall back visibly when it is missing."""
+    lr: float = 1e-3
+    """Peak learning rate."""
+    beta1: float = 0.9
+    """Adam's first-moment decay."""
+    beta2: float = 0.95
+    """Adam's second-moment decay."""
+    eps: float = 1e-8
+    """Adam's epsilon."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay."""
+    momentum: float = 0.0
+    """Momentum of SGD."""
+    lr_schedule: str = field(default="cosine", metadata=_choices(*LR_SCHEDULES))
+    """Learning-rate schedule after warmup: cosine, linear or constant."""
+    warmup_steps: int = 0
+    """Optimizer steps of linear warmup."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this value; 0 turns clipping off."""
+
+
+@dataclass
+class TrainingConfig:
+    batch_size: int = 8
+    """Samples per micro-batch (per device). Halve it if you run out of memory."""
+    gradient_accumulation_steps: int = 1
+    """Micro-batches accumulated before each optimizer step."""
+    effective_batch_size: int | None = None
+    """Samples per optimizer step (all devices); accumulation is derived from it."""
+    max_steps: int = 40
+    """Optimizer steps to run."""
+    epochs: float | None = None
+    """Train for this many passes over the data instead of --max-steps."""
+    seed: int = 0
+    """Seed of the data order and the initialisation; the sample order depends only on it and the effective batch."""
+    auto_batch_size: bool = False
+    """Find the largest micro-batch that fits before training (see memfit find-batch-size)."""
+
+
+@dataclass
+class MemoryConfig:
+    precision: str = field(default="auto", metadata=_choices(*PRECISIONS))
+    """Compute precision: auto (bf16 on Ampere+, fp16 on older GPUs, fp32 on CPU), amp (mixed precision wherever possible: bf16, else fp16; CPU included), fp32, bf16 or fp16."""
+    gradient_checkpointing: str = field(default="off", metadata=_choices(*CHECKPOINTING_MODES))
+    """Recompute activations in backward: off, full, selective (keep matmul outputs) or auto (fit --memory-budget)."""
+    checkpoint_every: int = 1
+    """Checkpoint only every Nth transformer block (with --gradient-checkpointing full)."""
+    loss_chunk_size: int | None = None
+    """Tokens per chunk of the output projection + loss; 0 turns chunking off; default: on where it saves memory."""
+    optimizer_in_backward: bool = False
+    """Update each parameter as soon as its gradient is ready and free the gradient."""
+    activation_offload: bool = False
+    """Move tensors saved for backward to CPU memory (CUDA only)."""
+    optimizer_offload: bool = False
+    """Keep optimizer state and run the optimizer step on the CPU (CUDA only)."""
+    memory_cap: int | None = field(default=None, metadata=SIZE)
+    """Behave as if the device had only this much memory (e.g. 16GiB), to rehearse a smaller GPU."""
+    memory_budget: int | None = field(default=None, metadata=SIZE)
+    """Plan the configuration to fit this much memory, then train with it."""
+    gpu: str | None = None
+    """Plan for this GPU preset (see memfit presets gpus), then train with the plan."""
+    oom_recovery: bool = True
+    """On out-of-memory, split the micro-batch and redo it, keeping the exact update."""
+    track_memory: bool = False
+    """Track live tensor bytes by category during training and add them to the metrics."""
+
+
+@dataclass
+class LoraConfig:
+    lora_r: int = 0
+    """Rank of the LoRA adapters; 0 trains the full model."""
+    lora_alpha: float = 16.0
+    """LoRA scaling numerator (the update is scaled by alpha / r)."""
+    lora_dropout: float = 0.0
+    """Dropout on the LoRA input."""
+    lora_targets: str = "auto"
+    """Modules that get adapters: auto (attention + MLP linears), all-linear, or comma-separated names."""
+    quantize: str = field(default="none", metadata=_choices(*QUANTIZE_MODES))
+    """Load the frozen base weights quantized: 4bit (nf4, QLoRA) or 8bit; needs bitsandbytes and --lora-r."""
+    merge_adapter: bool = False
+    """Also write the model with the adapter merged in, to <output-dir>/merged/."""
+
+
+@dataclass
+class OutputConfig:
+    output_dir: str = "runs/memfit"
+    """Directory for metrics, checkpoints and the final model. memfit writes nowhere else."""
+    log_file: str | None = None
+    """Metrics JSONL file; default <output-dir>/metrics.jsonl."""
+    save_every: int = 0
+    """Save a resumable checkpoint every N optimizer steps (0: only at the end)."""
+    resume: str | None = None
+    """'auto' resumes from the latest complete checkpoint in --output-dir, or give a checkpoint directory."""
+    log_every: int = 10
+    """Print a progress line every N steps when the output is not a terminal."""
+    tensorboard: bool = False
+    """Also write TensorBoard events (needs the tensorboard package)."""
+
+
+@dataclass
+class DistributedConfig:
+    sharding: str = field(default="none", metadata=_choices(*SHARDING_MODES))
+    """Under torchrun: none (single process), ddp (replicate) or fsdp (FSDP2 shards per block)."""
+    fsdp_offload: bool = False
+    """With --sharding fsdp: keep parameters, gradients and optimizer state on the CPU."""
+    deepspeed: str | None = None
+    """DeepSpeed JSON config file (ZeRO 1-3, offload); "auto" values are filled from memfit's config."""
+    zero_stage: int | None = None
+    """Generate a DeepSpeed config with this ZeRO stage (1, 2 or 3) when you have no file."""
+    zero_offload: bool = False
+    """With --zero-stage: offload optimizer state (and parameters at stage 3) to the CPU."""
+
+
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "optimizer": OptimizerConfig,
+    "training": TrainingConfig,
+    "memory": MemoryConfig,
+    "lora": LoraConfig,
+    "output": OutputConfig,
+    "distributed": DistributedConfig,
+}
+
+# Section names other tools use in their YAML files; their keys are read as flat keys.
+SECTION_ALIASES = ("training_args", "args", "train", "optim")
+
+# Names from the seeds and other trainers -> memfit name.
+ALIASES: dict[str, str] = {
+    "per_device_train_batch_size": "batch_size",
+    "micro_batch_size": "batch_size",
+    "window_size": "seq_len",
+    "max_seq_length": "seq_len",
+    "dataset_file": "dataset",
+    "model_name_or_path": "model",
+    "learning_rate": "lr",
+    "optim": "optimizer",
+    "steps": "max_steps",
+    "num_train_epochs": "epochs",
+    "save_steps": "save_every",
+    "logging_steps": "log_every",
+    "lr_scheduler_type": "lr_schedule",
+    "adam_beta1": "beta1",
+    "adam_beta2": "beta2",
+    "adam_epsilon": "eps",
+    "output_directory": "output_dir",
+    "resume_from_checkpoint": "resume",
+    "attn_implementation": "attention",
+    "torch_dtype": "dtype",
+}
+
+# Boolean switches from the seeds that set a memfit field to a value.
+SWITCHES: dict[str, tuple[str, Any, Any]] = {
+    # name: (memfit field, value when true, value when false)
+    "amp": ("precision", "amp", "fp32"),
+    "use_8bit_optimizer": ("optimizer", "adamw-8bit", "adamw"),
+    "bf16": ("precision", "bf16", "fp32"),
+    "fp16": ("precision", "fp16", "fp32"),
+}
+
+# Spellings of choice values other tools use -> memfit's spelling.
+VALUE_ALIASES: dict[str, dict[str, str]] = {
+    "optimizer": {
+        "adamw_8bit": "adamw-8bit",
+        "adamw8bit": "adamw-8bit",
+        "adamw_bnb_8bit": "adamw-8bit",
+        "paged_adamw_8bit": "paged-adamw-8bit",
+        "adamw_torch": "adamw",
+        "adamw_torch_fused": "adamw",
+        "adamw_hf": "adamw",
+        "adam": "adamw",
+    },
+    "gradient_checkpointing": {"true": "full", "false": "off", "on": "full", "none": "off"},
+    "precision": {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "no": "fp32"},
+    "dtype": {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "auto": "fp32"},
+    "lr_schedule": {"cosine_with_warmup": "cosine", "linear_with_warmup": "linear", "constant_with_warmup": "constant"},
+    "quantize": {"nf4": "4bit", "int4": "4bit", "int8": "8bit", "off": "none", "false": "none"},
+    "sharding": {"off": "none", "fsdp2": "fsdp"},
+}
+
+
+@dataclass
+class TrainConfig:
+    """Everything a `memfit train` run needs, one section per concern."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        """Nested plain dict (what checkpoints store and YAML files can hold)."""
+        return dataclasses.asdict(self)
+
+    def flat(self) -> dict[str, Any]:
+        """Every field by its flat name."""
+        return {name: getattr(getattr(self, section), name) for name, (section, _) in field_index().items()}
+
+    def replace(self, **changes: Any) -> "TrainConfig":
+        """A copy with some flat fields changed (validated like user input)."""
+        return build_config(self.flat() | changes)
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.lora.lora_r > 0
+
+    def accumulation_for(self, world_size: int = 1) -> int:
+        """Micro-batches per optimizer step on each rank."""
+        if self.training.effective_batch_size is None:
+            return self.training.gradient_accumulation_steps
+        per_step = self.training.batch_size * world_size
+        return max(1, self.training.effective_batch_size // per_step)
+
+    def effective_batch_for(self, world_size: int = 1) -> int:
+        """Samples per optimizer step across all ranks."""
+        return self.training.batch_size * self.accumulation_for(world_size) * world_size
+
+    def validate(self, world_size: int = 1) -> None:
+        """Raise one UsageError naming every problem found, by flag name."""
+        problems = []
+        t, d, o, m, lo = self.training, self.data, self.optimizer, self.memory, self.lora
+        for name, value in (
+            ("batch-size", t.batch_size),
+            ("gradient-accumulation-steps", t.gradient_accumulation_steps),
+            ("seq-len", d.seq_len),
+            ("checkpoint-every", m.checkpoint_every),
+        ):
+            if value < 1:
+                problems.append(f"--{name} must be at least 1, got {value}")
+        if t.max_steps < 1 and t.epochs is None:
+            problems.append(f"--max-steps must be at least 1, got {t.max_steps}")
+        if t.epochs is not None and t.epochs <= 0:
+            problems.append(f"--epochs must be positive, got {t.epochs}")
+        if d.stride < 0 or d.stride >= d.seq_len:
+            problems.append(f"--stride must be between 0 and --seq-len - 1 ({d.seq_len - 1}), got {d.stride}")
+        if t.effective_batch_size is not None:
+            per_step = t.batch_size * world_size
+            if t.effective_batch_size < 1:
+                problems.append(f"--effective-batch-size must be at least 1, got {t.effective_batch_size}")
+            elif t.effective_batch_size % per_step:
+                problems.append(
+                    f"--effective-batch-size {t.effective_batch_size} is not a multiple of --batch-size x ranks"
+                    f" ({per_step}); pick a multiple or change --batch-size"
+                )
+        if o.lr <= 0:
+            problems.append(f"--lr must be positive, got {o.lr}")
+        if o.max_grad_norm < 0:
+            problems.append(f"--max-grad-norm must be 0 (off) or positive, got {o.max_grad_norm}")
+        if o.warmup_steps < 0:
+            problems.append(f"--warmup-steps must be 0 or more, got {o.warmup_steps}")
+        if m.loss_chunk_size is not None and m.loss_chunk_size < 0:
+            problems.append(f"--loss-chunk-size must be 0 (off) or positive, got {m.loss_chunk_size}")
+        if lo.lora_r < 0:
+            problems.append(f"--lora-r must be 0 (off) or positive, got {lo.lora_r}")
+        if lo.quantize != "none" and lo.lora_r == 0:
+            problems.append(f"--quantize {lo.quantize} freezes the base weights: add --lora-r (e.g. --lora-r 16)")
+        if lo.merge_adapter and lo.lora_r == 0:
+            problems.append("--merge-adapter needs LoRA: add --lora-r")
+        if m.gradient_checkpointing == "auto" and m.memory_budget is None and m.gpu is None and m.memory_cap is None:
+            problems.append("--gradient-checkpointing auto needs --memory-budget (or --gpu / --memory-cap) to aim at")
+        if m.memory_budget is not None and m.gpu is not None:
+            problems.append("give --memory-budget or --gpu, not both")
+        if self.distributed.zero_stage is not None and self.distributed.zero_stage not in (1, 2, 3):
+            problems.append(f"--zero-stage must be 1, 2 or 3, got {self.distributed.zero_stage}")
+        if self.distributed.deepspeed and self.distributed.sharding == "fsdp":
+            problems.append("--deepspeed and --sharding fsdp are two engines: pick one")
+        if problems:
+            raise UsageError("; ".join(problems))
+
+
+# ---------------------------------------------------------------------------
+# Field index, docstrings, conversion
+# ---------------------------------------------------------------------------
+
+
+def field_index() -> dict[str, tuple[str, dataclasses.Field]]:
+    """Flat field name -> (section name, dataclass field), for every section."""
+    index = {}
+    for section, cls in SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            index[f.name] = (section, f)
+    return index
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """The attribute docstrings of a dataclass (the string literal after each field)."""
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body
+    docs = {}
+    for node, following in zip(body, body[1:]):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(following, ast.Expr)
+            and isinstance(following.value, ast.Constant)
+            and isinstance(following.value.value, str)
+        ):
+            docs[node.target.id] = following.value.value
+    return docs
+
+
+def base_type(f: dataclasses.Field, owner: type) -> type:
+    """The non-None type of a field (int for `int | None`)."""
+    hint = typing.get_type_hints(owner)[f.name]
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return args[0] if args else hint
+
+
+def is_optional(f: dataclasses.Field, owner: type) -> bool:
+    hint = typing.get_type_hints(owner)[f.name]
+    return type(None) in typing.get_args(hint)
+
+
+_TRUE = {"true", "yes", "on", "1"}
+_FALSE = {"false", "no", "off", "0"}
+
+
+def convert_value(name: str, raw: Any, flag_style: bool = True) -> Any:
+    """Convert a raw value (string from the command line, or YAML scalar) for field `name`.
+
+    Raises UsageError with the flag name and the expected form.
+    """
+    section, f = field_index()[name]
+    owner = SECTIONS[section]
+    kind = base_type(f, owner)
+    label = f"--{name.replace('_', '-')}" if flag_style else name
+    if raw is None or (isinstance(raw, str) and raw.lower() in ("none", "null") and is_optional(f, owner)):
+        if is_optional(f, owner):
+            return None
+        raise UsageError(f"{label} needs a value")
+    if f.metadata.get("size"):
+        return parse_size(raw, label)
+    if kind is bool:
+        if isinstance(raw, bool):
+            return raw
+        text = str(raw).lower()
+        if text in _TRUE:
+            return True
+        if text in _FALSE:
+            return False
+        raise UsageError(f"{label} takes true or false, got {raw!r}")
+    if kind is int:
+        if isinstance(raw, bool) or (isinstance(raw, float) and not raw.is_integer()):
+            raise UsageError(f"{label} takes a whole number, got {raw!r}")
+        try:
+            return int(raw)
+        except (TypeError, ValueError):
+            raise UsageError(f"{label} takes a whole number, got {raw!r}") from None
+    if kind is float:
+        try:
+            return float(raw)
+        except (TypeError, ValueError):
+            raise UsageError(f"{label} takes a number, got {raw!r}") from None
+    text = ",".join(map(str, raw)) if isinstance(raw, list) else str(raw)
+    choices = f.metadata.get("choices")
+    if choices:
+        text = VALUE_ALIASES.get(name, {}).get(text.lower(), text.lower().replace("_", "-"))
+        if isinstance(raw, bool):
+            text = VALUE_ALIASES.get(name, {}).get(str(raw).lower(), text)
+        if text not in choices:
+            raise UsageError(f"{label} must be one of {', '.join(choices)}; got {raw!r}{suggest(str(raw), choices)}")
+    return text
+
+
+def suggest(word: str, candidates: typing.Iterable[str]) -> str:
+    """' (did you mean X?)' for the closest candidate, or ''."""
+    close = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
+def canonical_name(key: str) -> str:
+    """Flag or YAML key -> field name, resolving aliases ('window-size' -> 'seq_len')."""
+    key = key.strip().lstrip("-").replace("-", "_")
+    return ALIASES.get(key, key)
+
+
+def known_names() -> list[str]:
+    return sorted(set(field_index()) | set(ALIASES) | set(SWITCHES))
+
+
+def apply_setting(values: dict[str, Any], key: str, raw: Any, problems: list[str], flag_style: bool) -> None:
+    """Convert one user setting into `values` (flat), appending problems instead of raising."""
+    name = canonical_name(key)
+    label = f"--{key.lstrip('-').replace('_', '-')}" if flag_style else key
+    if name in SWITCHES:
+        target, when_true, when_false = SWITCHES[name]
+        try:
+            on = convert_bool(raw, label)
+        except UsageError as error:
+            problems.append(str(error))
+            return
+        values[target] = when_true if on else when_false
+        return
+    if name not in field_index():
+        style = [f"--{n.replace('_', '-')}" for n in known_names()] if flag_style else known_names()
+        problems.append(f"unknown {'option' if flag_style else 'key'} {label}{suggest(label, style)}")
+        return
+    try:
+        values[name] = convert_value(name, raw, flag_style)
+    except UsageError as error:
+        problems.append(str(error))
+
+
+def convert_bool(raw: Any, label: str) -> bool:
+    if isinstance(raw, bool):
+        return raw
+    text = str(raw).lower()
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    raise UsageError(f"{label} takes true or false, got {raw!r}")
+
+
+def flatten_yaml(data: dict[str, Any], problems: list[str]) -> list[tuple[str, Any]]:
+    """YAML mapping (flat or with sections) -> list of (key, value) settings."""
+    settings = []
+    for key, value in data.items():
+        if key in SECTIONS or key in SECTION_ALIASES:
+            if key in SECTIONS and not isinstance(value, dict) and canonical_name(key) in field_index():
+                settings.append((key, value))  # 'model: gpt2' and 'optimizer: sgd' are fields too
+                continue
+            if not isinstance(value, dict):
+                problems.append(f"section {key!r} must be a mapping of settings")
+                continue
+            settings.extend(value.items())
+        else:
+            settings.append((key, value))
+    return settings
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    import yaml
+
+    path = Path(path)
+    if not path.is_file():
+        raise UsageError(f"config file {path} does not exist; check the path given to --config")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as error:
+        raise UsageError(f"config file {path} is not valid YAML: {str(error).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise UsageError(f"config file {path} must hold a mapping of settings, not {type(data).__name__}")
+    return data
+
+
+def build_config(flat_values: dict[str, Any]) -> TrainConfig:
+    """TrainConfig from already-converted flat values."""
+    index = field_index()
+    sections: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
+    for name, value in flat_values.items():
+        sections[index[name][0]][name] = value
+    config = TrainConfig(**{name: SECTIONS[name](**values) for name, values in sections.items()})
+    config.validate()
+    return config
+
+
+def load_config(
+    yaml_path: str | Path | None = None,
+    overrides: list[tuple[str, Any]] | dict[str, Any] | None = None,
+) -> TrainConfig:
+    """Build a TrainConfig from an optional YAML file and overrides (flags win).
+
+    Overrides are (name, raw value) pairs as the command line gives them; names may
+    use dashes, underscores or the seeds' aliases. Every problem of both sources is
+    reported at once in one UsageError.
+    """
+    problems: list[str] = []
+    values: dict[str, Any] = {}
+    if yaml_path is not None:
+        for key, raw in flatten_yaml(read_yaml(yaml_path), problems):
+            apply_setting(values, str(key), raw, problems, flag_style=False)
+    items = overrides.items() if isinstance(overrides, dict) else (overrides or [])
+    for key, raw in items:
+        apply_setting(values, key, raw, problems, flag_style=True)
+    if problems:
+        raise UsageError("; ".join(problems))
+    return build_config(values)
