@@ -1,0 +1,66 @@
+"""Training data: text files or Hugging Face datasets -> cached tokens -> windows -> batches.
+
+    dataset = load_training_data(cfg.data, tokenizer, max_positions=model.config.max_position_embeddings)
+    schedule = BatchSchedule(len(dataset), effective_batch_size, seed, rank, world_size)
+    for step in range(max_steps):
+        indices = schedule.batch_indices(step)           # this rank's share of the step
+        for chunk in split(indices, micro_batch_size):   # any split gives the same samples
+            batch = collate([dataset[i] for i in chunk], tokenizer.pad_token_id)
+
+See docs/data.md for the formats, windows, packing, the cache and the order guarantee.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from memfit.config import DataConfig
+from memfit.data.cache import TokenStore, load_or_tokenize, tokenizer_fingerprint
+from memfit.data.collate import collate, target_token_count
+from memfit.data.dataset import TokenizedDataset
+from memfit.data.schedule import BatchSchedule
+from memfit.data.sources import TextSource, bundled_corpus_path, resolve_source
+from memfit.data.windows import IGNORE_INDEX, Windows, make_windows
+from memfit.errors import UsageError
+
+__all__ = [
+    "IGNORE_INDEX",
+    "BatchSchedule",
+    "TextSource",
+    "TokenStore",
+    "TokenizedDataset",
+    "Windows",
+    "bundled_corpus_path",
+    "collate",
+    "load_training_data",
+    "make_windows",
+    "resolve_source",
+    "target_token_count",
+    "tokenizer_fingerprint",
+]
+
+
+def load_training_data(data_cfg: DataConfig, tokenizer: Any, *, max_positions: int | None = None) -> TokenizedDataset:
+    """Read, tokenize (once; cached on disk) and window the training text of `data_cfg`.
+
+    Args:
+        data_cfg: dataset, text_field, seq_len, stride, packing and cache_dir.
+        tokenizer: has `encode(text, add_special_tokens=False)`, `eos_token_id` and
+            `get_vocab()` (any Hugging Face tokenizer does).
+        max_positions: the most positions the model handles; seq_len must not exceed it.
+
+    Raises:
+        UsageError: seq_len too long for the model, missing or unreadable data, no text,
+            or too little text for one window.
+    """
+    seq_len, stride = data_cfg.seq_len, data_cfg.stride
+    if max_positions is not None and seq_len > max_positions:
+        raise UsageError(f"--seq-len {seq_len} is too long: the model handles at most {max_positions} positions; lower --seq-len")
+    if seq_len < 2:
+        raise UsageError(f"--seq-len must be at least 2 (one token predicts the next), got {seq_len}")
+    if not 0 <= stride < seq_len:
+        raise UsageError(f"--stride must be between 0 and --seq-len - 1 ({seq_len - 1}), got {stride}")
+    source = resolve_source(data_cfg.dataset, data_cfg.text_field)
+    store = load_or_tokenize(source, tokenizer, data_cfg.cache_dir)
+    windows = make_windows(store.doc_offsets, seq_len, stride, data_cfg.packing)
+    return TokenizedDataset(store, windows, seq_len, stride, data_cfg.packing, source.label)
