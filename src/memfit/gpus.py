@@ -1,0 +1,108 @@
+"""GPU presets: how much memory a GPU really offers and how fast it computes.
+
+`memory_bytes` is the capacity PyTorch reports on the card (`total_memory`), which is
+below the number on the box (ECC, firmware reservations). Peak rates are the vendor's
+dense (no sparsity) tensor-core figures; `host_link_gbps` is the host link bandwidth in
+gigabytes per second, one direction, used to cost offloading.
+
+    >>> get_gpu("rtx-4090").memory_bytes / GIB
+    23.64...
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from memfit.config import suggest
+from memfit.errors import UsageError
+from memfit.units import GIB
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    """One GPU model as the planner sees it."""
+
+    name: str
+    memory_bytes: int
+    """Usable device memory in bytes (what torch.cuda reports as total)."""
+    bf16: bool
+    """Whether the GPU computes in bfloat16 (Ampere and newer)."""
+    peak_tflops_bf16_dense: float
+    peak_tflops_fp16_dense: float
+    host_link_gbps: float
+    """Host <-> device bandwidth, GB/s one direction (PCIe generation x16)."""
+
+    @property
+    def peak_tflops(self) -> float:
+        """The rate of the fastest 16-bit format the GPU supports."""
+        return self.peak_tflops_bf16_dense if self.bf16 else self.peak_tflops_fp16_dense
+
+
+def _gib(value: float) -> int:
+    return int(value * GIB)
+
+
+GPUS: dict[str, GpuSpec] = {
+    spec.name: spec
+    for spec in (
+        GpuSpec("t4", _gib(14.75), False, 0.0, 65.0, 16.0),
+        GpuSpec("l4", _gib(22.03), True, 121.0, 121.0, 32.0),
+        GpuSpec("a10g", _gib(22.19), True, 70.0, 70.0, 32.0),
+        GpuSpec("rtx-3090", _gib(23.69), True, 71.0, 71.0, 32.0),
+        GpuSpec("rtx-4090", _gib(23.64), True, 165.0, 165.0, 32.0),
+        GpuSpec("a100-40gb", _gib(39.39), True, 312.0, 312.0, 32.0),
+        GpuSpec("a100-80gb", _gib(79.15), True, 312.0, 312.0, 32.0),
+        GpuSpec("h100-80gb", _gib(79.11), True, 989.0, 989.0, 64.0),
+        GpuSpec("h200", _gib(139.8), True, 989.0, 989.0, 64.0),
+    )
+}
+
+# Other spellings people type -> preset name (compared after normalising, see _key).
+_ALIASES = {
+    "tesla-t4": "t4",
+    "3090": "rtx-3090",
+    "4090": "rtx-4090",
+    "geforce-rtx-3090": "rtx-3090",
+    "geforce-rtx-4090": "rtx-4090",
+    "a100": "a100-80gb",
+    "a100-40g": "a100-40gb",
+    "a100-80g": "a100-80gb",
+    "a100-40": "a100-40gb",
+    "a100-80": "a100-80gb",
+    "a100-sxm4-40gb": "a100-40gb",
+    "a100-sxm4-80gb": "a100-80gb",
+    "h100": "h100-80gb",
+    "h100-sxm": "h100-80gb",
+    "h100-80g": "h100-80gb",
+    "h100-sxm5-80gb": "h100-80gb",
+    "h200-141gb": "h200",
+    "nvidia-h200": "h200",
+}
+
+
+def _key(name: str) -> str:
+    text = re.sub(r"[\s_]+", "-", name.strip().lower())
+    text = text.removeprefix("nvidia-")
+    return re.sub(r"(\d+)-?gb$", r"\1gb", text)
+
+
+def get_gpu(name: str) -> GpuSpec:
+    """The preset for `name` ("rtx-4090", "4090", "A100 80GB", "h100").
+
+    Raises:
+        UsageError: unknown GPU; the message suggests the closest preset.
+    """
+    key = _key(name)
+    key = _ALIASES.get(key, key)
+    if key in GPUS:
+        return GPUS[key]
+    raise UsageError(
+        f"unknown GPU {name!r}{suggest(key, list(GPUS) + list(_ALIASES))}; "
+        f"known: {', '.join(GPUS)} (or give --memory-budget SIZE)"
+    )
+
+
+def list_gpus() -> list[GpuSpec]:
+    """Every preset, smallest memory first."""
+    return sorted(GPUS.values(), key=lambda spec: spec.memory_bytes)
