@@ -1,0 +1,167 @@
+"""Chunked cross-entropy: same loss and gradients as the plain loss, without the full logits."""
+
+from __future__ import annotations
+
+import weakref
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+from memfit.techniques.loss import (
+    IGNORE_INDEX,
+    causal_lm_loss_sum,
+    count_target_tokens,
+    default_loss_chunk_size,
+)
+
+
+class LiveBytes(TorchDispatchMode):
+    """Bytes of tensor storages created under the mode and still alive, and their peak."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._seen: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in tree_leaves(out):
+            if isinstance(tensor, torch.Tensor):
+                storage = tensor.untyped_storage()
+                key = storage._cdata
+                if key not in self._seen:
+                    self._seen.add(key)
+                    self.live += storage.nbytes()
+                    self.peak = max(self.peak, self.live)
+                    weakref.finalize(storage, self._free, key, storage.nbytes())
+        return out
+
+    def _free(self, key: int, nbytes: int) -> None:
+        self._seen.discard(key)
+        self.live -= nbytes
+
+
+def tiny_llama(vocab_size: int = 256) -> LlamaForCausalLM:
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=vocab_size,
+        max_position_embeddings=512,
+    )
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config)
+
+
+def tiny_gpt2() -> GPT2LMHeadModel:
+    config = GPT2Config(
+        n_embd=64, n_layer=2, n_head=4, vocab_size=300, n_positions=128, bos_token_id=0, eos_token_id=0,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # no dropout: the two losses must see the same network
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(config)
+
+
+def batch_with_padding(vocab_size: int, batch: int = 3, seq: int = 40):
+    generator = torch.Generator().manual_seed(1)
+    input_ids = torch.randint(0, vocab_size, (batch, seq), generator=generator)
+    labels = input_ids.clone()
+    labels[0, 25:] = IGNORE_INDEX  # padding at the end of one row
+    labels[1, :7] = IGNORE_INDEX  # context without loss at the start of another
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[0, 25:] = 0
+    return input_ids, labels, attention_mask
+
+
+def loss_and_grads(model, chunk_size, input_ids, labels, attention_mask):
+    model.zero_grad(set_to_none=True)
+    loss = causal_lm_loss_sum(model, input_ids, labels, attention_mask, chunk_size=chunk_size)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("build", [tiny_llama, tiny_gpt2], ids=["llama", "gpt2-tied"])
+@pytest.mark.parametrize("chunk_size", [7, 32, 10_000])
+def test_chunked_loss_and_grads_equal_plain(build, chunk_size):
+    model = build()
+    batch = batch_with_padding(model.config.vocab_size)
+    plain_loss, plain_grads = loss_and_grads(model, 0, *batch)
+    chunked_loss, chunked_grads = loss_and_grads(model, chunk_size, *batch)
+
+    torch.testing.assert_close(chunked_loss, plain_loss, rtol=1e-6, atol=0)
+    assert chunked_grads.keys() == plain_grads.keys()
+    for name, grad in plain_grads.items():
+        # Chunks sum the head's gradient in another order: compare as a whole tensor.
+        relative_error = (chunked_grads[name] - grad).norm() / grad.norm()
+        assert relative_error < 1e-6, (name, relative_error.item())
+
+
+def test_tied_head_gets_gradient_from_both_uses():
+    model = tiny_gpt2()
+    assert model.lm_head.weight is model.transformer.wte.weight
+    _, grads = loss_and_grads(model, 16, *batch_with_padding(model.config.vocab_size))
+    assert "transformer.wte.weight" in grads and grads["transformer.wte.weight"].abs().sum() > 0
+
+
+def test_softcapping_from_config_is_applied():
+    model = tiny_llama()
+    model.config.final_logit_softcapping = 2.0
+    model.config.logit_scale = 3.0
+    batch = batch_with_padding(model.config.vocab_size)
+    chunked = causal_lm_loss_sum(model, *batch, chunk_size=16)
+    # The reference applies the same post-processing by hand on the full logits.
+    logits = model(input_ids=batch[0], attention_mask=batch[2]).logits[:, :-1].float() * 3.0
+    logits = torch.tanh(logits / 2.0) * 2.0
+    reference = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.size(-1)), batch[1][:, 1:].reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+    torch.testing.assert_close(chunked, reference, rtol=1e-6, atol=0)
+
+
+def test_all_labels_ignored_gives_zero_with_working_backward():
+    model = tiny_llama()
+    input_ids = torch.randint(0, 256, (2, 8))
+    labels = torch.full_like(input_ids, IGNORE_INDEX)
+    loss = causal_lm_loss_sum(model, input_ids, labels, chunk_size=4)
+    loss.backward()
+    assert loss.item() == 0.0
+
+
+def test_chunked_loss_drops_peak_by_about_the_logits():
+    vocab, batch, seq, chunk = 32000, 1, 256, 32
+    model = tiny_llama(vocab)
+    input_ids = torch.randint(0, vocab, (batch, seq))
+    logits_fp32_bytes = batch * (seq - 1) * vocab * 4
+
+    peaks = {}
+    for chunk_size in (0, chunk):
+        model.zero_grad(set_to_none=True)
+        with LiveBytes() as meter:
+            loss = causal_lm_loss_sum(model, input_ids, input_ids, chunk_size=chunk_size)
+            loss.backward()
+            del loss
+        peaks[chunk_size] = meter.peak
+
+    saved = peaks[0] - peaks[chunk]
+    # Plain holds at least two logits-sized fp32 tensors at once; chunked holds a few chunks.
+    assert saved > 1.5 * logits_fp32_bytes, (peaks, logits_fp32_bytes)
+    assert peaks[chunk] < peaks[0] / 2
+
+
+def test_count_target_tokens_matches_the_shifted_labels():
+    labels = torch.tensor([[5, 6, IGNORE_INDEX, IGNORE_INDEX], [IGNORE_INDEX, 1, 2, 3]])
+    assert count_target_tokens(labels) == 1 + 3
+
+
+@pytest.mark.parametrize(
+    ("vocab", "seq", "batch", "expected"),
+    [(256, 2048, 8, 0), (50257, 1024, 8, 1024), (128256, 8192, 1, 1024), (32000, 64, 4, 0)],
+)
+def test_default_chunk_size_rule(vocab, seq, batch, expected):
+    assert default_loss_chunk_size(vocab, seq, batch) == expected
