@@ -28,6 +28,7 @@ PRECISIONS = ("auto", "amp", "fp32", "bf16", "fp16")
 WEIGHT_DTYPES = ("fp32", "bf16", "fp16")
 ATTENTION_KINDS = ("auto", "flash", "sdpa", "eager")
 OPTIMIZERS = ("adamw", "adamw-8bit", "paged-adamw-8bit", "adafactor", "sgd")
+OPTIMIZER_IMPLS = ("auto", "fused", "foreach", "for-loop")
 LR_SCHEDULES = ("cosine", "linear", "constant")
 CHECKPOINTING_MODES = ("off", "full", "selective", "auto")
 QUANTIZE_MODES = ("none", "4bit", "8bit")
@@ -75,6 +76,8 @@ class DataConfig:
 class OptimizerConfig:
     optimizer: str = field(default="adamw", metadata=_choices(*OPTIMIZERS))
     """Optimizer. 8-bit variants come from bitsandbytes and fall back visibly when it is missing."""
+    optimizer_impl: str = field(default="auto", metadata=_choices(*OPTIMIZER_IMPLS))
+    """Kernel of AdamW/SGD: auto (fused where the device has it), fused, foreach (fast, one temporary per parameter) or for-loop (least memory)."""
     lr: float = 1e-3
     """Peak learning rate."""
     beta1: float = 0.9

@@ -1,0 +1,69 @@
+"""Who this process is in a run: rank, world size, and the few collectives the loop needs.
+
+Without a launcher there is no process group and every collective is the identity.
+Under torchrun (WORLD_SIZE > 1) the process group is started here: gloo on CPU,
+NCCL on CUDA.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class DistContext:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    def all_reduce_sum(self, value: float, device: torch.device | None = None) -> float:
+        if not self.enabled:
+            return value
+        import torch.distributed as dist
+
+        tensor = torch.tensor([float(value)], dtype=torch.float64, device=device or "cpu")
+        dist.all_reduce(tensor)
+        return tensor.item()
+
+    def all_reduce_max(self, value: float, device: torch.device | None = None) -> float:
+        if not self.enabled:
+            return value
+        import torch.distributed as dist
+
+        tensor = torch.tensor([float(value)], dtype=torch.float64, device=device or "cpu")
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        return tensor.item()
+
+    def any_true(self, flag: bool, device: torch.device | None = None) -> bool:
+        """True on every rank when it is true on at least one (ranks agree on an OOM split)."""
+        return self.all_reduce_max(1.0 if flag else 0.0, device) > 0
+
+    def barrier(self) -> None:
+        if self.enabled:
+            import torch.distributed as dist
+
+            dist.barrier()
+
+
+def init_distributed(device: torch.device | None = None) -> DistContext:
+    """Start the process group when launched by torchrun; a single-process context otherwise."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size <= 1:
+        return DistContext()
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        backend = "nccl" if device is not None and device.type == "cuda" else "gloo"
+        dist.init_process_group(backend=backend)
+    return DistContext(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=int(os.environ.get("LOCAL_RANK", "0")))

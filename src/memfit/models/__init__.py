@@ -1,0 +1,1 @@
+"""Models: the built-in tiny model, Hugging Face ids and local directories, presets."""

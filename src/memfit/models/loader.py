@@ -1,0 +1,126 @@
+"""Load the model and tokenizer a run trains: `tiny`, a local directory, a Hugging Face id or a preset.
+
+Weights are read with safetensors (transformers' default); `trust_remote_code` stays off
+unless the user asks. LoRA/QLoRA wrapping happens after loading (techniques.lora); a
+quantized base is loaded here because bitsandbytes quantizes at load time.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from memfit.config import TrainConfig
+from memfit.errors import UsageError
+from memfit.techniques.attention import AttentionChoice
+
+log = logging.getLogger("memfit")
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: object
+    source: str
+    """Where the model came from, for the log ('built-in tiny', 'directory ./m', ...)."""
+    max_positions: int | None
+    """Longest sequence the model handles, if it says."""
+
+
+def _looks_like_path(name: str) -> bool:
+    return name.startswith((".", "/", "~")) or Path(name).exists() or name.count("/") > 1
+
+
+def load_tokenizer(name: str, trust_remote_code: bool):
+    from transformers import AutoTokenizer
+
+    if name == "tiny":
+        from memfit.models.tiny import byte_tokenizer
+
+        return byte_tokenizer()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as error:
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise UsageError(
+            f"cannot load a tokenizer from {name!r} ({first[:160]}); pass --tokenizer DIR_OR_ID"
+        ) from None
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model_and_tokenizer(
+    config: TrainConfig, device: torch.device, attention: AttentionChoice, quantization_config=None
+) -> LoadedModel:
+    """Build or load the model on `device` in the configured weight dtype.
+
+    Raises UsageError for a missing path, an unreachable id, or a model without a tokenizer.
+    """
+    from transformers import AutoModelForCausalLM
+
+    name = config.model.model
+    dtype = DTYPES[config.model.dtype]
+    torch.manual_seed(config.training.seed)  # the same initial weights for a from-scratch model
+    if name == "tiny":
+        from memfit.models.tiny import tiny_config
+
+        model = AutoModelForCausalLM.from_config(
+            tiny_config(), dtype=dtype, attn_implementation=attention.hf_name
+        )
+        source = "built-in tiny (Llama architecture, random init)"
+    elif _is_preset(name):
+        from memfit.models.presets import preset_config
+
+        model = AutoModelForCausalLM.from_config(preset_config(name), dtype=dtype, attn_implementation=attention.hf_name)
+        source = f"preset {name} (random init)"
+    else:
+        if _looks_like_path(name) and not Path(name).expanduser().exists():
+            raise UsageError(f"model path {name} does not exist; give a directory saved with save_pretrained, a Hugging Face id, or 'tiny'")
+        model = _from_pretrained(name, config, dtype, attention, quantization_config)
+        source = f"directory {name}" if Path(name).exists() else f"Hugging Face {name}"
+    if quantization_config is None:
+        model.to(device)
+    model.config.use_cache = False  # the KV cache is for generation; in training it only costs memory
+    tokenizer = load_tokenizer(config.model.tokenizer or name, config.model.trust_remote_code)
+    max_positions = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
+    return LoadedModel(model, tokenizer, source, max_positions)
+
+
+def _is_preset(name: str) -> bool:
+    try:
+        from memfit.models.presets import is_preset
+    except ImportError:
+        return False
+    return is_preset(name)
+
+
+def _from_pretrained(name, config: TrainConfig, dtype, attention: AttentionChoice, quantization_config):
+    from transformers import AutoModelForCausalLM
+
+    kwargs = dict(
+        dtype=dtype,
+        trust_remote_code=config.model.trust_remote_code,
+        attn_implementation=attention.hf_name,
+    )
+    if quantization_config is not None:
+        kwargs["quantization_config"] = quantization_config
+        kwargs["device_map"] = {"": 0} if torch.cuda.is_available() else {"": "cpu"}
+    try:
+        return AutoModelForCausalLM.from_pretrained(name, **kwargs)
+    except ValueError as error:
+        if "attn_implementation" in str(error) or "does not support" in str(error):
+            log.warning("memfit: %s does not support %s attention; using eager", name, attention.implementation)
+            kwargs["attn_implementation"] = "eager"
+            return AutoModelForCausalLM.from_pretrained(name, **kwargs)
+        raise UsageError(f"cannot load model {name!r}: {str(error).splitlines()[0][:200]}") from None
+    except OSError as error:
+        text = str(error).strip().splitlines()[0] if str(error).strip() else "not found"
+        raise UsageError(
+            f"cannot load model {name!r} ({text[:160]}); check the id or path, or use --model tiny"
+        ) from None

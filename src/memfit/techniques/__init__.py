@@ -1,0 +1,1 @@
+"""Memory techniques, one module each, switched on explicitly by the config."""

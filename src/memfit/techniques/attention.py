@@ -1,0 +1,64 @@
+"""Attention kernel choice: flash-attn, PyTorch SDPA or eager, and a report of what ran.
+
+Eager attention stores the [batch, heads, seq, seq] probabilities for backward; SDPA's
+flash and memory-efficient kernels and flash-attn do not, which is what makes long
+sequences fit.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+
+import torch
+
+from memfit.errors import UsageError
+
+# memfit name -> transformers' attn_implementation
+HF_NAMES = {"flash": "flash_attention_2", "sdpa": "sdpa", "eager": "eager"}
+
+
+@dataclass(frozen=True)
+class AttentionChoice:
+    requested: str
+    """What the user asked for (auto, flash, sdpa, eager)."""
+    implementation: str
+    """memfit name of the kernel asked of transformers: flash, sdpa or eager."""
+    reason: str
+    """Why, when it differs from the request."""
+
+    @property
+    def hf_name(self) -> str:
+        return HF_NAMES[self.implementation]
+
+
+def flash_attn_usable(device: torch.device, compute_dtype: torch.dtype | None) -> tuple[bool, str]:
+    if device.type != "cuda":
+        return False, "flash-attn needs a CUDA GPU"
+    if importlib.util.find_spec("flash_attn") is None:
+        return False, "flash-attn is not installed"
+    if torch.cuda.get_device_capability(device)[0] < 8:
+        return False, "flash-attn needs compute capability 8.0+"
+    if compute_dtype not in (torch.bfloat16, torch.float16):
+        return False, "flash-attn needs bf16 or fp16 compute"
+    return True, ""
+
+
+def choose_attention(requested: str, device: torch.device, compute_dtype: torch.dtype | None) -> AttentionChoice:
+    """Pick the kernel to ask for; the loader falls back to eager if a model lacks SDPA."""
+    flash_ok, why_not = flash_attn_usable(device, compute_dtype)
+    if requested == "auto":
+        if flash_ok:
+            return AttentionChoice(requested, "flash", "auto: flash-attn available")
+        return AttentionChoice(requested, "sdpa", f"auto: PyTorch SDPA ({why_not})")
+    if requested == "flash" and not flash_ok:
+        raise UsageError(f"--attention flash is not possible here: {why_not}; use --attention sdpa")
+    return AttentionChoice(requested, requested, f"requested {requested}")
+
+
+def attention_that_ran(model: torch.nn.Module) -> str:
+    """The kernel transformers really set up, in memfit's names."""
+    config = getattr(model, "config", None)
+    hf_name = getattr(config, "_attn_implementation", None) or "eager"
+    reverse = {v: k for k, v in HF_NAMES.items()}
+    return reverse.get(hf_name, hf_name)
