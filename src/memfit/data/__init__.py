@@ -55,7 +55,9 @@ def load_training_data(data_cfg: DataConfig, tokenizer: Any, *, max_positions: i
     """
     seq_len, stride = data_cfg.seq_len, data_cfg.stride
     if max_positions is not None and seq_len > max_positions:
-        raise UsageError(f"--seq-len {seq_len} is too long: the model handles at most {max_positions} positions; lower --seq-len")
+        raise UsageError(
+            f"--seq-len {seq_len} is too long: the model handles at most {max_positions} positions; lower --seq-len"
+        )
     if seq_len < 2:
         raise UsageError(f"--seq-len must be at least 2 (one token predicts the next), got {seq_len}")
     if not 0 <= stride < seq_len:

@@ -123,7 +123,9 @@ def load_or_tokenize(source: TextSource, tokenizer: Any, cache_dir: str | Path |
     """
     eos = tokenizer.eos_token_id
     if eos is None:
-        raise UsageError("the tokenizer has no end-of-text (EOS) token to separate documents; use a tokenizer that has one")
+        raise UsageError(
+            "the tokenizer has no end-of-text (EOS) token to separate documents; use a tokenizer that has one"
+        )
     root = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
     key, parts = cache_key(source, tokenizer)
     final = root / key
@@ -166,7 +168,9 @@ def write_tokens(directory: Path, documents: Iterable[str], tokenizer: Any, labe
                     continue
                 array = np.asarray(list(ids) + [eos], dtype=np.int64)
                 if array.max() > limit or array.min() < 0:
-                    raise UsageError(f"the tokenizer produced id {int(array.max())}, outside its vocabulary of {size}; check the tokenizer")
+                    raise UsageError(
+                        f"the tokenizer produced id {int(array.max())}, outside its vocabulary of {size}; check the tokenizer"
+                    )
                 array.astype(dtype).tofile(handle)
                 offsets.append(offsets[-1] + len(array))
     if len(offsets) == 1:

@@ -100,7 +100,9 @@ def _parse_hf(dataset: str, text_field: str) -> TextSource:
     spec, _, split = spec.partition("@")
     name, _, config = spec.partition(":")
     if not name:
-        raise UsageError(f"--dataset {dataset}: name the dataset, as hf:NAME[:CONFIG][@SPLIT] (e.g. hf:wikitext:wikitext-2-raw-v1@train)")
+        raise UsageError(
+            f"--dataset {dataset}: name the dataset, as hf:NAME[:CONFIG][@SPLIT] (e.g. hf:wikitext:wikitext-2-raw-v1@train)"
+        )
     return TextSource("hf", name, text_field, hf_config=config or None, hf_split=split or "train", label=dataset)
 
 
@@ -141,7 +143,9 @@ def read_jsonl(path: Path, text_field: str) -> Iterator[str]:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as error:
-                raise UsageError(f"{path} line {number} is not valid JSON ({error.msg}); fix or remove that line") from None
+                raise UsageError(
+                    f"{path} line {number} is not valid JSON ({error.msg}); fix or remove that line"
+                ) from None
             if not isinstance(record, dict) or text_field not in record:
                 keys = ", ".join(sorted(record)) if isinstance(record, dict) else type(record).__name__
                 raise UsageError(
@@ -187,7 +191,9 @@ def read_hf(name: str, config: str | None, split: str, text_field: str) -> Itera
             " is reachable (or already in your HF cache), or pass a local file to --dataset"
         ) from None
     if text_field not in data.column_names:
-        raise UsageError(f"{label} has no column {text_field!r} (it has: {', '.join(data.column_names)}); pass --text-field NAME")
+        raise UsageError(
+            f"{label} has no column {text_field!r} (it has: {', '.join(data.column_names)}); pass --text-field NAME"
+        )
     for text in _iter_column(data, text_field):
         if isinstance(text, str) and text.strip():
             yield text
