@@ -1,0 +1,277 @@
+"""The training loop: one readable loop over optimizer steps.
+
+    session = build_session(config)          # model, data, techniques, optimizer
+    for step in steps:
+        samples = effective batch of this step   # depends only on seed and effective batch
+        result = runner.run(samples)             # micro-batches, exact accumulation, OOM recovery
+        scheduler.step(); log metrics; maybe save a checkpoint
+    save the final model; print the memory report
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from memfit.config import TrainConfig
+from memfit.data import collate
+from memfit.memory.stats import memory_stats, reset_peaks
+from memfit.train.checkpoint import (
+    TrainerState,
+    load_checkpoint,
+    resolve_resume,
+    save_checkpoint,
+    save_final_model,
+)
+from memfit.train.metrics import JsonlLogger, MultiLogger, NullLogger, TensorBoardLogger
+from memfit.train.progress import Progress
+from memfit.train.setup import TrainingSession, build_session
+from memfit.train.step import StepRunner
+
+log = logging.getLogger("memfit")
+
+
+@dataclass
+class TrainResult:
+    steps: int
+    final_loss: float | None
+    losses: list[float]
+    output_dir: Path
+    final_dir: Path | None
+    peak_memory_bytes: int | None
+    tracked_peak_bytes: int | None
+    summary: dict[str, Any] = field(default_factory=dict)
+
+
+def make_logger(session: TrainingSession):
+    if not session.dist.is_main:
+        return NullLogger()
+    output = session.config.output
+    path = Path(output.log_file) if output.log_file else session.output_dir / "metrics.jsonl"
+    loggers = [JsonlLogger(path)]
+    if output.tensorboard:
+        loggers.append(TensorBoardLogger(session.output_dir / "tensorboard"))
+    return MultiLogger(loggers)
+
+
+def make_tracker(session: TrainingSession):
+    """The live-tensor tracker, when asked for or when a memory cap must be emulated on CPU."""
+    memory = session.config.memory
+    cap = memory.memory_cap
+    if session.device.type == "cuda" and cap is not None:
+        from memfit.memory.cap import apply_memory_cap
+
+        apply_memory_cap(session.device, cap)
+        cap = None  # the CUDA allocator enforces it
+    if not memory.track_memory and cap is None:
+        return None
+    from memfit.memory.tracker import MemoryTracker
+
+    tracker = MemoryTracker(session.device, cap_bytes=cap)
+    tracker.attach(session.model, session.optimizer.optimizer)
+    return tracker
+
+
+def train(config: TrainConfig, session: TrainingSession | None = None, tracker: Any = None) -> TrainResult:
+    """Train as `config` says; return losses, where the model went and the peak memory.
+
+    `session` and `tracker` let `memfit profile` and tests reuse a prepared run.
+    """
+    session = session or build_session(config)
+    config = session.config
+    model = session.model
+    model.train()
+    resume_from = resolve_resume(config.output.resume, config.output.output_dir)
+    state = TrainerState(step=0)
+    micro_batch_size = config.training.batch_size
+    if resume_from is not None:
+        state = load_checkpoint(resume_from, model, session.optimizer.optimizer, session.scheduler, session.scaler)
+        if state.micro_batch_size:
+            micro_batch_size = min(micro_batch_size, state.micro_batch_size)  # do not repeat an OOM
+        log.info("memfit: resumed from %s at step %d (micro-batch %d)", resume_from, state.step, micro_batch_size)
+
+    if session.dist.is_main:
+        session.output_dir.mkdir(parents=True, exist_ok=True)
+    tracker = tracker if tracker is not None else make_tracker(session)
+    logger = make_logger(session)
+    runner = StepRunner(
+        model=model,
+        optimizer=session.optimizer.optimizer,
+        device=session.device,
+        precision=session.precision,
+        collate=lambda samples: collate(samples, session.loaded.tokenizer.pad_token_id),
+        micro_batch_size=micro_batch_size,
+        max_grad_norm=config.optimizer.max_grad_norm,
+        loss_chunk_size=session.loss_chunk_size,
+        scaler=session.scaler,
+        tracker=tracker,
+        oom_recovery=config.memory.oom_recovery,
+        dist=session.dist,
+        optimizer_steps_in_backward=config.memory.optimizer_in_backward,
+        enable_checkpointing=lambda: _turn_on_checkpointing(model),
+        checkpointing_on=session.checkpointing != "off",
+    )
+    describe_run(session, micro_batch_size)
+    logger.log({"event": "start", **run_facts(session), "resumed_from": str(resume_from) if resume_from else None})
+
+    losses: list[float] = []
+    skipped_steps = 0
+    run_peak = 0
+    tracked_peak = None
+    progress = Progress(session.total_steps, state.step, config.output.log_every, enabled=session.dist.is_main)
+    activation_offload = _activation_offload_context(session)
+    started = time.perf_counter()
+    with tracker if tracker is not None else contextlib.nullcontext(), progress, activation_offload:
+        for step in range(state.step, session.total_steps):
+            reset_peaks(session.device)
+            step_started = time.perf_counter()
+            samples = [session.dataset[i] for i in session.schedule.batch_indices(step)]
+            result = runner.run(samples)
+            session.scheduler.step()
+            elapsed = time.perf_counter() - step_started
+            state.step = step + 1
+            state.tokens_seen += result.input_tokens * session.dist.world_size
+            state.micro_batch_size = runner.micro_batch_size
+            skipped_steps += int(result.skipped)
+            for event in result.events:
+                logger.log({"step": state.step, **event})
+            loss = session.dist.all_reduce_sum(result.loss) / session.dist.world_size
+            losses.append(loss)
+            stats = memory_stats(session.device)
+            run_peak = max(run_peak, stats.get("peak_memory_bytes") or 0)
+            record = {
+                "step": state.step,
+                "loss": loss,
+                "lr": session.scheduler.get_last_lr()[0],
+                "grad_norm": result.grad_norm,
+                "tokens": result.input_tokens * session.dist.world_size,
+                "tokens_per_second": result.input_tokens * session.dist.world_size / max(elapsed, 1e-9),
+                "micro_batch_size": result.micro_batch_size,
+                "gradient_accumulation_steps": result.accumulation_steps,
+                "precision": session.precision.name,
+                "optimizer": session.optimizer.name,
+                "attention": session.attention.implementation,
+                **stats,
+            }
+            if session.scaler is not None:
+                record["skipped_steps"] = skipped_steps
+            if tracker is not None:
+                step_memory = tracker.end_step()
+                tracked_peak = max(tracked_peak or 0, step_memory.peak_bytes)
+                record["tracked_peak_bytes"] = step_memory.peak_bytes
+                record["tracked_breakdown"] = dict(step_memory.breakdown)
+            logger.log(record)
+            progress.update(state.step, loss, record["tokens_per_second"], stats.get("peak_memory_bytes"))
+            if config.output.save_every and state.step % config.output.save_every == 0 and state.step < session.total_steps:
+                _save(session, state)
+    wall = time.perf_counter() - started
+    final_dir = None
+    if session.dist.is_main:
+        _save(session, state)
+        final_dir = save_final_model(model, session.loaded.tokenizer, session.output_dir / "final")
+        if config.lora.merge_adapter:
+            from memfit.techniques.lora import merge_and_save
+
+            merge_and_save(model, session.output_dir / "merged")
+    summary = {
+        "event": "summary",
+        "steps": state.step,
+        "final_loss": losses[-1] if losses else None,
+        "first_loss": losses[0] if losses else None,
+        "tokens_seen": state.tokens_seen,
+        "wall_seconds": round(wall, 3),
+        "peak_memory_bytes": run_peak or None,
+        "tracked_peak_bytes": tracked_peak,
+        "micro_batch_size": runner.micro_batch_size,
+        "skipped_steps": skipped_steps,
+        **run_facts(session),
+    }
+    logger.log(summary)
+    logger.close()
+    return TrainResult(state.step, summary["final_loss"], losses, session.output_dir, final_dir, summary["peak_memory_bytes"], tracked_peak, summary)
+
+
+def _save(session: TrainingSession, state: TrainerState) -> None:
+    if session.dist.is_main:
+        save_checkpoint(
+            session.output_dir,
+            state,
+            session.model,
+            session.optimizer.optimizer,
+            session.scheduler,
+            session.scaler,
+            session.config.to_dict(),
+        )
+
+
+def _turn_on_checkpointing(model: torch.nn.Module) -> str:
+    from memfit.techniques.checkpointing import apply_gradient_checkpointing
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return apply_gradient_checkpointing(base, "full")
+
+
+def _activation_offload_context(session: TrainingSession):
+    if not session.config.memory.activation_offload or session.device.type != "cuda":
+        return contextlib.nullcontext()
+    from memfit.techniques.offload import activation_offload
+
+    context, reason = activation_offload(session.device)
+    if reason:
+        session.notes["activation_offload"] = reason
+    return context
+
+
+def run_facts(session: TrainingSession) -> dict[str, Any]:
+    """What really runs: recorded in the metrics' start and summary lines."""
+    config = session.config
+    return {
+        "model": config.model.model,
+        "device": str(session.device),
+        "world_size": session.dist.world_size,
+        "precision": session.precision.name,
+        "precision_reason": session.precision.reason,
+        "optimizer": session.optimizer.name,
+        "attention": session.attention.implementation,
+        "gradient_checkpointing": session.checkpointing,
+        "loss_chunk_size": session.loss_chunk_size,
+        "effective_batch_size": config.training.batch_size * session.accumulation_steps * session.dist.world_size,
+        "seq_len": config.data.seq_len,
+        "fallbacks": dict(session.notes),
+    }
+
+
+def describe_run(session: TrainingSession, micro_batch_size: int) -> None:
+    if not session.dist.is_main:
+        return
+    config = session.config
+    params = sum(p.numel() for p in session.model.parameters())
+    trainable = sum(p.numel() for p in session.model.parameters() if p.requires_grad)
+    log.info("memfit: model %s: %.2fM parameters (%.2fM trainable)", session.loaded.source, params / 1e6, trainable / 1e6)
+    log.info("memfit: data %s", session.dataset.description)
+    log.info(
+        "memfit: %d steps x %d samples (micro-batch %d x %d accumulation x %d ranks) of %d tokens on %s",
+        session.total_steps,
+        config.training.batch_size * session.accumulation_steps * session.dist.world_size,
+        micro_batch_size,
+        session.accumulation_steps,
+        session.dist.world_size,
+        config.data.seq_len,
+        session.device,
+    )
+    log.info(
+        "memfit: precision %s | optimizer %s | attention %s | checkpointing %s | loss chunk %s",
+        session.precision.name,
+        session.optimizer.name,
+        session.attention.implementation,
+        session.checkpointing,
+        session.loss_chunk_size or "off",
+    )
+    for technique, note in session.notes.items():
+        log.warning("memfit: %s: %s", technique, note)

@@ -1,0 +1,197 @@
+"""Put a training run together: config -> device, model, techniques, data, optimizer.
+
+Everything that can fail because of the user's input (a missing model, bad data, a
+precision the device cannot run) fails here, before anything is written to the output
+directory.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from memfit.config import TrainConfig
+from memfit.data import BatchSchedule, TokenizedDataset, load_training_data
+from memfit.distributed.context import DistContext, init_distributed
+from memfit.errors import UsageError
+from memfit.hardware import training_device
+from memfit.memory.stats import configure_cuda_allocator
+from memfit.models.loader import LoadedModel, load_model_and_tokenizer
+from memfit.techniques.attention import AttentionChoice, attention_that_ran, choose_attention
+from memfit.techniques.checkpointing import apply_gradient_checkpointing
+from memfit.techniques.optimizers import OptimizerChoice, build_optimizer, build_scheduler, parameter_groups
+from memfit.techniques.precision import PrecisionChoice, make_grad_scaler, resolve_precision
+
+log = logging.getLogger("memfit")
+
+
+@dataclass
+class TrainingSession:
+    """Everything a run needs, built and checked before the first step."""
+
+    config: TrainConfig
+    device: torch.device
+    dist: DistContext
+    precision: PrecisionChoice
+    attention: AttentionChoice
+    loaded: LoadedModel
+    dataset: TokenizedDataset
+    schedule: BatchSchedule
+    optimizer: OptimizerChoice
+    scheduler: Any
+    scaler: Any
+    total_steps: int
+    accumulation_steps: int
+    loss_chunk_size: int
+    checkpointing: str
+    """What gradient checkpointing really does ('off', 'full on 4 of 4 blocks', ...)."""
+    notes: dict[str, str] = field(default_factory=dict)
+    """Technique -> what ran instead of what was asked, and why (logged and in the metrics)."""
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.loaded.model
+
+    @property
+    def output_dir(self) -> Path:
+        return Path(self.config.output.output_dir)
+
+
+def resolve_loss_chunk_size(config: TrainConfig, vocab_size: int) -> int:
+    """--loss-chunk-size, or by default on where the logits are large (see techniques.loss)."""
+    if config.memory.loss_chunk_size is not None:
+        return config.memory.loss_chunk_size
+    try:
+        from memfit.techniques.loss import default_loss_chunk_size
+    except ImportError:
+        return 0
+    return default_loss_chunk_size(vocab_size, config.data.seq_len, config.training.batch_size)
+
+
+def build_session(config: TrainConfig) -> TrainingSession:
+    """Build the run described by `config`. Raises UsageError for anything the user must fix."""
+    if torch.cuda.is_available():
+        configure_cuda_allocator()
+    device = training_device()
+    dist = init_distributed(device)
+    config.validate(world_size=dist.world_size)
+    notes: dict[str, str] = {}
+    precision = resolve_precision(config.memory.precision, device)
+    attention = choose_attention(config.model.attention, device, precision.autocast_dtype)
+    if config.lora.lora_r > 0 or config.lora.quantize != "none":
+        from memfit.techniques.lora import quantization_config
+
+        quantization = quantization_config(config.lora, precision.autocast_dtype or torch.float32)
+    else:
+        quantization = None
+    if config.model.dtype == "fp16" and config.lora.lora_r == 0:
+        raise UsageError("--dtype fp16 cannot be trained in full (fp16 gradients underflow); use --dtype bf16, fp32, or LoRA")
+    loaded = load_model_and_tokenizer(config, device, attention, quantization)
+    model = loaded.model
+    ran = attention_that_ran(model)
+    if ran != attention.implementation:
+        notes["attention"] = f"{attention.implementation} requested, {ran} ran (the model does not support it)"
+
+    checkpointing = apply_gradient_checkpointing(model, config.memory.gradient_checkpointing, config.memory.checkpoint_every) if config.memory.gradient_checkpointing in ("off", "full", "selective") else _auto_checkpointing(config, model)
+    if config.lora.lora_r > 0:
+        from memfit.techniques.lora import apply_lora
+
+        model, summary = apply_lora(model, config.lora, gradient_checkpointing=checkpointing != "off")
+        loaded.model = model
+        log.info("memfit: %s", summary.describe())
+
+    dataset = load_training_data(_data_config(config), loaded.tokenizer, max_positions=loaded.max_positions)
+    accumulation = config.accumulation_for(dist.world_size)
+    effective_batch = config.training.batch_size * accumulation * dist.world_size
+    if len(dataset) < effective_batch:
+        raise UsageError(
+            f"the dataset has {len(dataset)} samples of {config.data.seq_len} tokens, fewer than one effective batch"
+            f" ({effective_batch}); lower --batch-size/--gradient-accumulation-steps or --seq-len, or add data"
+        )
+    schedule = BatchSchedule(len(dataset), effective_batch, config.training.seed, dist.rank, dist.world_size)
+    total_steps = (
+        schedule.steps_for_epochs(config.training.epochs) if config.training.epochs is not None else config.training.max_steps
+    )
+    optimizer = _build_optimizer(config, model, device, notes)
+    scheduler = build_scheduler(optimizer.optimizer, config.optimizer, total_steps)
+    scaler = make_grad_scaler(precision, device)
+    _note_offloads(config, device, notes)
+    vocab_size = model.get_output_embeddings().weight.shape[0] if model.get_output_embeddings() is not None else 0
+    return TrainingSession(
+        config=config,
+        device=device,
+        dist=dist,
+        precision=precision,
+        attention=attention,
+        loaded=loaded,
+        dataset=dataset,
+        schedule=schedule,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        scaler=scaler,
+        total_steps=total_steps,
+        accumulation_steps=accumulation,
+        loss_chunk_size=resolve_loss_chunk_size(config, vocab_size),
+        checkpointing=checkpointing,
+        notes=notes,
+    )
+
+
+def _data_config(config: TrainConfig):
+    """Token caches live in the output directory unless --cache-dir says otherwise: memfit writes nowhere else."""
+    from dataclasses import replace
+
+    cache_dir = config.data.cache_dir or str(Path(config.output.output_dir) / "cache")
+    return replace(config.data, cache_dir=cache_dir)
+
+
+def _build_optimizer(config: TrainConfig, model: torch.nn.Module, device: torch.device, notes: dict) -> OptimizerChoice:
+    groups = parameter_groups(model, config.optimizer.weight_decay)
+    if config.memory.optimizer_in_backward:
+        from memfit.techniques.optimizer_in_backward import OptimizerInBackward, check_optimizer_in_backward
+
+        check_optimizer_in_backward(config.accumulation_for(), config.optimizer.max_grad_norm)
+        made: list[OptimizerChoice] = []
+
+        def make(params):
+            choice = build_optimizer([{"params": params, "weight_decay": group["weight_decay"]} for group in groups if any(p is params[0] for p in group["params"])] or [{"params": params}], config.optimizer, device, impl="for-loop")
+            made.append(choice)
+            return choice.optimizer
+
+        optimizer = OptimizerInBackward(model, make)
+        name = (made[0].name if made else config.optimizer.optimizer) + " in backward"
+        return OptimizerChoice(optimizer, name, made[0].reason if made else "")
+    choice = build_optimizer(groups, config.optimizer, device)
+    if config.memory.optimizer_offload:
+        from memfit.techniques.offload import optimizer_offload
+
+        offloaded, reason = optimizer_offload(choice.optimizer, groups, config.optimizer, device)
+        if reason:
+            notes["optimizer_offload"] = reason
+            log.warning("memfit: %s", reason)
+        else:
+            choice = OptimizerChoice(offloaded, choice.name + " offloaded to CPU", choice.reason)
+    if choice.reason:
+        notes["optimizer"] = choice.reason
+    return choice
+
+
+def _note_offloads(config: TrainConfig, device: torch.device, notes: dict) -> None:
+    if config.memory.activation_offload and device.type != "cuda":
+        notes["activation_offload"] = "activation offload has no effect on CPU: activations already live in host memory"
+        log.warning("memfit: %s; running without it", notes["activation_offload"])
+
+
+def _auto_checkpointing(config: TrainConfig, model: torch.nn.Module) -> str:
+    from memfit.techniques.selective_checkpointing import auto_checkpointing
+
+    budget = config.memory.memory_budget or config.memory.memory_cap
+    if budget is None and config.memory.gpu:
+        from memfit.gpus import lookup_gpu
+
+        budget = lookup_gpu(config.memory.gpu).memory_bytes
+    return auto_checkpointing(model, config, budget)
