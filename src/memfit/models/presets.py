@@ -214,3 +214,16 @@ def parameter_count(hf_config: Any) -> int:
 def list_model_presets() -> list[ModelPreset]:
     """Every preset, smallest first."""
     return sorted(MODEL_PRESETS.values(), key=lambda p: parameter_count(p.to_hf_config()))
+
+
+def is_preset(name: str) -> bool:
+    """Whether `name` is a preset name or the Hugging Face id of one."""
+    return find_preset(name) is not None
+
+
+def preset_config(name: str) -> Any:
+    """The transformers config of preset `name` (see is_preset)."""
+    preset = find_preset(name)
+    if preset is None:
+        raise UsageError(f"unknown model preset {name!r}{suggest(_preset_key(name), list(MODEL_PRESETS))}")
+    return preset.to_hf_config()
