@@ -63,7 +63,9 @@ def load_model_and_tokenizer(
     Raises UsageError for a missing path, an unreachable id, or a model without a tokenizer.
     """
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # memfit shows its own progress
     name = config.model.model
     dtype = DTYPES[config.model.dtype]
     torch.manual_seed(config.training.seed)  # the same initial weights for a from-scratch model

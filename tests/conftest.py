@@ -1,0 +1,75 @@
+"""Shared fixtures: tiny models saved to disk (read back through the real loader), small data."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(skip_gpu)
+
+
+def _save_model(directory: Path, config) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    from memfit.models.tiny import byte_tokenizer
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(directory)
+    byte_tokenizer().save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def llama_dir(tmp_path_factory) -> Path:
+    """A 2-layer Llama-shaped model with the byte tokenizer, saved with save_pretrained."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(
+        vocab_size=257, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        eos_token_id=256, pad_token_id=256, bos_token_id=256,
+    )
+    return _save_model(tmp_path_factory.mktemp("llama"), config)
+
+
+@pytest.fixture(scope="session")
+def gpt2_dir(tmp_path_factory) -> Path:
+    """A 2-layer GPT-2-shaped model (tied embeddings, learned positions)."""
+    from transformers import GPT2Config
+
+    config = GPT2Config(
+        vocab_size=257, n_embd=64, n_layer=2, n_head=4, n_positions=256, eos_token_id=256, bos_token_id=256,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,  # dropout would make runs differ by RNG use
+    )
+    return _save_model(tmp_path_factory.mktemp("gpt2"), config)
+
+
+@pytest.fixture(scope="session")
+def text_file(tmp_path_factory) -> Path:
+    """Documents of varied length (10 to 400 characters), separated by blank lines."""
+    rng = random.Random(0)
+    words = "memory gradient batch token model layer the a of to in training fits device loss step".split()
+    documents = [" ".join(rng.choice(words) for _ in range(rng.randint(3, 80))) for _ in range(300)]
+    path = tmp_path_factory.mktemp("data") / "corpus.txt"
+    path.write_text("\n\n".join(documents))
+    return path
+
+
+def run_memfit(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """Run the real `memfit` command in a subprocess (exit code, stdout, stderr)."""
+    return subprocess.run(
+        [sys.executable, "-m", "memfit", *map(str, args)], capture_output=True, text=True, timeout=timeout, cwd=REPO
+    )
