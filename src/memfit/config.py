@@ -556,6 +556,10 @@ def load_config(
     items = overrides.items() if isinstance(overrides, dict) else (overrides or [])
     for key, raw in items:
         apply_setting(values, key, raw, problems, flag_style=True)
+    try:
+        config = build_config(values)
+    except UsageError as error:  # range checks on the values that did convert
+        problems.append(str(error))
     if problems:
         raise UsageError("; ".join(problems))
-    return build_config(values)
+    return config
