@@ -1,0 +1,114 @@
+"""The real `memfit train` command on tiny models saved to disk."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import run_memfit
+from memfit.train.metrics import read_metrics
+
+STEP_FIELDS = {
+    "step", "loss", "lr", "grad_norm", "tokens", "tokens_per_second", "micro_batch_size",
+    "gradient_accumulation_steps", "precision", "optimizer", "attention", "peak_memory_bytes",
+}
+
+
+@pytest.mark.parametrize("model_fixture", ["llama_dir", "gpt2_dir"])
+def test_train_cli_end_to_end(model_fixture, request, text_file, tmp_path):
+    model_dir = request.getfixturevalue(model_fixture)
+    out = tmp_path / "run"
+    result = run_memfit(
+        "train", "--model", model_dir, "--dataset", text_file, "--seq-len", "64", "--batch-size", "4",
+        "--gradient-accumulation-steps", "2", "--max-steps", "8", "--lr", "3e-3", "--output-dir", out,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr
+    assert "memfit memory report" in result.stderr
+    records = read_metrics(out / "metrics.jsonl")
+    steps = [r for r in records if "event" not in r]
+    assert len(steps) == 8
+    assert STEP_FIELDS <= set(steps[0])
+    assert steps[-1]["loss"] < steps[0]["loss"]
+    summary = records[-1]
+    assert summary["event"] == "summary" and summary["steps"] == 8
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(out / "final")
+    assert sum(p.numel() for p in model.parameters()) > 0
+
+
+def test_seed_style_command_line(llama_dir, text_file, tmp_path):
+    """The first seed's conservative profile, with its exact switches."""
+    log_file = tmp_path / "run" / "metrics.jsonl"
+    result = run_memfit(
+        "train", "--model", llama_dir, "--dataset-file", text_file, "--steps", "3", "--batch-size", "1",
+        "--gradient-accumulation-steps", "8", "--gradient-checkpointing", "--amp", "--use-8bit-optimizer",
+        "--window-size", "64", "--log-file", log_file, "--output-dir", tmp_path / "run",
+    )
+    assert result.returncode == 0, result.stderr
+    steps = [r for r in read_metrics(log_file) if "event" not in r]
+    assert steps[0]["precision"] == "bf16"  # --amp: bf16 autocast, which CPUs run
+    assert steps[0]["optimizer"].startswith("adamw-8bit")
+    assert steps[0]["micro_batch_size"] == 1 and steps[0]["gradient_accumulation_steps"] == 8
+    start = read_metrics(log_file)[0]
+    assert start["gradient_checkpointing"].startswith("full")
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["--batch-size", "0"], "--batch-size must be at least 1"),
+        (["--seq-lenn", "64"], "did you mean --seq-len"),
+        (["--memory-cap", "lots"], "is not a size"),
+        (["--precision", "fp16"], "25x slower"),
+        (["--model", "./no/such/model"], "does not exist"),
+        (["--dataset", "missing.txt"], "missing.txt"),
+        (["--seq-len", "100000"], "lower --seq-len"),
+    ],
+)
+def test_bad_input_is_one_line_exit_2_nothing_written(args, expected, tmp_path, llama_dir):
+    out = tmp_path / "out"
+    base = ["train", "--output-dir", out, "--max-steps", "1"]
+    if "--model" not in args:
+        base += ["--model", llama_dir]
+    result = run_memfit(*base, *args)
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    error_lines = [line for line in result.stderr.splitlines() if "error:" in line]
+    assert len(error_lines) == 1 and expected in error_lines[0], result.stderr
+    assert not out.exists() or not any(out.iterdir())
+
+
+def test_empty_dataset_is_a_clear_error(tmp_path, llama_dir):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n\n")
+    result = run_memfit("train", "--model", llama_dir, "--dataset", empty, "--output-dir", tmp_path / "out")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+
+
+def test_unknown_command_suggests():
+    result = run_memfit("trian")
+    assert result.returncode == 2 and "did you mean train" in result.stderr
+
+
+def test_metrics_record_what_really_ran_when_8bit_is_missing(llama_dir, text_file, tmp_path, monkeypatch):
+    """Without bitsandbytes and torchao the 8-bit optimizer falls back visibly."""
+    import sys
+
+    from memfit.config import load_config
+    from memfit.train.loop import train
+
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)
+    monkeypatch.setitem(sys.modules, "torchao", None)
+    monkeypatch.setitem(sys.modules, "torchao.optim", None)
+    config = load_config(overrides=dict(model=str(llama_dir), dataset=str(text_file), seq_len=64, batch_size=4,
+                                        max_steps=1, optimizer="adamw-8bit", output_dir=str(tmp_path)))
+    result = train(config)
+    assert result.summary["optimizer"].startswith("adamw (")
+    assert "bitsandbytes" in result.summary["fallbacks"]["optimizer"]
+    assert "more optimizer memory" in result.summary["fallbacks"]["optimizer"]
+    assert torch.isfinite(torch.tensor(result.final_loss))
+    assert json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])["fallbacks"]["optimizer"]
