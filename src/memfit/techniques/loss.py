@@ -111,12 +111,10 @@ def chunked_causal_lm_loss_sum(
 
     postprocess = logit_postprocessing(lm.config)
     total = None
-    for hidden_chunk, target_chunk in zip(hidden.split(chunk_size), targets.split(chunk_size)):
+    for hidden_chunk, target_chunk in zip(hidden.split(chunk_size), targets.split(chunk_size), strict=True):
         # Non-reentrant checkpoint keeps only the chunk's inputs; its logits are
         # rebuilt when backward reaches the chunk, so one chunk of logits is alive.
-        chunk_loss = checkpoint(
-            _chunk_loss, head, postprocess, hidden_chunk, target_chunk, use_reentrant=False
-        )
+        chunk_loss = checkpoint(_chunk_loss, head, postprocess, hidden_chunk, target_chunk, use_reentrant=False)
         total = chunk_loss if total is None else total + chunk_loss
     return total
 
