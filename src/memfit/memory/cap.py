@@ -1,0 +1,69 @@
+"""A memory cap: behave as if the device had only so much memory (`--memory-cap`).
+
+On CUDA the caching allocator enforces the cap itself (`apply_memory_cap`), so the
+real out-of-memory error comes from PyTorch. On the CPU nothing stops an allocation
+short of the machine's RAM, so the `MemoryTracker` enforces the cap: it raises
+`torch.OutOfMemoryError` at the first operator whose outputs would take the live
+tensor bytes past the cap (`cap_exceeded_error`). Either way the caller sees the
+same exception type, and `is_out_of_memory` recognizes both.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from memfit.errors import UsageError
+from memfit.units import format_bytes
+
+# The message the CPU allocator puts in the RuntimeError it raises when malloc fails.
+_CPU_ALLOCATOR_OOM = "DefaultCPUAllocator: can't allocate memory"
+
+
+def cap_exceeded_error(requested_bytes: int, live_bytes: int, cap_bytes: int) -> torch.OutOfMemoryError:
+    """The error the tracker raises when an allocation would pass the emulated cap."""
+    return torch.OutOfMemoryError(
+        f"memfit memory cap: tried to allocate {format_bytes(requested_bytes)} with "
+        f"{format_bytes(live_bytes)} live; cap is {format_bytes(cap_bytes)} (--memory-cap)"
+    )
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """True if `exc` means the device ran out of memory (real or emulated cap).
+
+    Recognizes `torch.OutOfMemoryError` (CUDA, and memfit's emulated cap) and the
+    `RuntimeError` the CPU allocator raises when the machine's RAM runs out.
+    """
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    # The CPU allocator has no exception type of its own: only its message says OOM.
+    return isinstance(exc, RuntimeError) and _CPU_ALLOCATOR_OOM in str(exc)
+
+
+def apply_memory_cap(device: torch.device | str, cap_bytes: int | None) -> float | None:
+    """Limit the CUDA caching allocator of `device` to `cap_bytes`; returns the fraction set.
+
+    On CUDA this calls `torch.cuda.set_per_process_memory_fraction(cap / total)`, so
+    allocations past the cap raise `torch.OutOfMemoryError` (the cap covers what the
+    allocator reserves, cache and fragmentation included). On other devices it does
+    nothing and returns None: give the cap to `MemoryTracker(cap_bytes=...)` instead.
+    `cap_bytes=None` removes a CUDA cap.
+
+    Raises:
+        UsageError: the cap is larger than the GPU's memory.
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if cap_bytes is None:
+        torch.cuda.set_per_process_memory_fraction(1.0, index)
+        return 1.0
+    total = torch.cuda.get_device_properties(index).total_memory
+    if cap_bytes > total:
+        raise UsageError(
+            f"--memory-cap {format_bytes(cap_bytes)} is more than the {format_bytes(total)} "
+            f"this GPU has; give a smaller cap or leave it out"
+        )
+    fraction = cap_bytes / total
+    torch.cuda.set_per_process_memory_fraction(fraction, index)
+    return fraction

@@ -1,0 +1,144 @@
+"""The categories of training memory, and the records the memory tracker hands out.
+
+Every byte the tracker counts belongs to exactly one category:
+
+- ``parameters``: storages of the model's parameters (trainable or frozen).
+- ``gradients``: storages currently held in a parameter's ``.grad``.
+- ``optimizer_states``: tensors in ``optimizer.state`` (Adam moments, step counters, ...).
+- ``activations``: tensors autograd keeps for the backward pass, while it keeps them.
+- ``other``: everything else on the device: inputs, buffers, logits, temporaries.
+
+A storage that is both a parameter and saved for backward (a weight saved by a matmul)
+counts as a parameter: the first role in `CATEGORIES` wins.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+PARAMETERS = "parameters"
+GRADIENTS = "gradients"
+OPTIMIZER_STATES = "optimizer_states"
+ACTIVATIONS = "activations"
+OTHER = "other"
+
+CATEGORIES = (PARAMETERS, GRADIENTS, OPTIMIZER_STATES, ACTIVATIONS, OTHER)
+
+# The phase name of what happens outside any `MemoryTracker.phase(...)` block.
+NO_PHASE = "(no phase)"
+
+
+def empty_breakdown() -> dict[str, int]:
+    """A breakdown with every category at zero bytes, in `CATEGORIES` order."""
+    return {category: 0 for category in CATEGORIES}
+
+
+@dataclass
+class PhaseMemory:
+    """Memory of one phase of a step (forward, backward, optimizer, or any name).
+
+    `peak_bytes` is the most live bytes seen while the phase ran; `breakdown` splits
+    that moment by category. A phase entered several times in one step (micro-batches)
+    is merged: the highest peak wins.
+    """
+
+    name: str
+    peak_bytes: int
+    breakdown: dict[str, int]
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "peak_bytes": self.peak_bytes, "breakdown": dict(self.breakdown)}
+
+
+@dataclass
+class StepMemory:
+    """What one training step used, returned by `MemoryTracker.end_step()`.
+
+    Attributes:
+        step: index of the step since tracking started (0-based).
+        peak_bytes: most live tensor bytes at any moment of the step.
+        breakdown: bytes per category at that moment.
+        phases: per-phase peaks, in the order the phases were first entered.
+        live_bytes_at_end: live bytes when the step ended (what stays between steps).
+        live_breakdown_at_end: the same by category.
+    """
+
+    step: int
+    peak_bytes: int
+    breakdown: dict[str, int]
+    phases: list[PhaseMemory]
+    live_bytes_at_end: int
+    live_breakdown_at_end: dict[str, int] = field(default_factory=empty_breakdown)
+
+    def to_dict(self) -> dict:
+        return {
+            "step": self.step,
+            "peak_bytes": self.peak_bytes,
+            "breakdown": dict(self.breakdown),
+            "phases": [phase.to_dict() for phase in self.phases],
+            "live_bytes_at_end": self.live_bytes_at_end,
+            "live_breakdown_at_end": dict(self.live_breakdown_at_end),
+        }
+
+
+@dataclass
+class TensorInfo:
+    """One live storage: the tensor that created it, what it is and where it came from.
+
+    `shape` and `dtype` are those of the first tensor seen on the storage; `bytes` is
+    the storage's real size (all views of it together count once). `op` is the aten
+    operator that allocated it ("(existing)" when it was there before tracking saw it
+    made); `module` is the innermost module whose forward was running then.
+    """
+
+    shape: tuple[int, ...]
+    dtype: str
+    bytes: int
+    category: str
+    op: str
+    module: str
+    phase: str
+
+    def to_dict(self) -> dict:
+        return {
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+            "bytes": self.bytes,
+            "category": self.category,
+            "op": self.op,
+            "module": self.module,
+            "phase": self.phase,
+        }
+
+
+@dataclass
+class PeakSnapshot:
+    """What was alive at the run's peak, and where the activations came from.
+
+    Attributes:
+        peak_bytes: the run's peak of live tensor bytes.
+        breakdown: bytes per category at the peak.
+        phase: the phase running at the peak.
+        step: the step (0-based) in which the peak happened.
+        top_tensors: the largest storages alive at the peak, largest first.
+        activation_peak_bytes: the most activation bytes alive at any moment.
+        module_activation_bytes: activation bytes per module at that moment; each
+            storage counts for the innermost module whose forward created it.
+        module_input_bytes: bytes of the first tensor input of each module's last
+            forward (a transformer block's hidden states), used to estimate what
+            checkpointing would keep.
+    """
+
+    peak_bytes: int
+    breakdown: dict[str, int]
+    phase: str
+    step: int
+    top_tensors: list[TensorInfo]
+    activation_peak_bytes: int = 0
+    module_activation_bytes: dict[str, int] = field(default_factory=dict)
+    module_input_bytes: dict[str, int] = field(default_factory=dict)
+
+    def top_modules(self, count: int = 10) -> list[tuple[str, int]]:
+        """The `count` modules holding the most activation bytes, largest first."""
+        ranked = sorted(self.module_activation_bytes.items(), key=lambda item: item[1], reverse=True)
+        return [(name, size) for name, size in ranked[:count] if size > 0]

@@ -1,0 +1,376 @@
+"""The profile report: where the bytes went, what to switch on, and whether memory leaks.
+
+`build_report(steps, snapshot, device, context)` turns what `MemoryTracker` measured
+into a `ProfileReport`; `report.to_dict()` is the `memfit profile --json` object and
+`render(report)` the text a person reads. Advice is computed from the measurement:
+each entry says how many bytes a technique would save at the peak, estimated from
+the measured categories, modules and tensors (an estimate, not a promise: run
+`memfit profile` again with the flag to see the real figure).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from memfit.memory.categories import (
+    ACTIVATIONS,
+    CATEGORIES,
+    GRADIENTS,
+    OPTIMIZER_STATES,
+    OTHER,
+    PeakSnapshot,
+    PhaseMemory,
+    StepMemory,
+    TensorInfo,
+    empty_breakdown,
+)
+from memfit.units import GIB, MIB, format_bytes
+
+# A path component that is a number marks a block of a stack: model.layers.3, transformer.h.3.
+_BLOCK_PATTERN = re.compile(r"^(.*?\.\d+)(\.|$)")
+_LOGITS_MODULES = ("lm_head", "embed_out", "output", "score")
+
+
+@dataclass
+class ReportContext:
+    """What the run already uses (so advice does not repeat it), plus optional model hints.
+
+    Attributes:
+        gradient_checkpointing: checkpointing is already on.
+        optimizer: the optimizer name as in `--optimizer` ("adamw", "adamw-8bit", ...).
+        lora: LoRA adapters are trained instead of the full model.
+        loss_chunk_size: tokens per loss chunk (0 or None: not chunked).
+        vocab_size: vocabulary size, to recognize logits (inferred when None).
+        optimizer_in_backward: gradients are already freed as they are applied.
+    """
+
+    gradient_checkpointing: bool = False
+    optimizer: str = "adamw"
+    lora: bool = False
+    loss_chunk_size: int | None = 0
+    vocab_size: int | None = None
+    optimizer_in_backward: bool = False
+
+
+@dataclass
+class ProfileReport:
+    """A memory profile of a few training steps (see `to_dict` for the JSON form)."""
+
+    device: str
+    steps: int
+    peak_bytes: int
+    breakdown: dict[str, int]
+    phases: list[PhaseMemory]
+    top_modules: list[tuple[str, int]]
+    top_tensors: list[TensorInfo]
+    advice: list[dict]
+    leak: dict | None
+    peak_step: int = 0
+    peak_phase: str = ""
+    activation_peak_bytes: int = 0
+    step_peak_bytes: list[int] = field(default_factory=list)
+    live_bytes_at_end: list[int] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        """The JSON object of `memfit profile --json` (all sizes in bytes)."""
+        return {
+            "device": self.device,
+            "steps": self.steps,
+            "peak_bytes": self.peak_bytes,
+            "breakdown": {category: self.breakdown.get(category, 0) for category in CATEGORIES},
+            "phases": [phase.to_dict() for phase in self.phases],
+            "top_modules": [{"module": name, "activation_bytes": size} for name, size in self.top_modules],
+            "top_tensors": [tensor.to_dict() for tensor in self.top_tensors],
+            "advice": [dict(entry) for entry in self.advice],
+            "leak": dict(self.leak) if self.leak else None,
+            "peak_step": self.peak_step,
+            "peak_phase": self.peak_phase,
+            "activation_peak_bytes": self.activation_peak_bytes,
+            "step_peak_bytes": list(self.step_peak_bytes),
+            "live_bytes_at_end": list(self.live_bytes_at_end),
+        }
+
+
+def build_report(
+    steps: Sequence[StepMemory],
+    snapshot: PeakSnapshot,
+    device: str,
+    context: ReportContext | None = None,
+    top: int = 10,
+) -> ProfileReport:
+    """Summarize tracked steps and the peak snapshot into a report with advice.
+
+    The peak and its breakdown are those of the highest step (or of the snapshot
+    when no step was closed); the top tensors are those alive at the run's peak.
+    """
+    context = context or ReportContext()
+    if steps:
+        highest = max(steps, key=lambda step: step.peak_bytes)
+        peak_bytes, breakdown, peak_step = highest.peak_bytes, dict(highest.breakdown), highest.step
+    else:
+        peak_bytes, breakdown, peak_step = snapshot.peak_bytes, dict(snapshot.breakdown), snapshot.step
+    report = ProfileReport(
+        device=str(device),
+        steps=len(steps),
+        peak_bytes=peak_bytes,
+        breakdown={**empty_breakdown(), **breakdown},
+        phases=_merge_phases(steps),
+        top_modules=snapshot.top_modules(top),
+        top_tensors=list(snapshot.top_tensors[:top]),
+        advice=[],
+        leak=detect_leak([step.live_bytes_at_end for step in steps]),
+        peak_step=peak_step,
+        peak_phase=snapshot.phase,
+        activation_peak_bytes=snapshot.activation_peak_bytes,
+        step_peak_bytes=[step.peak_bytes for step in steps],
+        live_bytes_at_end=[step.live_bytes_at_end for step in steps],
+    )
+    report.advice = advise(report.breakdown, peak_bytes, snapshot, context)
+    return report
+
+
+def _merge_phases(steps: Sequence[StepMemory]) -> list[PhaseMemory]:
+    merged: dict[str, PhaseMemory] = {}
+    for step in steps:
+        for phase in step.phases:
+            known = merged.get(phase.name)
+            if known is None or phase.peak_bytes > known.peak_bytes:
+                merged[phase.name] = PhaseMemory(phase.name, phase.peak_bytes, dict(phase.breakdown))
+    return list(merged.values())
+
+
+# ------------------------------------------------------------------------ advice
+
+
+def _entry(technique: str, flag: str, saves_bytes: int, message: str) -> dict:
+    return {"technique": technique, "flag": flag, "saves_bytes": int(saves_bytes), "message": message}
+
+
+def _percent(part: int, whole: int) -> str:
+    return f"{100.0 * part / whole:.0f}%" if whole else "0%"
+
+
+def block_activations(snapshot: PeakSnapshot) -> dict[str, int]:
+    """Activation bytes per repeated block (model.layers.N), summed over its submodules."""
+    blocks: dict[str, int] = {}
+    for module, size in snapshot.module_activation_bytes.items():
+        match = _BLOCK_PATTERN.match(module)
+        if match:
+            blocks[match.group(1)] = blocks.get(match.group(1), 0) + size
+    return blocks
+
+
+def estimate_checkpointing_savings(snapshot: PeakSnapshot, activation_bytes: int) -> int:
+    """Bytes that full checkpointing would save at the peak, from the measured blocks.
+
+    Full checkpointing keeps one input per block and, during backward, the
+    recomputed activations of one block at a time; everything else the blocks
+    saved is freed. Without recognizable blocks, half the activations is assumed.
+    """
+    blocks = block_activations(snapshot)
+    if not blocks:
+        return activation_bytes // 2
+    kept_inputs = sum(snapshot.module_input_bytes.get(block, 0) for block in blocks)
+    in_blocks = sum(blocks.values())
+    # Scale from the activation maximum to the activation bytes alive at the peak.
+    if snapshot.activation_peak_bytes > 0:
+        in_blocks = in_blocks * min(1.0, activation_bytes / snapshot.activation_peak_bytes)
+    saves = in_blocks - kept_inputs - max(blocks.values())
+    return max(0, int(saves))
+
+
+def _logits_tensors(snapshot: PeakSnapshot, vocab_size: int | None) -> list[TensorInfo]:
+    if vocab_size is None:
+        for tensor in snapshot.top_tensors:
+            if tensor.shape and tensor.module.rsplit(".", 1)[-1] in _LOGITS_MODULES:
+                vocab_size = tensor.shape[-1]
+                break
+    if vocab_size is None:
+        return []
+    return [
+        tensor
+        for tensor in snapshot.top_tensors
+        if tensor.category in (ACTIVATIONS, OTHER) and len(tensor.shape) >= 2 and tensor.shape[-1] == vocab_size
+    ]
+
+
+def _suggested_chunk(tokens: int) -> int:
+    if tokens > 4096:
+        return 1024
+    return max(16, 2 ** int(math.log2(max(tokens // 4, 1))))
+
+
+def advise(
+    breakdown: dict[str, int], peak_bytes: int, snapshot: PeakSnapshot, context: ReportContext
+) -> list[dict]:
+    """What to switch on, largest saving first; each entry is technique, flag, saves_bytes, message.
+
+    Only techniques the run does not use yet are suggested, and only when the
+    category they shrink is a sizeable share of the peak.
+    """
+    if peak_bytes <= 0:
+        return []
+    advice: list[dict] = []
+    activations = breakdown.get(ACTIVATIONS, 0)
+    gradients = breakdown.get(GRADIENTS, 0)
+    optimizer_states = breakdown.get(OPTIMIZER_STATES, 0)
+
+    if not context.gradient_checkpointing and activations >= 0.25 * peak_bytes:
+        saves = estimate_checkpointing_savings(snapshot, activations)
+        if saves > 0.05 * peak_bytes:
+            advice.append(
+                _entry(
+                    "gradient checkpointing",
+                    "--gradient-checkpointing full",
+                    saves,
+                    f"activations are {_percent(activations, peak_bytes)} of the peak: "
+                    f"--gradient-checkpointing full would save about {format_bytes(saves)} "
+                    f"(recomputes each block's forward in backward, about 30% more compute)",
+                )
+            )
+
+    eight_bit = "8bit" in context.optimizer or "8-bit" in context.optimizer
+    if context.optimizer.startswith("adam") and not eight_bit and optimizer_states >= 0.15 * peak_bytes:
+        saves = int(0.75 * optimizer_states)
+        advice.append(
+            _entry(
+                "8-bit optimizer",
+                "--optimizer adamw-8bit",
+                saves,
+                f"optimizer state is {_percent(optimizer_states, peak_bytes)} of the peak: "
+                f"--optimizer adamw-8bit would save about {format_bytes(saves)} (75% of optimizer state)",
+            )
+        )
+
+    if not context.lora and gradients + optimizer_states >= 0.3 * peak_bytes:
+        # Adapters of rank 16 are a few percent of the model: their own grads and state stay.
+        saves = int(0.97 * (gradients + optimizer_states))
+        advice.append(
+            _entry(
+                "LoRA",
+                "--lora-r 16",
+                saves,
+                f"gradients and optimizer state of full fine-tuning are "
+                f"{_percent(gradients + optimizer_states, peak_bytes)} of the peak: --lora-r 16 trains "
+                f"small adapters instead and would save about {format_bytes(saves)}",
+            )
+        )
+
+    if not context.lora and not context.optimizer_in_backward and gradients >= 0.2 * peak_bytes:
+        advice.append(
+            _entry(
+                "optimizer in backward",
+                "--optimizer-in-backward",
+                gradients,
+                f"gradients are {_percent(gradients, peak_bytes)} of the peak: --optimizer-in-backward "
+                f"applies and frees each gradient as soon as it is ready, saving about "
+                f"{format_bytes(gradients)} (not with gradient accumulation)",
+            )
+        )
+
+    if not context.loss_chunk_size:
+        logits = _logits_tensors(snapshot, context.vocab_size)
+        logits_bytes = sum(tensor.bytes for tensor in logits)
+        if logits and logits_bytes >= 0.1 * peak_bytes:
+            tokens = math.prod(max(logits, key=lambda tensor: tensor.bytes).shape[:-1])
+            chunk = _suggested_chunk(tokens)
+            saves = int(logits_bytes * max(0.0, 1.0 - chunk / tokens))
+            if saves > 0:
+                advice.append(
+                    _entry(
+                        "chunked loss",
+                        f"--loss-chunk-size {chunk}",
+                        saves,
+                        f"logits and their gradients (vocabulary {logits[0].shape[-1]}) are "
+                        f"{_percent(logits_bytes, peak_bytes)} of the peak: --loss-chunk-size {chunk} "
+                        f"would save about {format_bytes(saves)}",
+                    )
+                )
+
+    advice.sort(key=lambda entry: entry["saves_bytes"], reverse=True)
+    return advice
+
+
+# -------------------------------------------------------------------------- leak
+
+
+def detect_leak(live_bytes_at_end: Sequence[int], min_steps: int = 3) -> dict | None:
+    """A warning when live bytes at the end of each step keep growing, else None.
+
+    The first step is left out when there are enough steps (it creates optimizer
+    state); the rest must grow at every step, each time by more than a small
+    tolerance (0.1% of the live bytes, at least 1 KiB), over at least `min_steps`.
+    """
+    series = list(live_bytes_at_end)
+    if len(series) > min_steps:
+        series = series[1:]
+    if len(series) < min_steps:
+        return None
+    tolerance = max(1024, series[0] // 1000)
+    growth = [after - before for before, after in zip(series, series[1:])]
+    if not all(delta > tolerance for delta in growth):
+        return None
+    per_step = sum(growth) // len(growth)
+    return {
+        "growth_bytes_per_step": per_step,
+        "steps": len(series),
+        "first_bytes": series[0],
+        "last_bytes": series[-1],
+        "message": (
+            f"live memory grew by about {format_bytes(per_step)} per step over {len(series)} steps "
+            f"({format_bytes(series[0])} -> {format_bytes(series[-1])}): something keeps tensors "
+            f"from step to step (a list of losses kept without .item(), a growing cache)"
+        ),
+    }
+
+
+# ------------------------------------------------------------------------ render
+
+
+def _unit_for(peak_bytes: int) -> str:
+    return "GiB" if peak_bytes >= GIB // 2 else "MiB" if peak_bytes >= MIB else "KiB"
+
+
+def render(report: ProfileReport) -> str:
+    """The report as plain text: peak, categories, phases, modules, tensors, advice."""
+    unit = _unit_for(report.peak_bytes)
+
+    def size(num_bytes: int) -> str:
+        return format_bytes(num_bytes, unit).rjust(12)
+
+    peak = report.peak_bytes
+    lines = [
+        f"memory profile on {report.device}, {report.steps} step(s): live tensor bytes ({unit} = 1024-based)",
+        f"peak {format_bytes(peak, unit)} in step {report.peak_step} ({report.peak_phase})",
+    ]
+    for category in CATEGORIES:
+        part = report.breakdown.get(category, 0)
+        lines.append(f"  {category:<18}{size(part)}  {_percent(part, peak).rjust(4)}")
+    if report.phases:
+        lines.append("phases (peak of each):")
+        for phase in report.phases:
+            largest = max(phase.breakdown, key=phase.breakdown.get) if phase.breakdown else "-"
+            lines.append(f"  {phase.name:<18}{size(phase.peak_bytes)}  largest: {largest}")
+    if report.top_modules:
+        lines.append(f"modules holding the most activations (at most {format_bytes(report.activation_peak_bytes, unit)}):")
+        for name, num_bytes in report.top_modules:
+            lines.append(f"  {name:<40}{size(num_bytes)}")
+    if report.top_tensors:
+        lines.append("largest tensors alive at the peak:")
+        for tensor in report.top_tensors:
+            shape = "x".join(str(dim) for dim in tensor.shape) or "scalar"
+            lines.append(
+                f"  {shape:<16}{tensor.dtype:<10}{size(tensor.bytes)}  {tensor.category:<17}"
+                f"{tensor.op:<28}{tensor.module}"
+            )
+    if report.advice:
+        lines.append("advice:")
+        lines.extend(f"  - {entry['message']}" for entry in report.advice)
+    else:
+        lines.append("advice: nothing large to cut; the peak is spread over the categories above")
+    if report.leak:
+        lines.append(f"warning: {report.leak['message']}")
+    return "\n".join(lines)

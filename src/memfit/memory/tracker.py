@@ -1,0 +1,610 @@
+"""Exact live-tensor accounting on the training device, by category, phase and module.
+
+`MemoryTracker` watches every aten operator (a `TorchDispatchMode`) and every tensor
+autograd saves for backward (`saved_tensors_hooks`). It counts each storage once,
+at its real `nbytes()`, however many views point to it, and forgets it when the
+storage is freed (a weak reference on the storage). It works the same on CPU (where
+there are no allocator statistics) and CUDA.
+
+    tracker = MemoryTracker(device)
+    tracker.attach(model, optimizer)
+    with tracker:
+        for batch in batches:
+            with tracker.phase("forward"): loss = ...
+            with tracker.phase("backward"): loss.backward()
+            with tracker.phase("optimizer"): optimizer.step(); optimizer.zero_grad()
+            step_memory = tracker.end_step()
+    tracker.peak_bytes, tracker.peak_snapshot(), tracker.timeline()
+
+What it counts: tensor storages on `device`, including those made before tracking
+started once it sees them (parameters, gradients and optimizer state are walked at
+`attach`, at phase ends and `end_step`; other tensors when an operator reads them).
+What it does not count: the allocator's cache and fragmentation, the CUDA context,
+workspaces that kernels allocate internally, and non-tensor memory.
+
+Cost: a Python call per operator, so a step runs a few times slower while tracking.
+Nothing is installed when no tracker is entered.
+
+With `cap_bytes`, the tracker raises `torch.OutOfMemoryError` at the operator whose
+outputs would take live bytes past the cap (see `memfit.memory.cap`). The outputs of
+that operator are not counted; everything the failed attempt made is uncounted as
+soon as the caller drops it (let the exception go out of scope), so a caller can
+catch the error, free, and retry.
+"""
+
+from __future__ import annotations
+
+import collections
+import heapq
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from memfit.memory.cap import cap_exceeded_error
+from memfit.memory.categories import (
+    ACTIVATIONS,
+    CATEGORIES,
+    GRADIENTS,
+    NO_PHASE,
+    OPTIMIZER_STATES,
+    OTHER,
+    PARAMETERS,
+    PeakSnapshot,
+    PhaseMemory,
+    StepMemory,
+    TensorInfo,
+    empty_breakdown,
+)
+
+__all__ = ["CATEGORIES", "MemoryTracker", "PeakSnapshot", "PhaseMemory", "StepMemory", "TensorInfo"]
+
+NO_MODULE = "(outside modules)"
+EXISTING_OP = "(existing)"
+_ROLE_PRIORITY = (PARAMETERS, GRADIENTS, OPTIMIZER_STATES)
+
+
+class _Storage:
+    """What the tracker knows about one live storage."""
+
+    __slots__ = ("key", "ref", "nbytes", "role", "saved", "shape", "dtype", "op", "module", "phase")
+
+    def __init__(self, key: int, nbytes: int, tensor: torch.Tensor, op: str, module: str, phase: str) -> None:
+        self.key = key
+        self.ref: weakref.ref | None = None
+        self.nbytes = nbytes
+        self.role = OTHER  # parameters / gradients / optimizer_states, or other
+        self.saved = 0  # how many saved-for-backward references are alive
+        self.shape = tuple(tensor.shape)
+        self.dtype = str(tensor.dtype).removeprefix("torch.")
+        self.op = op
+        self.module = module
+        self.phase = phase
+
+    @property
+    def category(self) -> str:
+        if self.role != OTHER:
+            return self.role
+        return ACTIVATIONS if self.saved > 0 else OTHER
+
+
+class _SavedTensor:
+    """What autograd keeps instead of a saved tensor; its death releases the saving."""
+
+    __slots__ = ("tensor", "record", "events", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor, record: _Storage, events: collections.deque) -> None:
+        self.tensor = tensor
+        self.record = record
+        self.events = events
+
+    def __del__(self) -> None:
+        # Only queue: this can run in the middle of the tracker's own bookkeeping.
+        self.events.append(("unsave", self.record, None))
+
+
+class _AccountingMode(TorchDispatchMode):
+    """Sees every aten operator: counts the storages it reads and allocates."""
+
+    def __init__(self, tracker: MemoryTracker) -> None:
+        super().__init__()
+        self.tracker = tracker
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self.tracker._adopt_inputs(args, kwargs)
+        out = func(*args, **kwargs)
+        error = self.tracker._account_outputs(func, out)
+        if error is not None:
+            del out  # the traceback must not keep the refused outputs alive
+            try:
+                raise error
+            finally:
+                # A local naming the exception would make frame -> error -> traceback ->
+                # frame a cycle, keeping every tensor of the failed attempt until gc runs.
+                error = None
+        return out
+
+
+class _PhaseStats:
+    __slots__ = ("peak", "breakdown")
+
+    def __init__(self, peak: int, breakdown: dict[str, int]) -> None:
+        self.peak = peak
+        self.breakdown = breakdown
+
+
+class MemoryTracker:
+    """Counts live tensor bytes on one device by category, per phase and per module.
+
+    Args:
+        device: the training device; storages elsewhere are ignored.
+        cap_bytes: emulated memory cap; an operator whose outputs would pass it raises
+            `torch.OutOfMemoryError` (none by default).
+        top_tensors: how many of the largest storages the peak snapshot keeps.
+        max_timeline_samples: bound on the samples kept for one step's timeline
+            (older samples are thinned, keeping the higher of each pair).
+    """
+
+    def __init__(
+        self,
+        device: torch.device | str,
+        cap_bytes: int | None = None,
+        *,
+        top_tensors: int = 20,
+        max_timeline_samples: int = 4000,
+    ) -> None:
+        self.device = torch.device(device)
+        self.cap_bytes = cap_bytes
+        self.top_tensors = top_tensors
+        self.max_timeline_samples = max(16, max_timeline_samples)
+        self._records: dict[int, _Storage] = {}
+        # Frees and released saves, queued by callbacks and applied at safe points.
+        self._events: collections.deque = collections.deque()
+        self._by_category = empty_breakdown()
+        self._current = 0
+        # Run peak, and the snapshot taken at the first decrease after a new peak.
+        self._peak = 0
+        self._peak_breakdown = empty_breakdown()
+        self._peak_phase = NO_PHASE
+        self._peak_step = 0
+        self._peak_dirty = False
+        self._snapshot: PeakSnapshot | None = None
+        self._activation_max = 0
+        self._activation_dirty = False
+        self._module_activations: dict[str, int] = {}
+        self._module_inputs: dict[str, int] = {}
+        # Current step.
+        self._step = 0
+        self._step_peak = 0
+        self._step_breakdown = empty_breakdown()
+        self._phase_stack: list[str] = []
+        self._phase_stats: dict[str, _PhaseStats] = {}
+        self._timeline: list[tuple[int, str, tuple[int, ...]]] = []
+        self._event_index = 0
+        self._peak_timeline: list[tuple[int, str, tuple[int, ...]]] = []
+        self._last_timeline: list[tuple[int, str, tuple[int, ...]]] = []
+        # Model and optimizer.
+        self._module_stack: list[str] = []
+        self._model: nn.Module | None = None
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._hook_handles: list = []
+        self._depth = 0
+        self._mode: _AccountingMode | None = None
+        self._saved_hooks: torch.autograd.graph.saved_tensors_hooks | None = None
+
+    # ----------------------------------------------------------------- public API
+
+    def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Watch `model` (module attribution, gradients) and `optimizer` (its state).
+
+        Call again after building a new optimizer or wrapping the model; existing
+        parameters, gradients and optimizer state are counted right away.
+        """
+        self.detach()
+        self._model = model
+        self._optimizer = optimizer
+        root_name = type(model).__name__
+        for name, module in model.named_modules():
+            qualified = name or root_name
+            self._hook_handles.append(
+                module.register_forward_pre_hook(self._make_pre_hook(qualified), with_kwargs=True)
+            )
+            self._hook_handles.append(
+                module.register_forward_hook(self._make_post_hook(qualified), always_call=True)
+            )
+        for parameter in model.parameters():
+            if parameter.requires_grad:
+                self._hook_handles.append(parameter.register_post_accumulate_grad_hook(self._on_grad_ready))
+        self._classify()
+
+    def detach(self) -> None:
+        """Stop watching the model and optimizer (counts already made stay)."""
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles.clear()
+        self._model = None
+        self._optimizer = None
+        self._module_stack.clear()
+
+    def __enter__(self) -> MemoryTracker:
+        self._depth += 1
+        if self._depth == 1:
+            self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+            self._saved_hooks.__enter__()
+            self._mode = _AccountingMode(self)
+            self._mode.__enter__()
+            self._classify()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._depth -= 1
+        if self._depth == 0:
+            self._mode.__exit__(*exc_info)
+            self._saved_hooks.__exit__(*exc_info)
+            self._mode = None
+            self._saved_hooks = None
+            self._module_stack.clear()
+            self._classify()
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Attribute what happens inside to phase `name` ("forward", "backward", ...)."""
+        self._flush()
+        self._phase_stack.append(name)
+        if name not in self._phase_stats:
+            self._phase_stats[name] = _PhaseStats(self._current, dict(self._by_category))
+        try:
+            yield
+        finally:
+            self._phase_stack.pop()
+            self._classify()
+
+    def end_step(self) -> StepMemory:
+        """Close the current step: return its memory and reset the per-step peak."""
+        self._classify()
+        phases = [PhaseMemory(name, stats.peak, dict(stats.breakdown)) for name, stats in self._phase_stats.items()]
+        result = StepMemory(
+            step=self._step,
+            peak_bytes=self._step_peak,
+            breakdown=dict(self._step_breakdown),
+            phases=phases,
+            live_bytes_at_end=self._current,
+            live_breakdown_at_end=dict(self._by_category),
+        )
+        if self._peak_step == self._step:
+            self._peak_timeline = self._timeline
+        self._last_timeline = self._timeline
+        self._timeline = []
+        self._event_index = 0
+        self._phase_stats = {}
+        self._step += 1
+        self._step_peak = self._current
+        self._step_breakdown = dict(self._by_category)
+        self._sample()
+        return result
+
+    @property
+    def current_bytes(self) -> int:
+        """Live tensor bytes on the device now."""
+        self._flush()
+        return self._current
+
+    @property
+    def peak_bytes(self) -> int:
+        """The most live tensor bytes seen since tracking started."""
+        self._flush()
+        return self._peak
+
+    def breakdown(self) -> dict[str, int]:
+        """Live bytes now, by category."""
+        self._flush()
+        return dict(self._by_category)
+
+    def peak_snapshot(self) -> PeakSnapshot:
+        """The largest live storages at the run's peak, and activation bytes by module."""
+        self._flush()
+        if self._peak_dirty:
+            self._capture_peak()
+        if self._activation_dirty:
+            self._capture_activations()
+        if self._snapshot is None:
+            self._capture_peak()
+        snapshot = self._snapshot
+        snapshot.activation_peak_bytes = self._activation_max
+        snapshot.module_activation_bytes = dict(self._module_activations)
+        snapshot.module_input_bytes = dict(self._module_inputs)
+        return snapshot
+
+    def timeline(self, which: str = "peak") -> list[tuple[int, str, dict[str, int]]]:
+        """Samples (event_index, phase, {category: bytes}) of one step, for plotting.
+
+        `which`: "peak" (the step where the run's peak happened), "last" (the last
+        completed step) or "current" (the step in progress). A sample is taken after
+        every operator or free that changed the live bytes.
+        """
+        self._flush()
+        if which == "peak":
+            samples = self._peak_timeline or self._timeline
+        elif which == "last":
+            samples = self._last_timeline or self._timeline
+        elif which == "current":
+            samples = self._timeline
+        else:
+            raise ValueError(f"timeline(which=...) must be 'peak', 'last' or 'current', not {which!r}")
+        return [(index, phase, dict(zip(CATEGORIES, sizes))) for index, phase, sizes in samples]
+
+    def live_tensors(self, count: int | None = None) -> list[TensorInfo]:
+        """The live storages now, largest first (all of them unless `count`)."""
+        self._flush()
+        records = list(self._records.values())
+        records.sort(key=lambda record: record.nbytes, reverse=True)
+        return [self._describe(record) for record in records[:count]]
+
+    # ------------------------------------------------------------ storage counting
+
+    def _storage_of(self, tensor: torch.Tensor) -> torch.UntypedStorage | None:
+        try:
+            storage = tensor.untyped_storage()
+        except (RuntimeError, NotImplementedError, TypeError):
+            return None  # sparse, nested, or a subclass without a plain storage
+        device = storage.device
+        if device.type != self.device.type:
+            return None
+        if self.device.index is not None and device.index != self.device.index:
+            return None
+        return storage
+
+    def _track(self, storage: torch.UntypedStorage, tensor: torch.Tensor, op: str) -> _Storage:
+        """The record of `storage`, counting it first if it is new (or was resized)."""
+        key = storage._cdata
+        record = self._records.get(key)
+        nbytes = storage.nbytes()
+        if record is not None:
+            if nbytes != record.nbytes:
+                self._apply(record.category, nbytes - record.nbytes)
+                record.nbytes = nbytes
+            return record
+        module = self._module_stack[-1] if self._module_stack else NO_MODULE
+        phase = self._phase_stack[-1] if self._phase_stack else NO_PHASE
+        record = _Storage(key, nbytes, tensor, op, module, phase)
+        events = self._events
+        record.ref = weakref.ref(storage, lambda ref, key=key: events.append(("free", key, ref)))
+        self._records[key] = record
+        self._apply(OTHER, nbytes)
+        return record
+
+    def _adopt_inputs(self, args: tuple, kwargs: dict) -> None:
+        self._flush()
+        for leaf in tree_leaves((args, kwargs)):
+            if isinstance(leaf, torch.Tensor):
+                storage = self._storage_of(leaf)
+                if storage is not None and storage._cdata not in self._records:
+                    self._track(storage, leaf, EXISTING_OP)
+
+    def _account_outputs(self, func, out) -> torch.OutOfMemoryError | None:
+        """Count the outputs of `func`; return the cap error instead if they do not fit."""
+        self._flush()
+        new: dict[int, tuple[torch.UntypedStorage, torch.Tensor]] = {}
+        for leaf in tree_leaves(out):
+            if not isinstance(leaf, torch.Tensor):
+                continue
+            storage = self._storage_of(leaf)
+            if storage is None:
+                continue
+            key = storage._cdata
+            if key in self._records:
+                self._track(storage, leaf, "")  # in-place or view: only a resize counts
+            elif key not in new:
+                new[key] = (storage, leaf)
+        if not new:
+            self._sample()
+            return None
+        if self.cap_bytes is not None:
+            requested = sum(storage.nbytes() for storage, _ in new.values())
+            if self._current + requested > self.cap_bytes:
+                return cap_exceeded_error(requested, self._current, self.cap_bytes)
+        op = str(func.overloadpacket)
+        for storage, tensor in new.values():
+            self._track(storage, tensor, op)
+        self._sample()
+        return None
+
+    def _flush(self) -> None:
+        """Apply the frees and released saves that callbacks have queued."""
+        events = self._events
+        changed = False
+        while events:
+            kind, item, ref = events.popleft()
+            changed = True
+            if kind == "free":
+                record = self._records.get(item)
+                if record is None or record.ref is not ref:
+                    continue  # the address was reused by a storage counted since
+                self._apply(record.category, -record.nbytes)
+                del self._records[item]
+            else:
+                record = item
+                before = record.category
+                record.saved -= 1
+                # A storage already freed is no longer counted: nothing to move.
+                if self._records.get(record.key) is record:
+                    self._move(record.nbytes, before, record.category)
+        if changed:
+            self._sample()
+
+    def _apply(self, category: str, delta: int) -> None:
+        """Change the live bytes of `category`; keep peaks and snapshots up to date."""
+        if delta < 0:
+            # The live set is about to shrink: if it was a new peak, describe it now.
+            if self._peak_dirty:
+                self._capture_peak()
+            if self._activation_dirty and category == ACTIVATIONS:
+                self._capture_activations()
+        self._by_category[category] += delta
+        self._current += delta
+        if delta <= 0:
+            return
+        if category == ACTIVATIONS and self._by_category[ACTIVATIONS] > self._activation_max:
+            self._activation_max = self._by_category[ACTIVATIONS]
+            self._activation_dirty = True
+        if self._current > self._step_peak:
+            self._step_peak = self._current
+            self._step_breakdown = dict(self._by_category)
+        for name in self._phase_stack:
+            stats = self._phase_stats[name]
+            if self._current > stats.peak:
+                stats.peak = self._current
+                stats.breakdown = dict(self._by_category)
+        if self._current > self._peak:
+            self._peak = self._current
+            self._peak_breakdown = dict(self._by_category)
+            self._peak_phase = self._phase_stack[-1] if self._phase_stack else NO_PHASE
+            self._peak_step = self._step
+            self._peak_dirty = True
+
+    def _move(self, nbytes: int, source: str, target: str) -> None:
+        if nbytes and source != target:
+            self._apply(source, -nbytes)
+            self._apply(target, nbytes)
+
+    def _set_role(self, record: _Storage, role: str) -> None:
+        before = record.category
+        record.role = role
+        self._move(record.nbytes, before, record.category)
+
+    def _sample(self) -> None:
+        sizes = tuple(self._by_category[category] for category in CATEGORIES)
+        if self._timeline and self._timeline[-1][2] == sizes:
+            return
+        phase = self._phase_stack[-1] if self._phase_stack else NO_PHASE
+        self._timeline.append((self._event_index, phase, sizes))
+        self._event_index += 1
+        if len(self._timeline) > self.max_timeline_samples:
+            # Thin by half, keeping the higher sample of each pair so peaks survive.
+            samples = self._timeline
+            self._timeline = [
+                max(samples[i : i + 2], key=lambda sample: sum(sample[2])) for i in range(0, len(samples), 2)
+            ]
+
+    # ---------------------------------------------------------------- snapshots
+
+    def _describe(self, record: _Storage) -> TensorInfo:
+        return TensorInfo(
+            shape=record.shape,
+            dtype=record.dtype,
+            bytes=record.nbytes,
+            category=record.category,
+            op=record.op,
+            module=record.module,
+            phase=record.phase,
+        )
+
+    def _capture_peak(self) -> None:
+        self._peak_dirty = False
+        records = list(self._records.values())
+        largest = heapq.nlargest(self.top_tensors, records, key=lambda record: record.nbytes)
+        self._snapshot = PeakSnapshot(
+            peak_bytes=self._peak,
+            breakdown=dict(self._peak_breakdown),
+            phase=self._peak_phase,
+            step=self._peak_step,
+            top_tensors=[self._describe(record) for record in largest],
+        )
+
+    def _capture_activations(self) -> None:
+        self._activation_dirty = False
+        by_module: dict[str, int] = collections.defaultdict(int)
+        for record in list(self._records.values()):
+            if record.category == ACTIVATIONS:
+                by_module[record.module] += record.nbytes
+        self._module_activations = dict(by_module)
+
+    # ------------------------------------------------------------ classification
+
+    def _classify(self) -> None:
+        """Give parameters, gradients and optimizer state their roles (walks them all)."""
+        self._flush()
+        roles: dict[int, str] = {}
+        if self._model is not None:
+            for parameter in self._model.parameters():
+                self._claim(parameter, PARAMETERS, roles)
+            for parameter in self._model.parameters():
+                if parameter.grad is not None:
+                    self._claim(parameter.grad, GRADIENTS, roles)
+        if self._optimizer is not None:
+            for state in list(self._optimizer.state.values()):
+                for leaf in tree_leaves(state):
+                    if isinstance(leaf, torch.Tensor):
+                        self._claim(leaf, OPTIMIZER_STATES, roles)
+        for key, record in list(self._records.items()):
+            role = roles.get(key, OTHER)
+            if record.role != role:
+                self._set_role(record, role)
+        self._sample()
+
+    def _claim(self, tensor: torch.Tensor, role: str, roles: dict[int, str]) -> None:
+        storage = self._storage_of(tensor)
+        if storage is None:
+            return
+        key = storage._cdata
+        if key not in self._records:
+            self._track(storage, tensor, EXISTING_OP)
+        if key not in roles:  # an earlier role in _ROLE_PRIORITY wins
+            roles[key] = role
+
+    def _on_grad_ready(self, parameter: torch.Tensor) -> None:
+        if self._depth == 0 or parameter.grad is None:
+            return
+        storage = self._storage_of(parameter.grad)
+        if storage is None:
+            return
+        self._flush()
+        record = self._track(storage, parameter.grad, EXISTING_OP)
+        if record.role == OTHER:
+            self._set_role(record, GRADIENTS)
+            self._sample()
+
+    # ----------------------------------------------------- saved tensors, modules
+
+    def _pack(self, tensor: torch.Tensor):
+        storage = self._storage_of(tensor)
+        if storage is None:
+            return tensor
+        self._flush()
+        record = self._track(storage, tensor, EXISTING_OP)
+        before = record.category
+        record.saved += 1
+        self._move(record.nbytes, before, record.category)
+        # Keep a detached alias: holding the tensor itself would hold its grad_fn,
+        # which holds this object: a cycle through C++ that never gets collected.
+        return _SavedTensor(tensor.detach(), record, self._events)
+
+    @staticmethod
+    def _unpack(packed):
+        return packed.tensor if isinstance(packed, _SavedTensor) else packed
+
+    def _make_pre_hook(self, name: str):
+        def pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            if self._depth == 0:
+                return
+            self._module_stack.append(name)
+            for value in (*args, *kwargs.values()):
+                if isinstance(value, torch.Tensor):
+                    self._module_inputs[name] = value.nbytes
+                    break
+
+        return pre_hook
+
+    def _make_post_hook(self, name: str):
+        def post_hook(module: nn.Module, args: tuple, output) -> None:
+            # Pop down to this module: always_call runs this even when forward raised.
+            if name in self._module_stack:
+                while self._module_stack and self._module_stack.pop() != name:
+                    pass
+
+        return post_hook
