@@ -127,7 +127,7 @@ def train(config: TrainConfig, session: TrainingSession | None = None, tracker: 
     progress = Progress(session.total_steps, state.step, config.output.log_every, enabled=session.dist.is_main)
     activation_offload = _activation_offload_context(session)
     started = time.perf_counter()
-    with tracker if tracker is not None else contextlib.nullcontext(), progress, activation_offload:
+    with tracker if tracker is not None else contextlib.nullcontext(), progress, activation_offload, _oom_is_fatal(runner):
         for step in range(state.step, session.total_steps):
             reset_peaks(session.device)
             step_started = time.perf_counter()
@@ -166,6 +166,7 @@ def train(config: TrainConfig, session: TrainingSession | None = None, tracker: 
                 tracked_peak = max(tracked_peak or 0, step_memory.peak_bytes)
                 record["tracked_peak_bytes"] = step_memory.peak_bytes
                 record["tracked_breakdown"] = dict(step_memory.breakdown)
+                record["tracked_phase_peaks"] = {phase.name: phase.peak_bytes for phase in step_memory.phases}
             logger.log(record)
             progress.update(state.step, loss, record["tokens_per_second"], stats.get("peak_memory_bytes"))
             if config.output.save_every and state.step % config.output.save_every == 0 and state.step < session.total_steps:
@@ -195,6 +196,25 @@ def train(config: TrainConfig, session: TrainingSession | None = None, tracker: 
     logger.log(summary)
     logger.close()
     return TrainResult(state.step, summary["final_loss"], losses, session.output_dir, final_dir, summary["peak_memory_bytes"], tracked_peak, summary)
+
+
+@contextlib.contextmanager
+def _oom_is_fatal(runner: StepRunner):
+    """An OOM the step runner could not recover from ends the run with exit code 3 and one line."""
+    from memfit.errors import DoesNotFitError
+    from memfit.memory.cap import is_out_of_memory
+
+    try:
+        yield
+    except Exception as error:
+        if not is_out_of_memory(error):
+            raise
+        first = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
+        advice = "OOM recovery is off (--no-oom-recovery)" if not runner.oom_recovery else "it happened outside a training step"
+        raise DoesNotFitError(
+            f"out of memory at micro-batch {runner.micro_batch_size} ({first}); {advice}; lower --batch-size or --seq-len,"
+            " or see memfit plan for what fits"
+        ) from None
 
 
 def _save(session: TrainingSession, state: TrainerState) -> None:

@@ -159,7 +159,8 @@ class StepRunner:
                 self.micro_batch_size = min(self.micro_batch_size, half)
                 pending.appendleft(Piece(piece.samples[half:], frozen))
                 pending.appendleft(Piece(piece.samples[:half], frozen))
-                events.append(self._oom_event(failure, old, self.micro_batch_size, len(samples)))
+                pending = _resplit(pending, self.micro_batch_size)  # later pieces would fail the same way
+                events.append(self._oom_event(failure, len(piece.samples), old, self.micro_batch_size, len(samples)))
             else:
                 events.append(self._escalate(failure))
                 pending.appendleft(Piece(piece.samples, frozen))
@@ -201,10 +202,10 @@ class StepRunner:
             for parameter in frozen:
                 parameter.requires_grad_(True)
 
-    def _oom_event(self, failure: dict, old: int, new: int, effective: int) -> dict:
+    def _oom_event(self, failure: dict, failed_size: int, old: int, new: int, effective: int) -> dict:
         old_accumulation, new_accumulation = -(-effective // old), -(-effective // new)
         message = (
-            f"out of memory in {failure['phase']} at micro-batch {old}: split to {new} x {new_accumulation}"
+            f"out of memory in {failure['phase']} on a micro-batch of {failed_size}: now {new} x {new_accumulation}"
             f" (was {old} x {old_accumulation}); the effective batch of {effective} and the update are unchanged"
         )
         log.warning("memfit: %s", message)
@@ -212,6 +213,7 @@ class StepRunner:
             "event": "oom",
             "phase": failure["phase"],
             "error": failure["error"],
+            "failed_micro_batch_size": failed_size,
             "old_micro_batch_size": old,
             "new_micro_batch_size": new,
             "old_gradient_accumulation_steps": old_accumulation,
@@ -291,6 +293,15 @@ class StepRunner:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return grad_norm, skipped
+
+
+def _resplit(pending: deque, size: int) -> deque:
+    """Cut every pending piece to at most `size` samples, keeping order and frozen sets."""
+    result: deque = deque()
+    for piece in pending:
+        for start in range(0, len(piece.samples), size):
+            result.append(Piece(piece.samples[start : start + size], piece.frozen))
+    return result
 
 
 def _describe(error: BaseException, phase: str) -> dict:

@@ -1,0 +1,138 @@
+"""OOM recovery under the emulated memory cap: splits keep the exact update; escalation; exit 3."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import run_memfit
+from memfit.config import load_config
+from memfit.train.checkpoint import list_checkpoints
+from memfit.train.loop import train
+from memfit.train.metrics import read_metrics
+
+
+def _config(llama_dir, text_file, out, **extra):
+    values = dict(
+        model=str(llama_dir), dataset=str(text_file), seq_len=128, batch_size=8, max_steps=2,
+        loss_chunk_size=0, output_dir=str(out),
+    )
+    return load_config(overrides=values | extra)
+
+
+def _weights(result):
+    return load_file(str(result.final_dir / "model.safetensors"))
+
+
+def _tracked_peak(llama_dir, text_file, out, **extra) -> dict:
+    result = train(_config(llama_dir, text_file, out, track_memory=True, **extra))
+    steps = [r for r in read_metrics(out / "metrics.jsonl") if "event" not in r]
+    return {"peak": max(r["tracked_peak_bytes"] for r in steps), "phases": steps[-1]["tracked_phase_peaks"], "result": result}
+
+
+@pytest.fixture(scope="module")
+def peaks(llama_dir, text_file, tmp_path_factory):
+    out = tmp_path_factory.mktemp("peaks")
+    return {mb: _tracked_peak(llama_dir, text_file, out / str(mb), batch_size=mb, gradient_accumulation_steps=8 // mb) for mb in (1, 2, 8)}
+
+
+def test_capped_run_splits_and_equals_uncapped(peaks, llama_dir, text_file, tmp_path):
+    cap = peaks[2]["peak"] + (peaks[8]["peak"] - peaks[2]["peak"]) // 4
+    result = train(_config(llama_dir, text_file, tmp_path, memory_cap=cap, save_every=1, max_steps=2))
+    reference = peaks[8]["result"]
+    for name, tensor in _weights(reference).items():
+        torch.testing.assert_close(_weights(result)[name], tensor, atol=1e-5, rtol=0)
+    events = [r for r in read_metrics(tmp_path / "metrics.jsonl") if r.get("event") == "oom"]
+    assert events and events[0]["old_micro_batch_size"] == 8
+    assert events[-1]["new_micro_batch_size"] <= 4
+    steps = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "event" not in r]
+    assert steps[-1]["micro_batch_size"] * steps[-1]["gradient_accumulation_steps"] == 8
+    # The checkpoint records the split, so a resumed run starts there.
+    state = json.loads((list_checkpoints(tmp_path)[-1] / "trainer_state.json").read_text())
+    assert state["micro_batch_size"] == steps[-1]["micro_batch_size"] < 8
+
+
+def test_oom_in_backward_keeps_the_update_exact(llama_dir, text_file, tmp_path, monkeypatch):
+    """An OOM raised midway through backward: params already accumulated are not counted twice."""
+    from memfit.train import step as step_module
+
+    reference = train(_config(llama_dir, text_file, tmp_path / "ref", max_steps=1))
+    original = step_module.StepRunner._forward_backward
+    calls = {"n": 0}
+
+    def failing(self, piece, normalizer):
+        if len(piece.samples) > 2:
+            layer = self.model.model.layers[0].mlp.down_proj.weight  # late in backward: lm_head etc. are done
+
+            def boom(grad):
+                raise torch.OutOfMemoryError("injected: CUDA out of memory")
+
+            handle = layer.register_hook(boom)
+            try:
+                return original(self, piece, normalizer)
+            finally:
+                handle.remove()
+                calls["n"] += 1
+        return original(self, piece, normalizer)
+
+    monkeypatch.setattr(step_module.StepRunner, "_forward_backward", failing)
+    result = train(_config(llama_dir, text_file, tmp_path / "capped", max_steps=1))
+    assert calls["n"] >= 2  # the 8 failed, then a 4 failed
+    for name, tensor in _weights(reference).items():
+        torch.testing.assert_close(_weights(result)[name], tensor, atol=1e-5, rtol=0)
+    events = [r for r in read_metrics(tmp_path / "capped" / "metrics.jsonl") if r.get("event") == "oom"]
+    assert {e["phase"] for e in events} == {"backward"}
+
+
+def test_oom_in_optimizer_step_is_recovered(llama_dir, text_file, tmp_path):
+    """foreach AdamW needs whole-model temporaries; under a cap memfit redoes the step per parameter."""
+    small = dict(batch_size=1, gradient_accumulation_steps=1, seq_len=16, max_steps=1)
+    foreach = _tracked_peak(llama_dir, text_file, tmp_path / "foreach", optimizer_impl="foreach", **small)
+    loop = _tracked_peak(llama_dir, text_file, tmp_path / "loop", optimizer_impl="for-loop", **small)
+    assert foreach["phases"]["optimizer"] > loop["phases"]["optimizer"]
+    cap = max(loop["peak"], (loop["phases"]["optimizer"] + foreach["phases"]["optimizer"]) // 2)
+    assert cap < foreach["phases"]["optimizer"]
+    result = train(_config(llama_dir, text_file, tmp_path / "capped", optimizer_impl="foreach", memory_cap=cap, **small))
+    events = [r for r in read_metrics(tmp_path / "capped" / "metrics.jsonl") if r.get("event") == "oom"]
+    assert events and events[0]["phase"] == "optimizer"
+    for name, tensor in _weights(foreach["result"]).items():
+        torch.testing.assert_close(_weights(result)[name], tensor, atol=1e-6, rtol=0)
+
+
+def test_one_sample_too_big_turns_on_checkpointing(peaks, llama_dir, text_file, tmp_path):
+    checkpointed = _tracked_peak(llama_dir, text_file, tmp_path / "ckpt", batch_size=1, gradient_accumulation_steps=8,
+                                 gradient_checkpointing="full")
+    assert checkpointed["peak"] < peaks[1]["peak"]
+    cap = (checkpointed["peak"] + peaks[1]["peak"]) // 2
+    result = train(_config(llama_dir, text_file, tmp_path / "capped", memory_cap=cap))
+    events = [r for r in read_metrics(tmp_path / "capped" / "metrics.jsonl") if r.get("event") == "oom"]
+    assert any("gradient checkpointing" in e.get("action", "") for e in events)
+    for name, tensor in _weights(peaks[8]["result"]).items():
+        torch.testing.assert_close(_weights(result)[name], tensor, atol=1e-5, rtol=0)
+
+
+def test_hopeless_cap_exits_3_and_keeps_the_checkpoint(peaks, llama_dir, text_file, tmp_path):
+    out = tmp_path / "run"
+    common = ["train", "--model", llama_dir, "--dataset", text_file, "--seq-len", "128", "--output-dir", out]
+    assert run_memfit(*common, "--max-steps", "2", "--save-every", "1").returncode == 0
+    before = list_checkpoints(out)[-1]
+    breakdown = [r for r in read_metrics(peaks[1]["result"].output_dir / "metrics.jsonl") if "event" not in r][-1]["tracked_breakdown"]
+    model_states = breakdown["parameters"] + breakdown["gradients"] + breakdown["optimizer_states"]
+    cap = model_states + 64 * 1024  # the weights fit; one sample's activations never do
+    result = run_memfit(*common, "--max-steps", "4", "--resume", "auto", "--memory-cap", str(cap))
+    assert result.returncode == 3, result.stderr
+    assert "Traceback" not in result.stderr
+    error_lines = [line for line in result.stderr.splitlines() if "error:" in line]
+    assert len(error_lines) == 1 and "micro-batch 1" in error_lines[0]
+    assert list_checkpoints(out)[-1] == before and (before / "model.safetensors").is_file()
+
+
+def test_no_oom_recovery_stops_with_a_clear_message(peaks, llama_dir, text_file, tmp_path):
+    cap = peaks[2]["peak"]
+    result = run_memfit("train", "--model", llama_dir, "--dataset", text_file, "--seq-len", "128", "--max-steps", "1",
+                        "--memory-cap", str(cap), "--no-oom-recovery", "--loss-chunk-size", "0", "--output-dir", tmp_path)
+    assert result.returncode == 3, result.stderr
+    assert "memory cap" in result.stderr and "Traceback" not in result.stderr
