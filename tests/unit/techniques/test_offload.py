@@ -148,7 +148,7 @@ def test_optimizer_offload_keeps_adam_state_off_the_gpu():
         optimizer.step()
         optimizer.zero_grad()
         torch.cuda.synchronize()
-        measured[offload] = (torch.cuda.memory_allocated(), [p.detach().clone() for p in model.parameters()])
+        measured[offload] = (torch.cuda.memory_allocated(), [p.detach().cpu() for p in model.parameters()])
         del model, optimizer
     parameter_bytes = sum(p.numel() * 4 for p in measured[False][1])
     # AdamW keeps two fp32 moments per parameter: about 2 x parameter bytes leave the GPU.
