@@ -308,10 +308,7 @@ class MemoryTracker:
     def peak_snapshot(self) -> PeakSnapshot:
         """The largest live storages at the run's peak, and activation bytes by module."""
         self._flush()
-        if self._peak_dirty:
-            self._capture_peak()
-        if self._activation_dirty:
-            self._capture_activations()
+        self._settle()
         if self._snapshot is None:
             self._capture_peak()
         snapshot = self._snapshot
@@ -429,6 +426,7 @@ class MemoryTracker:
                 del self._records[item]
             else:
                 record = item
+                self._settle()
                 before = record.category
                 record.saved -= 1
                 # A storage already freed is no longer counted: nothing to move.
@@ -467,12 +465,20 @@ class MemoryTracker:
             self._peak_step = self._step
             self._peak_dirty = True
 
+    def _settle(self) -> None:
+        """Take pending snapshots now, before a record changes category under them."""
+        if self._peak_dirty:
+            self._capture_peak()
+        if self._activation_dirty:
+            self._capture_activations()
+
     def _move(self, nbytes: int, source: str, target: str) -> None:
         if nbytes and source != target:
             self._apply(source, -nbytes)
             self._apply(target, nbytes)
 
     def _set_role(self, record: _Storage, role: str) -> None:
+        self._settle()
         before = record.category
         record.role = role
         self._move(record.nbytes, before, record.category)
@@ -577,6 +583,7 @@ class MemoryTracker:
             return tensor
         self._flush()
         record = self._track(storage, tensor, EXISTING_OP)
+        self._settle()
         before = record.category
         record.saved += 1
         self._move(record.nbytes, before, record.category)

@@ -1,0 +1,187 @@
+"""Closed forms for the bytes a transformer keeps for backward.
+
+Korthikanti et al. (2022, "Reducing Activation Recomputation in Large Transformer
+Models") count the tensors each block saves for backward; the same counting is done
+here for the block kinds Hugging Face models use, per token of a micro-batch:
+
+- norm: RMSNorm (Llama family) keeps its fp32 input, the normalised tensor and the
+  linear's input; LayerNorm (GPT-2) keeps its input, mean and 1/std and the linear's input.
+- attention: Q, K, V (grouped-query: K and V at the KV-head width), the output and
+  the fp32 log-sum-exp for SDPA/flash; eager attention also keeps the
+  [heads, s, s] probabilities (fp32 softmax, plus its compute-dtype copy).
+- MLP: gated (SwiGLU/GeGLU) keeps gate, up, act(gate) and their product (4 x width);
+  GELU keeps the first projection's output and the activation's intermediates.
+- dropout (p > 0) keeps a one-byte mask per element.
+
+Dtypes follow what autocast does: matmul inputs and outputs in the compute dtype, the
+residual stream and norm statistics in fp32.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """The numbers of a decoder-only transformer that decide its activation bytes."""
+
+    model_type: str
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    gated_mlp: bool
+    rms_norm: bool
+    gelu_intermediates: int
+    """Tensors of width `intermediate` the MLP activation keeps (1 for a fused GELU, 4 for GPT-2's gelu_new)."""
+    dropout: float
+    attention_dropout: float
+    tied_embeddings: bool
+    learned_positions: bool
+
+    @property
+    def q_width(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_width(self) -> int:
+        return self.kv_heads * self.head_dim
+
+
+def architecture_of(hf_config: Any) -> Architecture:
+    """Read the Architecture from a transformers config (GPT-2 or the Llama family)."""
+    c = hf_config
+    if c.model_type == "gpt2":
+        hidden = c.n_embd
+        activation = getattr(c, "activation_function", "gelu_new")
+        return Architecture(
+            "gpt2", hidden, c.n_layer, c.n_head, c.n_head, hidden // c.n_head, c.n_inner or 4 * hidden,
+            c.vocab_size, gated_mlp=False, rms_norm=False,
+            gelu_intermediates=4 if activation == "gelu_new" else 1,
+            dropout=float(c.resid_pdrop), attention_dropout=float(c.attn_pdrop),
+            tied_embeddings=bool(getattr(c, "tie_word_embeddings", True)), learned_positions=True,
+        )
+    hidden = c.hidden_size
+    heads = c.num_attention_heads
+    head_dim = getattr(c, "head_dim", None) or hidden // heads
+    return Architecture(
+        c.model_type, hidden, c.num_hidden_layers, heads, getattr(c, "num_key_value_heads", None) or heads,
+        head_dim, c.intermediate_size, c.vocab_size, gated_mlp=True, rms_norm=True, gelu_intermediates=0,
+        dropout=float(getattr(c, "resid_pdrop", 0.0) or 0.0),
+        attention_dropout=float(getattr(c, "attention_dropout", 0.0) or 0.0),
+        tied_embeddings=bool(getattr(c, "tie_word_embeddings", False)), learned_positions=False,
+    )
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per element of the tensors a step keeps."""
+
+    compute: int
+    """Matmul inputs/outputs: 2 under bf16/fp16 autocast or 16-bit weights, else 4."""
+    residual: int
+    """The residual stream: the weights' dtype (fp32 master weights under autocast)."""
+    attention: int = 0
+    """Q, K, V and output of attention; 0 means `compute`. CPU autocast runs SDPA on the fp32 RoPE output."""
+    lora_rank: int = 0
+    """With LoRA the frozen norms keep less and each adapted linear keeps its rank-r activation."""
+
+
+def layer_bytes_per_token(arch: Architecture, precision: Precision, attention: str, seq_len: int) -> float:
+    """Bytes one block keeps for backward, per token of the micro-batch."""
+    c, r = precision.compute, precision.residual
+    a = precision.attention or c
+    h, i = arch.hidden, arch.intermediate
+    frozen = precision.lora_rank > 0
+    if arch.rms_norm:
+        # fp32 upcast of the input, the normalised tensor (residual dtype, only kept for the
+        # weight's gradient: not when frozen), the linear's input
+        norm = 4 * h + (0 if frozen else r * h) + c * h + 4
+    else:
+        norm = r * h + 8 + c * h
+    # Q, K, V as SDPA receives them; GQA keeps K and V narrow except in eager, which repeats them.
+    kv = arch.kv_width if attention != "eager" else arch.q_width
+    attention_bytes = a * (arch.q_width + 2 * kv + arch.q_width)  # Q, K, V and the attention output
+    attention_bytes += c * arch.q_width  # o_proj's input
+    attention_bytes += 4 * arch.heads  # log-sum-exp of the flash/efficient kernels
+    if not arch.rms_norm:
+        attention_bytes += c * arch.q_width  # GPT-2 splits a fused QKV output: the split copy is kept
+    if attention == "eager" or arch.attention_dropout > 0:
+        probabilities = arch.heads * seq_len
+        attention_bytes += probabilities * (4 + (c if c != 4 else 0))
+        if arch.attention_dropout > 0:
+            # dropout needs SDPA's math path: mask, dropped probabilities, scaled Q and K
+            attention_bytes += probabilities * (1 + c) + c * (arch.q_width + kv)
+    if arch.gated_mlp:
+        mlp = 4 * c * i
+    else:
+        mlp = c * i * (1 + arch.gelu_intermediates)
+    dropout = 2 * h if arch.dropout > 0 else 0  # masks after attention and after the MLP
+    adapters = 7 * 4 * precision.lora_rank if frozen else 0  # lora_A outputs kept for lora_B
+    if frozen and c == 2 and r == 2:
+        # 16-bit base without autocast: PEFT casts each adapted linear's input to the fp32 adapters
+        adapters += 4 * (3 * h + i)
+    return 2 * norm + attention_bytes + mlp + dropout + adapters
+
+
+def checkpointed_layer_bytes_per_token(arch: Architecture, precision: Precision) -> float:
+    """What a fully checkpointed block keeps: its input and output (the residual stream)."""
+    return 2 * precision.residual * arch.hidden + (arch.hidden if arch.dropout > 0 else 0)
+
+
+def selective_layer_bytes_per_token(arch: Architecture, precision: Precision) -> float:
+    """Selective checkpointing keeps the matmul and attention outputs, recomputes the rest."""
+    c = precision.compute
+    matmul_outputs = arch.q_width + 2 * arch.kv_width + arch.hidden + 2 * arch.intermediate + arch.hidden
+    return c * (matmul_outputs + arch.q_width) + 4 * arch.heads + precision.residual * arch.hidden
+
+
+def model_edge_bytes_per_token(arch: Architecture, precision: Precision) -> float:
+    """Outside the blocks, live at the loss: the output head's input, input ids and labels."""
+    dropout = arch.hidden if arch.dropout > 0 else 0
+    return precision.compute * arch.hidden + dropout + 16
+
+
+def logits_bytes(arch: Architecture, tokens: int, chunk_tokens: int, compute_bytes: int = 4) -> float:
+    """Peak bytes of the output projection + cross-entropy.
+
+    Unchunked: the logits in the compute dtype, their flattened copy, the fp32 copy and
+    the fp32 log-softmax kept for backward, then as much again for the gradients:
+    about 12 bytes per token and vocabulary entry at the peak (14 with 16-bit logits,
+    whose backward adds a 16-bit gradient). Chunked: one chunk's worth.
+    """
+    live_tokens = min(tokens, chunk_tokens) if chunk_tokens > 0 else tokens
+    return (12.0 if compute_bytes == 4 else 14.0) * live_tokens * arch.vocab
+
+
+def activation_bytes(
+    arch: Architecture,
+    precision: Precision,
+    *,
+    batch_size: int,
+    seq_len: int,
+    attention: str,
+    checkpointing: str,
+    checkpoint_every: int = 1,
+) -> tuple[float, float]:
+    """(activations kept at the end of forward, extra bytes of the block recomputed in backward,
+    bytes of one uncheckpointed block)."""
+    tokens = batch_size * seq_len
+    full_layer = layer_bytes_per_token(arch, precision, attention, seq_len) * tokens
+    edges = model_edge_bytes_per_token(arch, precision) * tokens
+    if checkpointing == "off":
+        return arch.layers * full_layer + edges, 0.0, full_layer
+    if checkpointing == "selective":
+        kept = selective_layer_bytes_per_token(arch, precision) * tokens
+        return arch.layers * kept + edges, full_layer - kept, full_layer
+    checkpointed = math.ceil(arch.layers / max(1, checkpoint_every))
+    kept = checkpointed_layer_bytes_per_token(arch, precision) * tokens
+    # One block is recomputed at a time in backward: its full activations come back.
+    total = checkpointed * kept + (arch.layers - checkpointed) * full_layer + edges
+    return total, full_layer, full_layer

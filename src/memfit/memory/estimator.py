@@ -1,0 +1,450 @@
+"""Predict the peak memory of a training step before running it.
+
+    from memfit import load_config, estimate
+    result = estimate(load_config(overrides={"model": "llama-3.1-8b", "seq_len": 2048, "lora_r": 16}), gpu="rtx-4090")
+    print(result.to_dict())
+
+Two methods:
+
+- `analytical` (default, instant): closed forms from the architecture numbers. Bytes of
+  weights, gradients and optimizer state are exact; activations follow
+  `memfit.memory.activations`.
+- `traced`: runs two real training steps (forward, backward, clipping, the configured
+  optimizer) on fake tensors and counts every live storage (`memfit.memory.traced`):
+  no memory is allocated, a 7B step takes seconds on a CPU.
+
+The breakdown is what is alive at the peak moment, so its parts add up to the peak:
+at a forward/backward peak the gradients are (mostly) not allocated yet; at an
+optimizer peak the activations are gone. `details` gives the full size of each part.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from memfit.config import TrainConfig
+from memfit.errors import UsageError
+from memfit.gpus import GpuSpec, get_gpu
+from memfit.memory.activations import Precision, activation_bytes, architecture_of, logits_bytes
+from memfit.units import GIB
+
+BREAKDOWN_KEYS = ("parameters", "gradients", "optimizer_states", "activations", "logits", "other")
+SHARDINGS = ("none", "ddp", "zero1", "zero2", "zero3", "fsdp")
+
+# Relative error measured against real CPU training steps (docs/accuracy.md).
+ERROR_BAND = {"analytical": 0.10, "traced": 0.03}
+
+CUDA_CONTEXT_BYTES = int(0.5 * GIB)
+"""CUDA context, cuBLAS workspace and kernels: taken from the GPU before the first tensor."""
+FRAGMENTATION = 0.05
+"""The caching allocator reserves more than it hands out; 5 % covers a steady training loop."""
+
+_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+NF4_BYTES_PER_PARAM = 0.5 + 1 / 64 + 4 / (64 * 256)
+"""4-bit nf4: half a byte, one 8-bit absmax per 64 weights, one fp32 absmax per 256 blocks (double quantization)."""
+BNB_8BIT_MIN_SIZE = 4096
+"""bitsandbytes keeps 32-bit state for tensors with fewer elements than this."""
+BNB_8BIT_BLOCK = 256
+
+
+@dataclass
+class Estimate:
+    """A predicted peak and where its bytes go."""
+
+    model: str
+    method: str
+    peak_bytes: int
+    breakdown: dict[str, int]
+    budget_bytes: int | None = None
+    fits: bool | None = None
+    headroom_bytes: int | None = None
+    error_band: float = 0.0
+    """Relative error of this method measured against real steps: the truth lies within peak x (1 +- band)."""
+    per_layer_activation_bytes: int = 0
+    details: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "method": self.method,
+            "peak_bytes": self.peak_bytes,
+            "breakdown": dict(self.breakdown),
+            "budget_bytes": self.budget_bytes,
+            "fits": self.fits,
+            "headroom_bytes": self.headroom_bytes,
+            "error_band": self.error_band,
+            "per_layer_activation_bytes": self.per_layer_activation_bytes,
+            "details": self.details,
+        }
+
+
+@dataclass(frozen=True)
+class RunShape:
+    """The choices of a run that decide its memory, resolved for the target device."""
+
+    device_type: str
+    weight_bytes: int
+    autocast: str | None  # "bf16", "fp16" or None
+    attention: str  # sdpa, flash or eager
+    checkpointing: str
+    checkpoint_every: int
+    loss_chunk_size: int
+    optimizer: str
+    optimizer_impl: str
+    lora_r: int
+    quantize: str
+    optimizer_offload: bool
+
+
+def resolve_run(config: TrainConfig, hf_config: Any, gpu: GpuSpec | None) -> RunShape:
+    """What the training loop would run for `config` on `gpu` (or this machine without one)."""
+    import torch
+
+    from memfit.techniques.loss import default_loss_chunk_size
+
+    device_type = "cuda" if gpu is not None or torch.cuda.is_available() else "cpu"
+    bf16_ok = gpu.bf16 if gpu is not None else device_type == "cpu" or torch.cuda.is_bf16_supported()
+    precision = config.memory.precision
+    if precision == "auto":
+        autocast = ("bf16" if bf16_ok else "fp16") if device_type == "cuda" else None
+    elif precision == "amp":
+        autocast = "bf16" if bf16_ok else "fp16"
+    else:
+        autocast = None if precision == "fp32" else precision
+    attention = config.model.attention
+    if attention == "auto":
+        attention = "sdpa"  # flash-attn keeps the same tensors as SDPA's flash kernel
+    checkpointing = config.memory.gradient_checkpointing
+    if checkpointing == "auto":
+        checkpointing = "full"  # auto checkpoints as few blocks as the budget allows: full is its upper bound
+    chunk = config.memory.loss_chunk_size
+    if chunk is None:
+        chunk = default_loss_chunk_size(hf_config.vocab_size, config.data.seq_len, config.training.batch_size)
+    offload = config.memory.optimizer_offload or config.distributed.zero_offload or config.distributed.fsdp_offload
+    return RunShape(
+        device_type, _BYTES[config.model.dtype], autocast, attention, checkpointing, config.memory.checkpoint_every,
+        chunk, config.optimizer.optimizer, getattr(config.optimizer, "optimizer_impl", "auto"),
+        config.lora.lora_r, config.lora.quantize, offload,
+    )
+
+
+# ---------------------------------------------------------------------------
+# Weights, gradients, optimizer state: exact
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class ParameterInventory:
+    """Parameter tensors of the model as training sees them."""
+
+    shapes: list[tuple[int, ...]]
+    """Every parameter tensor (tied weights once)."""
+    linear_params: int
+    """Weights of the linear layers LoRA targets / QLoRA quantizes (not the output head)."""
+    adapter_shapes: list[tuple[int, ...]]
+    """LoRA A and B matrices."""
+
+    @property
+    def total(self) -> int:
+        return sum(math.prod(s) for s in self.shapes)
+
+
+def parameter_inventory(hf_config: Any, lora_r: int = 0) -> ParameterInventory:
+    """Shapes from a meta-device build (no memory, under a second for 70B)."""
+    from torch import nn
+
+    from memfit.models.presets import build_meta_model
+
+    model = build_meta_model(hf_config)
+    head = model.get_output_embeddings()
+    shapes = [tuple(p.shape) for p in model.parameters()]
+    linear_params, adapters = 0, []
+    for module in model.modules():
+        if module is head:
+            continue
+        if isinstance(module, nn.Linear):
+            fan_in, fan_out = module.in_features, module.out_features
+        elif type(module).__name__ == "Conv1D":  # GPT-2's transposed linear
+            fan_in, fan_out = module.weight.shape
+        else:
+            continue
+        linear_params += fan_in * fan_out
+        if lora_r:
+            adapters += [(lora_r, fan_in), (fan_out, lora_r)]
+    return ParameterInventory(shapes, linear_params, adapters)
+
+
+def optimizer_state_bytes(optimizer: str, shapes: list[tuple[int, ...]], param_bytes: int, momentum: float = 0.0,
+                          fused_step: bool = True) -> int:
+    """Bytes of optimizer state for trainable tensors of `shapes` stored in `param_bytes` per element."""
+    step = 4 if fused_step else 0  # one fp32 step counter per tensor, on the device for fused AdamW
+    if optimizer == "adamw":
+        return sum(2 * param_bytes * math.prod(s) + step for s in shapes)
+    if optimizer in ("adamw-8bit", "paged-adamw-8bit"):
+        total = 2 * BNB_8BIT_BLOCK * 4  # the two quantization maps, shared by all tensors
+        for s in shapes:
+            n = math.prod(s)
+            if n >= BNB_8BIT_MIN_SIZE:
+                total += 2 * n + 2 * 4 * math.ceil(n / BNB_8BIT_BLOCK)
+            else:
+                total += 8 * n
+        return total
+    if optimizer == "sgd":
+        return sum(param_bytes * math.prod(s) for s in shapes) if momentum else 0
+    if optimizer == "adafactor":
+        total = 0
+        for s in shapes:
+            factored = len(s) >= 2
+            total += param_bytes * ((math.prod(s[:-1]) + s[-1]) if factored else math.prod(s)) + 4
+        return total
+    raise UsageError(f"unknown optimizer {optimizer!r}")
+
+
+def optimizer_step_temporary_bytes(run: RunShape, shapes: list[tuple[int, ...]], param_bytes: int) -> int:
+    """Bytes the optimizer step allocates on top of its state (torch 2.13 implementations).
+
+    Fused AdamW updates in place. The foreach implementation builds sqrt(v) for a whole
+    parameter group at once (one state-sized copy of the larger group: the matrices);
+    the for-loop one builds it for one tensor at a time.
+    """
+    if run.optimizer_offload:
+        return 0
+    sizes = [math.prod(s) for s in shapes] or [0]
+    if run.optimizer in ("adamw", "sgd"):
+        impl = run.optimizer_impl
+        if impl in ("auto", "fused"):
+            return 0
+        if impl == "foreach":
+            if run.optimizer == "sgd":
+                return 0
+            return param_bytes * max(sum(n for s, n in zip(shapes, sizes) if len(s) >= 2),
+                                     sum(n for s, n in zip(shapes, sizes) if len(s) < 2))
+        return param_bytes * max(sizes) if run.optimizer == "adamw" else 0
+    if run.optimizer == "adafactor":
+        return 2 * 4 * max(sizes)  # the update and the variance estimate of one tensor
+    return 4 * max(sizes)  # 8-bit AdamW dequantizes one block-quantized tensor's update at a time
+
+
+# ---------------------------------------------------------------------------
+# The estimate
+# ---------------------------------------------------------------------------
+
+
+def _sharding_of(config: TrainConfig, sharding: str) -> str:
+    if sharding != "none":
+        if sharding not in SHARDINGS:
+            raise UsageError(f"sharding must be one of {', '.join(SHARDINGS)}, got {sharding!r}")
+        return sharding
+    if config.distributed.zero_stage:
+        return f"zero{config.distributed.zero_stage}"
+    return config.distributed.sharding
+
+
+def estimate(
+    config: TrainConfig,
+    *,
+    method: str = "analytical",
+    world_size: int = 1,
+    sharding: str = "none",
+    gpu: GpuSpec | str | None = None,
+    budget_bytes: int | None = None,
+    hf_config: Any = None,
+) -> Estimate:
+    """Predict the peak device memory of one training step of `config`.
+
+    Args:
+        method: "analytical" (closed forms, instant) or "traced" (fake-tensor step, seconds).
+        world_size: ranks sharing the work; with `sharding` they divide state.
+        sharding: none, ddp, zero1 (optimizer state), zero2 (+ gradients),
+            zero3 / fsdp (+ parameters); default: from the config's distributed section.
+        gpu: GPU preset (name or GpuSpec); adds the CUDA context and allocator slack
+            and is the budget when `budget_bytes` is not given.
+        budget_bytes: memory to compare the peak with.
+        hf_config: the model's transformers config (default: resolved from config.model.model).
+
+    Raises:
+        UsageError: unknown method, sharding, GPU or model.
+    """
+    from memfit.models.presets import resolve_model_config
+
+    if method not in ("analytical", "traced"):
+        raise UsageError(f"--method must be analytical or traced, got {method!r}")
+    if world_size < 1:
+        raise UsageError(f"--world-size must be at least 1, got {world_size}")
+    gpu_spec = get_gpu(gpu) if isinstance(gpu, str) else gpu
+    if gpu_spec is None and config.memory.gpu:
+        gpu_spec = get_gpu(config.memory.gpu)
+    if budget_bytes is None:
+        budget_bytes = config.memory.memory_budget or config.memory.memory_cap
+        if budget_bytes is None and gpu_spec is not None:
+            budget_bytes = gpu_spec.memory_bytes
+    sharding = _sharding_of(config, sharding)
+    if hf_config is None:
+        hf_config = resolve_model_config(config.model.model, config.model.trust_remote_code)
+    run = resolve_run(config, hf_config, gpu_spec)
+    if run.quantize != "none" and run.lora_r == 0:
+        raise UsageError("--quantize needs LoRA: add --lora-r")
+    inventory = parameter_inventory(hf_config, run.lora_r)
+    parts = _state_bytes(config, run, inventory)
+    if method == "analytical":
+        moment, per_layer, notes = _analytical_peak(config, run, hf_config, inventory, parts)
+    else:
+        moment, per_layer, notes = _traced_peak(config, run, hf_config, inventory, parts)
+    moment = _apply_sharding(moment, parts, sharding, world_size, hf_config, run)
+    if run.device_type == "cuda":
+        allocated = sum(moment.values())
+        moment["other"] += CUDA_CONTEXT_BYTES + int(FRAGMENTATION * allocated)
+        notes["allocated_peak_bytes"] = allocated
+    peak = int(sum(moment.values()))
+    fits = headroom = None
+    if budget_bytes is not None:
+        headroom = int(budget_bytes - peak)
+        fits = headroom >= 0
+    details = {
+        "device": gpu_spec.name if gpu_spec else run.device_type,
+        "sharding": sharding,
+        "world_size": world_size,
+        "parameter_count": inventory.total,
+        "trainable_parameter_count": parts["trainable_count"],
+        "full_bytes": {k: int(parts[k]) for k in ("parameters", "gradients", "optimizer_states")},
+        "precision": run.autocast or {4: "fp32", 2: "bf16"}[run.weight_bytes],
+        "attention": run.attention,
+        "checkpointing": run.checkpointing,
+        "loss_chunk_size": run.loss_chunk_size,
+        **notes,
+    }
+    return Estimate(
+        model=config.model.model, method=method, peak_bytes=peak,
+        breakdown={k: int(moment[k]) for k in BREAKDOWN_KEYS}, budget_bytes=budget_bytes, fits=fits,
+        headroom_bytes=headroom, error_band=ERROR_BAND[method], per_layer_activation_bytes=int(per_layer),
+        details=details,
+    )
+
+
+def _state_bytes(config: TrainConfig, run: RunShape, inventory: ParameterInventory) -> dict[str, Any]:
+    """Full bytes of parameters, gradients, optimizer state and the step temporaries."""
+    wb = run.weight_bytes
+    if run.lora_r:
+        trainable_shapes = inventory.adapter_shapes
+        trainable_bytes = 4  # PEFT keeps adapters in fp32
+        base = inventory.total * wb
+        if run.quantize == "4bit":
+            base -= inventory.linear_params * (wb - NF4_BYTES_PER_PARAM)
+        elif run.quantize == "8bit":
+            base -= inventory.linear_params * (wb - 1 - 4 / 4096)  # int8 + one fp32 scale per row (about)
+        parameters = base + 4 * sum(math.prod(s) for s in trainable_shapes)
+    else:
+        trainable_shapes = inventory.shapes
+        trainable_bytes = wb
+        parameters = inventory.total * wb
+    trainable = sum(math.prod(s) for s in trainable_shapes)
+    fused_step = run.optimizer == "adamw" and run.optimizer_impl in ("auto", "fused")
+    optimizer = optimizer_state_bytes(run.optimizer, trainable_shapes, trainable_bytes, config.optimizer.momentum, fused_step)
+    if not fused_step and run.optimizer == "adamw" and run.device_type == "cpu":
+        optimizer += 4 * len(trainable_shapes)  # the step counters live on the CPU
+    return {
+        "parameters": parameters,
+        "gradients": trainable * trainable_bytes,
+        "optimizer_states": 0 if run.optimizer_offload else optimizer,
+        "optimizer_temporaries": optimizer_step_temporary_bytes(run, trainable_shapes, trainable_bytes),
+        "trainable_count": trainable,
+        "trainable_shapes": trainable_shapes,
+        "trainable_bytes": trainable_bytes,
+    }
+
+
+def _precision(run: RunShape) -> Precision:
+    compute = 2 if run.autocast or run.weight_bytes == 2 else 4
+    # CPU autocast leaves SDPA out of its bf16 list: it runs on the fp32 output of RoPE.
+    attention = 4 if run.autocast and run.device_type == "cpu" and run.weight_bytes == 4 else compute
+    return Precision(compute=compute, residual=run.weight_bytes, attention=attention, lora_rank=run.lora_r)
+
+
+def _analytical_peak(config, run: RunShape, hf_config, inventory, parts) -> tuple[dict, float, dict]:
+    arch = architecture_of(hf_config)
+    precision = _precision(run)
+    b, s = config.training.batch_size, config.data.seq_len
+    activations, recompute, per_layer = activation_bytes(
+        arch, precision, batch_size=b, seq_len=s, attention=run.attention,
+        checkpointing=run.checkpointing, checkpoint_every=run.checkpoint_every,
+    )
+    logits = logits_bytes(arch, b * (s - 1), run.loss_chunk_size, precision.compute)
+    # Gradients alive while the last block's backward runs: the head's and that block's.
+    head = arch.vocab * arch.hidden * parts["trainable_bytes"] if not run.lora_r else 0
+    last_block = parts["gradients"] / max(1, arch.layers) if not run.lora_r else 0
+    other = 0.0
+    if run.autocast and run.weight_bytes == 4:
+        # autocast caches a 16-bit copy of each weight for the whole forward
+        other += 2 * (inventory.linear_params if not run.quantize != "none" else 0)
+    if run.quantize == "4bit":
+        other += 2 * max(math.prod(s) for s in inventory.shapes)  # one dequantized weight at a time
+    resident = parts["parameters"] + parts["optimizer_states"] + activations + other
+    forward_end = resident + logits
+    backward = resident + recompute + head + last_block
+    optimizer_step = parts["parameters"] + parts["gradients"] + parts["optimizer_states"] + parts["optimizer_temporaries"]
+    if max(forward_end, backward) >= optimizer_step:
+        in_backward = backward > forward_end
+        moment = {"parameters": parts["parameters"], "gradients": head + last_block if in_backward else 0,
+                  "optimizer_states": parts["optimizer_states"],
+                  "activations": activations + (recompute if in_backward else 0),
+                  "logits": 0 if in_backward else logits, "other": other}
+        phase = "backward" if in_backward else "forward"
+    else:
+        moment = {"parameters": parts["parameters"], "gradients": parts["gradients"],
+                  "optimizer_states": parts["optimizer_states"], "activations": 0, "logits": 0,
+                  "other": parts["optimizer_temporaries"]}
+        phase = "optimizer step"
+    notes = {"peak_phase": phase, "activation_bytes": int(activations), "logits_bytes": int(logits)}
+    return moment, per_layer, notes
+
+
+def _traced_peak(config, run: RunShape, hf_config, inventory, parts) -> tuple[dict, float, dict]:
+    import torch
+
+    from memfit.memory.traced import StepSetup, trace_step
+
+    dtypes = {4: torch.float32, 2: torch.bfloat16}
+    # Fake tensors cannot be 4-bit quantized: trace the 16-bit base and swap in the quantized bytes.
+    quantized = run.quantize != "none"
+    weight_dtype = torch.bfloat16 if quantized else dtypes[run.weight_bytes]
+    autocast = {"bf16": torch.bfloat16, "fp16": torch.bfloat16, None: None}[run.autocast]
+    setup = StepSetup(
+        config.training.batch_size, config.data.seq_len, weight_dtype, autocast, run.attention.replace("flash", "sdpa"),
+        run.checkpointing, run.checkpoint_every, run.loss_chunk_size, torch.device("cpu"),
+    )
+    traced_config = config.replace(optimizer_impl="fused") if (
+        run.device_type == "cuda" and getattr(config.optimizer, "optimizer_impl", "auto") == "auto") else config
+    if quantized:
+        traced_config = traced_config.replace(quantize="none")
+    step = trace_step(hf_config, traced_config, setup, fake=True)
+    moment = {k: float(v) for k, v in step.breakdown.items()}
+    if quantized:
+        moment["parameters"] += parts["parameters"] - (inventory.total * 2 + 4 * parts["trainable_count"])
+    if run.optimizer_offload:
+        moment["optimizer_states"] = 0
+    arch = architecture_of(hf_config)
+    per_layer = activation_bytes(arch, _precision(run), batch_size=config.training.batch_size,
+                                 seq_len=config.data.seq_len, attention=run.attention, checkpointing="off")[2]
+    notes = {"peak_phase": step.peak_phase, "phase_peaks": step.phase_peaks}
+    return moment, per_layer, notes
+
+
+def _apply_sharding(moment: dict, parts: dict, sharding: str, world_size: int, hf_config, run: RunShape) -> dict:
+    """Divide what each sharding mode spreads over the ranks; add DDP's gradient buckets."""
+    moment = dict(moment)
+    if world_size == 1 or sharding == "none":
+        return moment
+    if sharding == "ddp":
+        moment["other"] += parts["gradients"]  # bucketed gradient copies for all-reduce
+        return moment
+    divide = {"zero1": ("optimizer_states",), "zero2": ("optimizer_states", "gradients"),
+              "zero3": ("optimizer_states", "gradients", "parameters"), "fsdp": ("optimizer_states", "gradients", "parameters")}
+    for key in divide[sharding]:
+        moment[key] = moment[key] / world_size
+    if "parameters" in divide[sharding]:
+        # One block gathered in full for compute, the next prefetched.
+        layers = architecture_of(hf_config).layers
+        moment["other"] += 2 * parts["parameters"] / max(1, layers)
+    return moment
