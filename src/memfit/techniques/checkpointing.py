@@ -45,10 +45,6 @@ class CheckpointedBlock(nn.Module):
         return checkpoint(self.block, *args, use_reentrant=False, **self.checkpoint_kwargs, **kwargs)
 
 
-def _hf_layers(model: nn.Module) -> list[nn.Module]:
-    return [module for module in model.modules() if hasattr(module, "gradient_checkpointing") and hasattr(module, "_gradient_checkpointing_func")]
-
-
 def apply_gradient_checkpointing(
     model: nn.Module, mode: str, every: int = 1, block_indices: list[int] | None = None
 ) -> str:
@@ -67,10 +63,9 @@ def apply_gradient_checkpointing(
     chosen = block_indices if block_indices is not None else checkpointed_block_indices(len(blocks), every)
     if hasattr(model, "gradient_checkpointing_enable") and getattr(model, "supports_gradient_checkpointing", False):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-        layers = _hf_layers(model)
-        if len(layers) == len(blocks):
-            for index, layer in enumerate(layers):
-                layer.gradient_checkpointing = index in chosen
+        if all(hasattr(block, "gradient_checkpointing") for block in blocks):
+            for index, block in enumerate(blocks):
+                block.gradient_checkpointing = index in chosen
         else:  # a model whose checkpointed layers are not its blocks: keep HF's choice, all of them
             chosen = list(range(len(blocks)))
     else:
