@@ -151,8 +151,18 @@ class ParameterInventory:
         return sum(math.prod(s) for s in self.shapes)
 
 
+_INVENTORIES: dict[tuple[str, int], ParameterInventory] = {}
+
+
 def parameter_inventory(hf_config: Any, lora_r: int = 0) -> ParameterInventory:
-    """Shapes from a meta-device build (no memory, under a second for 70B)."""
+    """Shapes from a meta-device build (no memory, under a second for 70B); cached per config."""
+    key = (hf_config.to_json_string(use_diff=False), lora_r)
+    if key not in _INVENTORIES:
+        _INVENTORIES[key] = _build_inventory(hf_config, lora_r)
+    return _INVENTORIES[key]
+
+
+def _build_inventory(hf_config: Any, lora_r: int) -> ParameterInventory:
     from torch import nn
 
     from memfit.models.presets import build_meta_model
