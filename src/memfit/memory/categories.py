@@ -1,4 +1,5 @@
-"""The categories of training memory, and the records the memory tracker hands out.
+"""The categories of training memory, and the records the memory tracker hands out
+(steps, phases, tensors, the peak snapshot, the timeline of a step).
 
 Every byte the tracker counts belongs to exactly one category:
 
@@ -142,3 +143,49 @@ class PeakSnapshot:
         """The `count` modules holding the most activation bytes, largest first."""
         ranked = sorted(self.module_activation_bytes.items(), key=lambda item: item[1], reverse=True)
         return [(name, size) for name, size in ranked[:count] if size > 0]
+
+
+class Timeline:
+    """Samples of live bytes by category through one step, at most `max_samples` of them.
+
+    Each sample is (event_index, phase, sizes in `CATEGORIES` order); the event index
+    counts changes of the live bytes since the step began. Past `max_samples`, pairs
+    of samples merge into the higher one and later samples are taken per window of
+    twice as many events, so the step stays evenly covered and its peak survives.
+    """
+
+    def __init__(self, max_samples: int = 4000) -> None:
+        self.max_samples = max(16, max_samples)
+        self._samples: list[tuple[int, str, tuple[int, ...]]] = []
+        self._stride = 1
+        self._window: tuple[int, str, tuple[int, ...]] | None = None
+        self._window_events = 0
+        self._events = 0
+        self._last: tuple[int, ...] | None = None
+
+    def record(self, phase: str, sizes: tuple[int, ...]) -> None:
+        """Add a sample unless the sizes did not change since the last one."""
+        if sizes == self._last:
+            return
+        self._last = sizes
+        sample = (self._events, phase, sizes)
+        self._events += 1
+        if self._window is None or sum(sizes) > sum(self._window[2]):
+            self._window = sample
+        self._window_events += 1
+        if self._window_events < self._stride:
+            return
+        self._samples.append(self._window)
+        self._window, self._window_events = None, 0
+        if len(self._samples) > self.max_samples:
+            samples = self._samples
+            self._samples = [max(samples[i : i + 2], key=lambda item: sum(item[2])) for i in range(0, len(samples), 2)]
+            self._stride *= 2
+
+    def samples(self) -> list[tuple[int, str, dict[str, int]]]:
+        """The samples as (event_index, phase, {category: bytes})."""
+        samples = self._samples + ([self._window] if self._window is not None else [])
+        return [(index, phase, dict(zip(CATEGORIES, sizes, strict=True))) for index, phase, sizes in samples]
+
+    def __len__(self) -> int:
+        return len(self._samples) + (self._window is not None)

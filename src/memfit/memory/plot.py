@@ -91,8 +91,9 @@ def plot_timeline(
                 axes.text(index, top * 1.02, f" {phase}", fontsize=8, va="bottom", ha="left")
             previous_phase = phase
         axes.axhline(top, color="black", linewidth=0.8, alpha=0.5)
-        axes.annotate(f"peak {format_bytes(peak, unit)}", (peak_at, top), textcoords="offset points",
-                      xytext=(4, -12), fontsize=8)
+        axes.annotate(
+            f"peak {format_bytes(peak, unit)}", (peak_at, top), textcoords="offset points", xytext=(4, -12), fontsize=8
+        )
         axes.set_ylim(0, top * 1.12 if top > 0 else 1)
         axes.set_xlim(indices[0], max(indices[-1], indices[0] + 1))
         axes.set_xlabel("tracker event (operators and frees that changed live memory)")

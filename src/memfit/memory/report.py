@@ -203,9 +203,7 @@ def _suggested_chunk(tokens: int) -> int:
     return max(16, 2 ** int(math.log2(max(tokens // 4, 1))))
 
 
-def advise(
-    breakdown: dict[str, int], peak_bytes: int, snapshot: PeakSnapshot, context: ReportContext
-) -> list[dict]:
+def advise(breakdown: dict[str, int], peak_bytes: int, snapshot: PeakSnapshot, context: ReportContext) -> list[dict]:
     """What to switch on, largest saving first; each entry is technique, flag, saves_bytes, message.
 
     Only techniques the run does not use yet are suggested, and only when the
@@ -310,7 +308,7 @@ def detect_leak(live_bytes_at_end: Sequence[int], min_steps: int = 3) -> dict | 
     if len(series) < min_steps:
         return None
     tolerance = max(1024, series[0] // 1000)
-    growth = [after - before for before, after in zip(series, series[1:])]
+    growth = [after - before for before, after in zip(series[:-1], series[1:], strict=True)]
     if not all(delta > tolerance for delta in growth):
         return None
     per_step = sum(growth) // len(growth)
@@ -355,7 +353,10 @@ def render(report: ProfileReport) -> str:
             largest = max(phase.breakdown, key=phase.breakdown.get) if phase.breakdown else "-"
             lines.append(f"  {phase.name:<18}{size(phase.peak_bytes)}  largest: {largest}")
     if report.top_modules:
-        lines.append(f"modules holding the most activations (at most {format_bytes(report.activation_peak_bytes, unit)}):")
+        lines.append(
+            f"modules holding the most activations (of {format_bytes(report.activation_peak_bytes, unit)} "
+            f"at their peak; each tensor counts for the innermost module that made it):"
+        )
         for name, num_bytes in report.top_modules:
             lines.append(f"  {name:<40}{size(num_bytes)}")
     if report.top_tensors:
@@ -363,8 +364,8 @@ def render(report: ProfileReport) -> str:
         for tensor in report.top_tensors:
             shape = "x".join(str(dim) for dim in tensor.shape) or "scalar"
             lines.append(
-                f"  {shape:<16}{tensor.dtype:<10}{size(tensor.bytes)}  {tensor.category:<17}"
-                f"{tensor.op:<28}{tensor.module}"
+                f"  {shape:<16} {tensor.dtype:<9}{size(tensor.bytes)}  {tensor.category:<17} "
+                f"{tensor.op:<32} {tensor.module}"
             )
     if report.advice:
         lines.append("advice:")

@@ -42,8 +42,8 @@ from contextlib import contextmanager
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from memfit.memory.cap import cap_exceeded_error
 from memfit.memory.categories import (
@@ -58,6 +58,7 @@ from memfit.memory.categories import (
     PhaseMemory,
     StepMemory,
     TensorInfo,
+    Timeline,
     empty_breakdown,
 )
 
@@ -161,7 +162,7 @@ class MemoryTracker:
         self.device = torch.device(device)
         self.cap_bytes = cap_bytes
         self.top_tensors = top_tensors
-        self.max_timeline_samples = max(16, max_timeline_samples)
+        self.max_timeline_samples = max_timeline_samples
         self._records: dict[int, _Storage] = {}
         # Frees and released saves, queued by callbacks and applied at safe points.
         self._events: collections.deque = collections.deque()
@@ -184,10 +185,9 @@ class MemoryTracker:
         self._step_breakdown = empty_breakdown()
         self._phase_stack: list[str] = []
         self._phase_stats: dict[str, _PhaseStats] = {}
-        self._timeline: list[tuple[int, str, tuple[int, ...]]] = []
-        self._event_index = 0
-        self._peak_timeline: list[tuple[int, str, tuple[int, ...]]] = []
-        self._last_timeline: list[tuple[int, str, tuple[int, ...]]] = []
+        self._timeline = Timeline(max_timeline_samples)
+        self._peak_timeline: Timeline | None = None
+        self._last_timeline: Timeline | None = None
         # Model and optimizer.
         self._module_stack: list[str] = []
         self._model: nn.Module | None = None
@@ -214,9 +214,7 @@ class MemoryTracker:
             self._hook_handles.append(
                 module.register_forward_pre_hook(self._make_pre_hook(qualified), with_kwargs=True)
             )
-            self._hook_handles.append(
-                module.register_forward_hook(self._make_post_hook(qualified), always_call=True)
-            )
+            self._hook_handles.append(module.register_forward_hook(self._make_post_hook(qualified), always_call=True))
         for parameter in model.parameters():
             if parameter.requires_grad:
                 self._hook_handles.append(parameter.register_post_accumulate_grad_hook(self._on_grad_ready))
@@ -279,8 +277,7 @@ class MemoryTracker:
         if self._peak_step == self._step:
             self._peak_timeline = self._timeline
         self._last_timeline = self._timeline
-        self._timeline = []
-        self._event_index = 0
+        self._timeline = Timeline(self.max_timeline_samples)
         self._phase_stats = {}
         self._step += 1
         self._step_peak = self._current
@@ -326,14 +323,14 @@ class MemoryTracker:
         """
         self._flush()
         if which == "peak":
-            samples = self._peak_timeline or self._timeline
+            timeline = self._peak_timeline or self._timeline
         elif which == "last":
-            samples = self._last_timeline or self._timeline
+            timeline = self._last_timeline or self._timeline
         elif which == "current":
-            samples = self._timeline
+            timeline = self._timeline
         else:
             raise ValueError(f"timeline(which=...) must be 'peak', 'last' or 'current', not {which!r}")
-        return [(index, phase, dict(zip(CATEGORIES, sizes))) for index, phase, sizes in samples]
+        return timeline.samples()
 
     def live_tensors(self, count: int | None = None) -> list[TensorInfo]:
         """The live storages now, largest first (all of them unless `count`)."""
@@ -484,18 +481,8 @@ class MemoryTracker:
         self._move(record.nbytes, before, record.category)
 
     def _sample(self) -> None:
-        sizes = tuple(self._by_category[category] for category in CATEGORIES)
-        if self._timeline and self._timeline[-1][2] == sizes:
-            return
         phase = self._phase_stack[-1] if self._phase_stack else NO_PHASE
-        self._timeline.append((self._event_index, phase, sizes))
-        self._event_index += 1
-        if len(self._timeline) > self.max_timeline_samples:
-            # Thin by half, keeping the higher sample of each pair so peaks survive.
-            samples = self._timeline
-            self._timeline = [
-                max(samples[i : i + 2], key=lambda sample: sum(sample[2])) for i in range(0, len(samples), 2)
-            ]
+        self._timeline.record(phase, tuple(self._by_category[category] for category in CATEGORIES))
 
     # ---------------------------------------------------------------- snapshots
 

@@ -1,0 +1,51 @@
+"""Fixtures for the memory tracker tests: tiny Llama models and one tracked training step."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+
+def build_llama(layers: int = 2, hidden: int = 64, vocab: int = 256, intermediate: int | None = None):
+    """A randomly initialized Llama built from a config (nothing is downloaded)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=intermediate or 2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=vocab,
+        max_position_embeddings=2048,
+    )
+    model = LlamaForCausalLM(config)
+    model.train()
+    return model
+
+
+def tracked_step(tracker, model, optimizer, input_ids, autocast: bool = False) -> torch.Tensor:
+    """One training step with the phases the loop uses; returns the detached loss."""
+    precision = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+    with tracker.phase("forward"), precision:
+        loss = model(input_ids=input_ids, labels=input_ids, use_cache=False).loss
+    with tracker.phase("backward"):
+        loss.backward()
+    if optimizer is not None:
+        with tracker.phase("optimizer"):
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
+@pytest.fixture
+def llama():
+    return build_llama
+
+
+@pytest.fixture
+def step():
+    return tracked_step
