@@ -1,0 +1,68 @@
+"""`memfit estimate`: will it fit? The predicted peak memory of a training step, part by part."""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field
+
+from memfit.cli.flags import help_text, parse_command_line
+from memfit.units import format_bytes
+
+SUMMARY = "Predict the peak memory of one training step (no weights loaded) and whether it fits --gpu / --memory-budget."
+
+
+@dataclass
+class EstimateOptions:
+    method: str = field(default="analytical", metadata={"choices": ("analytical", "traced")})
+    """analytical (closed forms, instant) or traced (one step on fake tensors, seconds)."""
+    json: bool = False
+    """Print one JSON object on stdout and nothing else."""
+    world_size: int = 1
+    """Devices the run is spread over; with --sharding fsdp or --zero-stage they divide the state."""
+    offload: bool = False
+    """Keep the optimizer state on the CPU (same as --optimizer-offload)."""
+
+
+def run(argv: list[str]) -> int:
+    if "--help" in argv or "-h" in argv:
+        print(help_text("estimate", SUMMARY, [EstimateOptions]))
+        return 0
+    from memfit.memory.estimator import estimate
+
+    config, extras = parse_command_line(argv, extras=[EstimateOptions])
+    options: EstimateOptions = extras[EstimateOptions]
+    if options.offload:
+        config = config.replace(optimizer_offload=True)
+    result = estimate(config, method=options.method, world_size=options.world_size)
+    if options.json:
+        sys.stdout.write(json.dumps(result.to_dict()) + "\n")
+        return 0
+    print(render(result))
+    return 0
+
+
+def render(result) -> str:
+    """The estimate as a table: bytes in GiB and % of the peak, then the verdict."""
+    peak = max(result.peak_bytes, 1)
+    d = result.details
+    lines = [
+        f"memfit estimate: {result.model} ({d['parameter_count'] / 1e9:.2f}B parameters, "
+        f"{d['trainable_parameter_count'] / 1e6:.1f}M trainable), {result.method} method",
+        f"  device {d['device']}, precision {d['precision']}, attention {d['attention']}, "
+        f"checkpointing {d['checkpointing']}, loss chunk {d['loss_chunk_size'] or 'off'}, "
+        f"sharding {d['sharding']} x{d['world_size']}",
+        "",
+        f"  {'at the peak (' + str(d.get('peak_phase', '')) + ')':<28} {'GiB':>10} {'%':>7}",
+    ]
+    for name, value in result.breakdown.items():
+        lines.append(f"  {name.replace('_', ' '):<28} {value / 1024**3:>10.3f} {100 * value / peak:>6.1f}%")
+    lines.append(f"  {'peak':<28} {result.peak_bytes / 1024**3:>10.3f}  (+-{100 * result.error_band:.0f}%)")
+    lines.append(f"  activations per layer: {format_bytes(result.per_layer_activation_bytes)}")
+    if result.budget_bytes is not None:
+        verdict = "fits" if result.fits else "does NOT fit"
+        lines.append(
+            f"  {verdict} in {format_bytes(result.budget_bytes)}: headroom {format_bytes(result.headroom_bytes)}"
+            + ("" if result.fits else "  (try: memfit plan with the same flags)")
+        )
+    return "\n".join(lines)
