@@ -1,0 +1,289 @@
+"""LoRA and QLoRA: train small low-rank adapters on a frozen (optionally quantized) base.
+
+LoRA (`--lora-r R`, PEFT)
+    Saves: gradients and optimizer state exist only for the adapters. Each adapted
+    `d_out x d_in` linear gets `R x (d_in + d_out)` trainable parameters, typically
+    0.1-1% of the model, so the 4 + 8 bytes per parameter of fp32 gradients and AdamW
+    moments almost vanish (a 7B model: ~84 GiB of them in full fine-tuning, < 1 GiB
+    with r=16). The frozen weights can stay in bf16.
+    Costs: the adapters' small extra matmuls (a few percent of a step); the
+    activations are about those of full training (the base layers' inputs are still
+    saved to backpropagate through them); quality depends on the rank.
+QLoRA (`--quantize 4bit` with `--lora-r`, bitsandbytes)
+    Saves: the frozen weights are stored in 4-bit NF4 with double-quantized scales:
+    about 0.5 byte per parameter instead of 2 (bf16). `--quantize 8bit`: 1 byte.
+    Costs: each quantized matmul dequantizes its weight on the fly (slower than bf16
+    on GPU, much slower on CPU); small rounding of the frozen weights; the norms,
+    embeddings and head are upcast to fp32 for stable training (PEFT's
+    `prepare_model_for_kbit_training`).
+
+Targets (`--lora-targets`): `auto` puts adapters on every linear layer inside the
+transformer blocks (attention and MLP projections); `all-linear` on every linear layer
+except the output head; or comma-separated module names (`q_proj,v_proj`).
+
+After training, `save_adapter` writes the adapter in PEFT's format (a few MB) and
+`merge_and_save` writes a plain Hugging Face model with the adapter folded in. A 4-bit
+or 8-bit base is dequantized for the merge (to `dtype`, default the model's dtype or
+fp32), so the merged model loads with `AutoModelForCausalLM.from_pretrained` without
+bitsandbytes; it is a full-precision model, as large as the unquantized base.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from memfit.config import LoraConfig
+from memfit.errors import UsageError
+
+BNB_HINT = "pip install memfit[bnb]"
+PEFT_HINT = "pip install memfit[peft]"
+
+
+@dataclass
+class LoraSummary:
+    rank: int
+    modules: int
+    """Number of linear layers that got an adapter."""
+    trainable_parameters: int
+    total_parameters: int
+    """All parameters, quantized ones counted by their unpacked size."""
+    quantize: str = "none"
+
+    def describe(self) -> str:
+        """One line for the log: 'LoRA r=16 on 14 modules: 0.52M trainable of 124M (0.42%)'."""
+        kind = {"none": "LoRA", "4bit": "QLoRA (4-bit base)", "8bit": "LoRA (8-bit base)"}[self.quantize]
+        share = 100 * self.trainable_parameters / max(self.total_parameters, 1)
+        return (
+            f"{kind} r={self.rank} on {self.modules} modules: {_millions(self.trainable_parameters)} trainable"
+            f" of {_millions(self.total_parameters)} ({share:.2f}%)"
+        )
+
+
+def _millions(count: int) -> str:
+    if count >= 10_000_000:
+        return f"{count / 1e6:.0f}M"
+    return f"{count / 1e6:.2f}M"
+
+
+def _require(module: str, hint: str, what: str) -> None:
+    if importlib.util.find_spec(module) is None:
+        raise UsageError(f"{what} needs {module}, which is not installed: {hint}")
+
+
+def quantization_config(lora_cfg: LoraConfig, compute_dtype: torch.dtype):
+    """The `transformers.BitsAndBytesConfig` to load the base with, or None for `--quantize none`.
+
+    4bit: NF4 with double quantization, matmuls in `compute_dtype` (bf16 or fp16 on a GPU
+    that has it, else fp32). 8bit: LLM.int8(). Raises UsageError when bitsandbytes is missing.
+    """
+    if lora_cfg.quantize == "none":
+        return None
+    _require("bitsandbytes", BNB_HINT, f"--quantize {lora_cfg.quantize}")
+    from transformers import BitsAndBytesConfig
+
+    if lora_cfg.quantize == "8bit":
+        return BitsAndBytesConfig(load_in_8bit=True)
+    if compute_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        compute_dtype = torch.float32
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=compute_dtype,
+    )
+
+
+# ---------------------------------------------------------------------------
+# Target modules
+# ---------------------------------------------------------------------------
+
+
+def _is_linear(module: nn.Module) -> bool:
+    # bitsandbytes' Linear4bit/Linear8bitLt subclass nn.Linear; GPT-2 style models use Conv1D.
+    return isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"
+
+
+def linear_module_names(model: nn.Module) -> list[str]:
+    """Full names of the linear layers a LoRA adapter can go on, output head excluded."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return [name for name, module in model.named_modules() if _is_linear(module) and module is not head]
+
+
+def resolve_lora_targets(model: nn.Module, targets: str) -> list[str]:
+    """Full module names for `--lora-targets` (auto, all-linear, or comma-separated names)."""
+    linear = linear_module_names(model)
+    if not linear:
+        raise UsageError(f"{type(model).__name__} has no linear layers for LoRA adapters; train it without --lora-r")
+    if targets == "all-linear":
+        return linear
+    if targets == "auto":
+        from memfit.techniques.checkpointing import transformer_blocks
+
+        try:
+            blocks = transformer_blocks(model)
+        except ValueError:
+            return linear
+        prefix = next(name for name, module in model.named_modules() if module is blocks) + "."
+        return [name for name in linear if name.startswith(prefix)] or linear
+    wanted = [name.strip() for name in targets.split(",") if name.strip()]
+    valid = sorted({name.rsplit(".", 1)[-1] for name in linear})
+    unknown = [name for name in wanted if not any(full == name or full.endswith("." + name) for full in linear)]
+    if unknown or not wanted:
+        raise UsageError(
+            f"--lora-targets {', '.join(unknown) or targets!r} matches no linear layer of this model;"
+            f" valid names: {', '.join(valid)} (or auto, all-linear)"
+        )
+    return [full for full in linear if any(full == name or full.endswith("." + name) for name in wanted)]
+
+
+# ---------------------------------------------------------------------------
+# Wrapping
+# ---------------------------------------------------------------------------
+
+
+def apply_lora(model: nn.Module, lora_cfg: LoraConfig, gradient_checkpointing: bool) -> tuple[nn.Module, LoraSummary]:
+    """Wrap `model` with LoRA adapters (PEFT); freeze everything else.
+
+    Call after loading (with `quantization_config` for QLoRA) and after switching
+    gradient checkpointing on. `gradient_checkpointing` says whether it is on: the
+    embedding output is then made to require grad, so every checkpointed block has an
+    input that requires grad even though the embeddings are frozen.
+    Returns the PEFT model (use it in place of `model`) and a summary for the log.
+    """
+    _require("peft", PEFT_HINT, "--lora-r")
+    import peft
+
+    targets = resolve_lora_targets(model, lora_cfg.lora_targets)
+    quantized = bool(getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False))
+    if quantized:
+        # Freezes the base and upcasts the small non-quantized weights to fp32. Checkpointing
+        # is left alone: memfit set it up already (non-reentrant), PEFT would redo it reentrant.
+        model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    if gradient_checkpointing and hasattr(model, "enable_input_require_grads"):
+        model.enable_input_require_grads()
+    config = peft.LoraConfig(
+        r=lora_cfg.lora_r,
+        lora_alpha=lora_cfg.lora_alpha,
+        lora_dropout=lora_cfg.lora_dropout,
+        target_modules=targets,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    peft_model = peft.get_peft_model(model, config)
+    trainable, total = peft_model.get_nb_trainable_parameters()
+    quantize = "4bit" if getattr(model, "is_loaded_in_4bit", False) else "8bit" if quantized else "none"
+    return peft_model, LoraSummary(lora_cfg.lora_r, len(targets), trainable, total, quantize)
+
+
+def save_adapter(model: nn.Module, directory: str | Path) -> Path:
+    """Write the adapter weights and config in PEFT's format (`PeftModel.from_pretrained` reads them)."""
+    directory = Path(directory)
+    model.save_pretrained(directory)
+    return directory
+
+
+def load_adapter_weights(model: nn.Module, directory: str | Path) -> None:
+    """Load adapter weights saved by `save_adapter` into an already wrapped model (for resume)."""
+    from peft import set_peft_model_state_dict
+    from peft.utils import load_peft_weights
+
+    result = set_peft_model_state_dict(model, load_peft_weights(str(directory), device="cpu"))
+    missing = [key for key in result.missing_keys if "lora_" in key]
+    if missing:
+        raise UsageError(f"adapter in {directory} does not match this model (missing {missing[0]}); check --lora-r and --lora-targets")
+
+
+def merge_and_save(model: nn.Module, directory: str | Path, dtype: torch.dtype | None = None) -> Path:
+    """Write a plain Hugging Face model with the adapters folded into the weights.
+
+    The live model is not changed. A quantized base is dequantized first; `dtype`
+    (default: the base's configured dtype, else fp32) is the dtype of the weights
+    written. Memory: one full-precision copy of the model on the CPU while writing.
+    """
+    from transformers import AutoModelForCausalLM
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = copy.deepcopy(base.config)
+    for attribute in ("quantization_config", "_pre_quantization_dtype"):
+        if hasattr(config, attribute):
+            delattr(config, attribute)
+    if dtype is None:
+        configured = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+        dtype = configured if isinstance(configured, torch.dtype) and configured.is_floating_point else torch.float32
+    state = merged_state_dict(base, dtype)
+    with torch.device("meta"):
+        merged = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    merged.load_state_dict(state, strict=False, assign=True)
+    merged.tie_weights()
+    leftover = [name for name, tensor in merged.state_dict().items() if tensor.is_meta]
+    if leftover:
+        raise RuntimeError(f"merging left {leftover[0]} without a value")
+    directory = Path(directory)
+    merged.save_pretrained(directory)
+    return directory
+
+
+@torch.no_grad()
+def merged_state_dict(base: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The base model's weights on the CPU, adapters folded in and quantized weights dequantized."""
+    from peft.tuners.lora import LoraLayer
+
+    state: dict[str, torch.Tensor] = {}
+    skip: tuple[str, ...] = ()
+    for name, module in base.named_modules():
+        if skip and name.startswith(skip):
+            continue
+        prefix = f"{name}." if name else ""
+        if isinstance(module, LoraLayer):
+            skip = (prefix,)  # its children (base layer, lora_A/B) are handled here
+            layer = module.get_base_layer()
+            weight = _dense_weight(layer)
+            for adapter in module.active_adapters:
+                if adapter in module.lora_A:
+                    weight = weight + module.get_delta_weight(adapter).float().cpu()
+            state[prefix + "weight"] = weight.to(dtype)
+            if getattr(layer, "bias", None) is not None:
+                state[prefix + "bias"] = layer.bias.detach().cpu().to(dtype)
+            continue
+        if _is_quantized(module):
+            state[prefix + "weight"] = _dense_weight(module).to(dtype)
+            if module.bias is not None:
+                state[prefix + "bias"] = module.bias.detach().cpu().to(dtype)
+            continue
+        for key, parameter in module.named_parameters(recurse=False):
+            value = parameter.detach().cpu()
+            state[prefix + key] = value.to(dtype) if value.is_floating_point() else value
+        for key, buffer in module.named_buffers(recurse=False):
+            if key not in module._non_persistent_buffers_set:
+                state[prefix + key] = buffer.detach().cpu()
+    return state
+
+
+def _is_quantized(module: nn.Module) -> bool:
+    weight = getattr(module, "weight", None)
+    return type(weight).__name__ in ("Params4bit", "Int8Params")
+
+
+def _dense_weight(layer: nn.Module) -> torch.Tensor:
+    """A linear layer's weight as an fp32 CPU tensor, dequantized if bitsandbytes holds it."""
+    weight = layer.weight
+    if type(weight).__name__ == "Params4bit":
+        import bitsandbytes.functional as bnb_functional
+
+        data, quant_state = weight.data, weight.quant_state
+        if getattr(quant_state, "packing_format_for_cpu", False):
+            # bitsandbytes repacks 4-bit weights in place for its CPU inference kernel
+            # (after an eval forward); undo that on a copy before dequantizing.
+            data, quant_state = bnb_functional._convert_weight_packed_for_cpu_inverse(data, quant_state)
+        weight = bnb_functional.dequantize_4bit(data, quant_state)
+    elif _is_quantized(layer):
+        from peft.utils.integrations import dequantize_bnb_weight
+
+        weight = dequantize_bnb_weight(weight, getattr(layer, "state", None))
+    return weight.detach().float().cpu()
