@@ -215,9 +215,10 @@ class MemoryTracker:
                 module.register_forward_pre_hook(self._make_pre_hook(qualified), with_kwargs=True)
             )
             self._hook_handles.append(module.register_forward_hook(self._make_post_hook(qualified), always_call=True))
+        grad_hook = self._make_grad_hook()
         for parameter in model.parameters():
             if parameter.requires_grad:
-                self._hook_handles.append(parameter.register_post_accumulate_grad_hook(self._on_grad_ready))
+                self._hook_handles.append(parameter.register_post_accumulate_grad_hook(grad_hook))
         self._classify()
 
     def detach(self) -> None:
@@ -582,23 +583,43 @@ class MemoryTracker:
     def _unpack(packed):
         return packed.tensor if isinstance(packed, _SavedTensor) else packed
 
+    # The hooks live on the model and reach the tracker through a weak reference:
+    # model -> hook -> tracker -> model would be a cycle that keeps a whole model (and
+    # its GPU memory) alive until the garbage collector happens to run.
+
     def _make_pre_hook(self, name: str):
+        tracker_ref = weakref.ref(self)
+
         def pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            if self._depth == 0:
+            tracker = tracker_ref()
+            if tracker is None or tracker._depth == 0:
                 return
-            self._module_stack.append(name)
+            tracker._module_stack.append(name)
             for value in (*args, *kwargs.values()):
                 if isinstance(value, torch.Tensor):
-                    self._module_inputs[name] = value.nbytes
+                    tracker._module_inputs[name] = value.nbytes
                     break
 
         return pre_hook
 
     def _make_post_hook(self, name: str):
+        tracker_ref = weakref.ref(self)
+
         def post_hook(module: nn.Module, args: tuple, output) -> None:
+            tracker = tracker_ref()
             # Pop down to this module: always_call runs this even when forward raised.
-            if name in self._module_stack:
-                while self._module_stack and self._module_stack.pop() != name:
+            if tracker is not None and name in tracker._module_stack:
+                while tracker._module_stack and tracker._module_stack.pop() != name:
                     pass
 
         return post_hook
+
+    def _make_grad_hook(self):
+        tracker_ref = weakref.ref(self)
+
+        def grad_hook(parameter: torch.Tensor) -> None:
+            tracker = tracker_ref()
+            if tracker is not None:
+                tracker._on_grad_ready(parameter)
+
+        return grad_hook

@@ -274,3 +274,24 @@ def test_cuda_peak_matches_max_memory_allocated(llama, step):
     tracked_growth = memory.peak_bytes - tracked_at_start
     assert abs(tracked_growth - allocator_growth) <= 0.05 * allocator_growth, (tracked_growth, allocator_growth)
     assert memory.live_breakdown_at_end[PARAMETERS] == sum(p.numel() * 4 for p in model.parameters())
+
+
+def test_dropping_the_tracker_and_model_frees_them_without_gc(llama, step):
+    import gc
+    import weakref
+
+    gc.disable()
+    try:
+        model = llama(layers=1)
+        optimizer = torch.optim.AdamW(model.parameters())
+        tracker = MemoryTracker("cpu")
+        tracker.attach(model, optimizer)
+        with tracker:
+            step(tracker, model, optimizer, torch.randint(0, 256, (1, 8)))
+            tracker.end_step()
+        weight = weakref.ref(model.lm_head.weight)
+        tracker_ref = weakref.ref(tracker)
+        del model, optimizer, tracker
+        assert tracker_ref() is None and weight() is None
+    finally:
+        gc.enable()

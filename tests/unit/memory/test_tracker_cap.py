@@ -112,10 +112,14 @@ def test_apply_memory_cap_is_a_no_op_off_cuda():
 def test_apply_memory_cap_on_cuda_raises_past_the_cap():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
+    import gc
+
     device = torch.device("cuda")
+    gc.collect()
     torch.cuda.empty_cache()
     try:
-        apply_memory_cap(device, 512 * 2**20)
+        # The cap covers all the process reserves, earlier tests' leftovers included.
+        apply_memory_cap(device, torch.cuda.memory_reserved(device) + 512 * 2**20)
         small = torch.empty(128 * 2**20, dtype=torch.uint8, device=device)
         with pytest.raises(torch.OutOfMemoryError) as caught:
             torch.empty(1024 * 2**20, dtype=torch.uint8, device=device)
