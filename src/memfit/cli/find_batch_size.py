@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
 from memfit.cli.flags import help_text, parse_command_line
@@ -31,11 +30,13 @@ def run(argv: list[str]) -> int:
     options = extras[FindBatchSizeOptions]
     if not 0 <= options.margin < 1:
         raise UsageError(f"--margin must be a fraction between 0 and 1 (e.g. 0.1), got {options.margin}")
+    from memfit.cli.output import print_json, stdout_to_stderr
     from memfit.train.batch_size import find_batch_size
 
-    result = find_batch_size(config, options.margin)
+    with stdout_to_stderr(options.json):
+        result = find_batch_size(config, options.margin)
     if options.json:
-        print(json.dumps(result.to_dict()))
+        print_json(result.to_dict())
         return 0
     print(f"largest micro-batch that fits: {result.max_batch_size} (limit {format_bytes(result.limit_bytes)})")
     for probe in result.probes:

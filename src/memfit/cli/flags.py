@@ -120,7 +120,9 @@ def parse_command_line(
     valid = [f"--{n.replace('_', '-')}" for n in (known_names() if train_flags else [])]
     valid += [f"--{n.replace('_', '-')}" for n in extra_fields] + ["--config", "--help"]
     for key, raw in settings:
-        name = canonical_name(key)
+        name = key.replace("-", "_")
+        if name not in extra_fields:  # a subcommand's own option wins over a training alias (--steps)
+            name = canonical_name(key)
         if name == "config":
             config_path = raw
         elif name in extra_fields:

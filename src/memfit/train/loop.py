@@ -47,6 +47,8 @@ class TrainResult:
     peak_memory_bytes: int | None
     tracked_peak_bytes: int | None
     summary: dict[str, Any] = field(default_factory=dict)
+    memory_steps: list = field(default_factory=list)
+    """Tracked memory of each step (StepMemory), when the tracker ran."""
 
 
 def make_logger(session: TrainingSession):
@@ -60,8 +62,8 @@ def make_logger(session: TrainingSession):
     return MultiLogger(loggers)
 
 
-def make_tracker(session: TrainingSession):
-    """The live-tensor tracker, when asked for or when a memory cap must be emulated on CPU."""
+def make_tracker(session: TrainingSession, always: bool = False):
+    """The live-tensor tracker, when asked for (or `always`) or when a memory cap must be emulated on CPU."""
     memory = session.config.memory
     cap = memory.memory_cap
     if session.device.type == "cuda" and cap is not None:
@@ -69,7 +71,7 @@ def make_tracker(session: TrainingSession):
 
         apply_memory_cap(session.device, cap)
         cap = None  # the CUDA allocator enforces it
-    if not memory.track_memory and cap is None:
+    if not (memory.track_memory or always) and cap is None:
         return None
     from memfit.memory.tracker import MemoryTracker
 
@@ -78,10 +80,13 @@ def make_tracker(session: TrainingSession):
     return tracker
 
 
-def train(config: TrainConfig, session: TrainingSession | None = None, tracker: Any = None) -> TrainResult:
+def train(
+    config: TrainConfig, session: TrainingSession | None = None, tracker: Any = None, save_outputs: bool = True
+) -> TrainResult:
     """Train as `config` says; return losses, where the model went and the peak memory.
 
-    `session` and `tracker` let `memfit profile` and tests reuse a prepared run.
+    `session` and `tracker` let `memfit profile` and tests reuse a prepared run;
+    `save_outputs=False` writes no metrics, checkpoints or final model (profiling).
     """
     session = session or build_session(config)
     config = session.config
@@ -91,16 +96,19 @@ def train(config: TrainConfig, session: TrainingSession | None = None, tracker: 
     state = TrainerState(step=0)
     micro_batch_size = config.training.batch_size
     if resume_from is not None:
-        state = load_checkpoint(resume_from, model, session.optimizer.optimizer, session.scheduler, session.scaler)
+        if session.parallel is not None:
+            state = session.parallel.load_checkpoint(session, resume_from)
+        else:
+            state = load_checkpoint(resume_from, model, session.optimizer.optimizer, session.scheduler, session.scaler)
         if state.micro_batch_size:
             micro_batch_size = min(micro_batch_size, state.micro_batch_size)  # do not repeat an OOM
         log.info("memfit: resumed from %s at step %d (micro-batch %d)", resume_from, state.step, micro_batch_size)
 
-    if session.dist.is_main:
+    if session.dist.is_main and save_outputs:
         session.output_dir.mkdir(parents=True, exist_ok=True)
     tracker = tracker if tracker is not None else make_tracker(session)
-    logger = make_logger(session)
-    runner = StepRunner(
+    logger = make_logger(session) if save_outputs else NullLogger()
+    runner_kwargs = dict(
         model=model,
         optimizer=session.optimizer.optimizer,
         device=session.device,
@@ -117,10 +125,12 @@ def train(config: TrainConfig, session: TrainingSession | None = None, tracker: 
         enable_checkpointing=lambda: _turn_on_checkpointing(model),
         checkpointing_on=session.checkpointing != "off",
     )
+    runner = session.parallel.make_runner(**runner_kwargs) if session.parallel is not None else StepRunner(**runner_kwargs)
     describe_run(session, micro_batch_size)
     logger.log({"event": "start", **run_facts(session), "resumed_from": str(resume_from) if resume_from else None})
 
     losses: list[float] = []
+    memory_steps: list = []
     skipped_steps = 0
     run_peak = 0
     tracked_peak = None
@@ -163,17 +173,25 @@ def train(config: TrainConfig, session: TrainingSession | None = None, tracker: 
                 record["skipped_steps"] = skipped_steps
             if tracker is not None:
                 step_memory = tracker.end_step()
+                memory_steps.append(step_memory)
                 tracked_peak = max(tracked_peak or 0, step_memory.peak_bytes)
                 record["tracked_peak_bytes"] = step_memory.peak_bytes
                 record["tracked_breakdown"] = dict(step_memory.breakdown)
                 record["tracked_phase_peaks"] = {phase.name: phase.peak_bytes for phase in step_memory.phases}
+            if session.parallel is not None:
+                record.update(session.parallel.step_metrics(session, record))  # every rank takes part
             logger.log(record)
             progress.update(state.step, loss, record["tokens_per_second"], stats.get("peak_memory_bytes"))
-            if config.output.save_every and state.step % config.output.save_every == 0 and state.step < session.total_steps:
+            if save_outputs and config.output.save_every and state.step % config.output.save_every == 0 and state.step < session.total_steps:
                 _save(session, state)
     wall = time.perf_counter() - started
     final_dir = None
-    if session.dist.is_main:
+    if not save_outputs:
+        pass
+    elif session.parallel is not None:
+        _save(session, state)
+        final_dir = session.parallel.save_final(session)  # every rank takes part; rank 0 writes
+    elif session.dist.is_main:
         _save(session, state)
         final_dir = save_final_model(model, session.loaded.tokenizer, session.output_dir / "final")
         if config.lora.merge_adapter:
@@ -193,9 +211,14 @@ def train(config: TrainConfig, session: TrainingSession | None = None, tracker: 
         "skipped_steps": skipped_steps,
         **run_facts(session),
     }
+    if session.parallel is not None:
+        summary.update(session.parallel.summary_metrics(session, summary))
     logger.log(summary)
     logger.close()
-    return TrainResult(state.step, summary["final_loss"], losses, session.output_dir, final_dir, summary["peak_memory_bytes"], tracked_peak, summary)
+    return TrainResult(
+        state.step, summary["final_loss"], losses, session.output_dir, final_dir, summary["peak_memory_bytes"], tracked_peak,
+        summary, memory_steps,
+    )
 
 
 @contextlib.contextmanager
@@ -218,7 +241,9 @@ def _oom_is_fatal(runner: StepRunner):
 
 
 def _save(session: TrainingSession, state: TrainerState) -> None:
-    if session.dist.is_main:
+    if session.parallel is not None:
+        session.parallel.save_checkpoint(session, state)
+    elif session.dist.is_main:
         save_checkpoint(
             session.output_dir,
             state,

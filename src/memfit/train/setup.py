@@ -51,6 +51,8 @@ class TrainingSession:
     """What gradient checkpointing really does ('off', 'full on 4 of 4 blocks', ...)."""
     notes: dict[str, str] = field(default_factory=dict)
     """Technique -> what ran instead of what was asked, and why (logged and in the metrics)."""
+    parallel: Any = None
+    """The engine spreading the run over ranks (memfit.distributed.parallel); None in one process."""
 
     @property
     def model(self) -> torch.nn.Module:
@@ -103,6 +105,11 @@ def build_session(config: TrainConfig) -> TrainingSession:
         model, summary = apply_lora(model, config.lora, gradient_checkpointing=checkpointing != "off")
         loaded.model = model
         log.info("memfit: %s", summary.describe())
+    parallel = None
+    if dist.enabled or config.distributed.deepspeed or config.distributed.zero_stage is not None:
+        from memfit.distributed.parallel import prepare_parallel
+
+        parallel = prepare_parallel(config, model, dist, device, precision, notes)  # FSDP2 shards the model here
 
     dataset = load_training_data(_data_config(config), loaded.tokenizer, max_positions=loaded.max_positions)
     accumulation = config.accumulation_for(dist.world_size)
@@ -121,7 +128,7 @@ def build_session(config: TrainConfig) -> TrainingSession:
     scaler = make_grad_scaler(precision, device)
     _note_offloads(config, device, notes)
     vocab_size = model.get_output_embeddings().weight.shape[0] if model.get_output_embeddings() is not None else 0
-    return TrainingSession(
+    session = TrainingSession(
         config=config,
         device=device,
         dist=dist,
@@ -138,7 +145,11 @@ def build_session(config: TrainConfig) -> TrainingSession:
         loss_chunk_size=resolve_loss_chunk_size(config, vocab_size),
         checkpointing=checkpointing,
         notes=notes,
+        parallel=parallel,
     )
+    if parallel is not None:
+        parallel.attach(session)  # DeepSpeed builds its engine around the optimizer here
+    return session
 
 
 def _data_config(config: TrainConfig):
