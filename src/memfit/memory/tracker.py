@@ -35,6 +35,7 @@ catch the error, free, and retry.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import heapq
 import weakref
 from collections.abc import Iterator
@@ -66,7 +67,6 @@ __all__ = ["CATEGORIES", "MemoryTracker", "PeakSnapshot", "PhaseMemory", "StepMe
 
 NO_MODULE = "(outside modules)"
 EXISTING_OP = "(existing)"
-_ROLE_PRIORITY = (PARAMETERS, GRADIENTS, OPTIMIZER_STATES)
 
 
 class _Storage:
@@ -96,7 +96,7 @@ class _Storage:
 class _SavedTensor:
     """What autograd keeps instead of a saved tensor; its death releases the saving."""
 
-    __slots__ = ("tensor", "record", "events", "__weakref__")
+    __slots__ = ("tensor", "record", "events")
 
     def __init__(self, tensor: torch.Tensor, record: _Storage, events: collections.deque) -> None:
         self.tensor = tensor
@@ -255,8 +255,11 @@ class MemoryTracker:
         """Attribute what happens inside to phase `name` ("forward", "backward", ...)."""
         self._flush()
         self._phase_stack.append(name)
-        if name not in self._phase_stats:
+        stats = self._phase_stats.get(name)
+        if stats is None:
             self._phase_stats[name] = _PhaseStats(self._current, dict(self._by_category))
+        elif self._current > stats.peak:  # entered again (next micro-batch) higher than before
+            stats.peak, stats.breakdown = self._current, dict(self._by_category)
         try:
             yield
         finally:
@@ -309,11 +312,13 @@ class MemoryTracker:
         self._settle()
         if self._snapshot is None:
             self._capture_peak()
-        snapshot = self._snapshot
-        snapshot.activation_peak_bytes = self._activation_max
-        snapshot.module_activation_bytes = dict(self._module_activations)
-        snapshot.module_input_bytes = dict(self._module_inputs)
-        return snapshot
+        return dataclasses.replace(
+            self._snapshot,
+            top_tensors=list(self._snapshot.top_tensors),
+            activation_peak_bytes=self._activation_max,
+            module_activation_bytes=dict(self._module_activations),
+            module_input_bytes=dict(self._module_inputs),
+        )
 
     def timeline(self, which: str = "peak") -> list[tuple[int, str, dict[str, int]]]:
         """Samples (event_index, phase, {category: bytes}) of one step, for plotting.
@@ -548,7 +553,7 @@ class MemoryTracker:
         key = storage._cdata
         if key not in self._records:
             self._track(storage, tensor, EXISTING_OP)
-        if key not in roles:  # an earlier role in _ROLE_PRIORITY wins
+        if key not in roles:  # the first role claimed wins: parameters, gradients, optimizer state
             roles[key] = role
 
     def _on_grad_ready(self, parameter: torch.Tensor) -> None:
