@@ -72,10 +72,13 @@ EXISTING_OP = "(existing)"
 class _Storage:
     """What the tracker knows about one live storage."""
 
-    __slots__ = ("key", "ref", "nbytes", "role", "saved", "shape", "dtype", "op", "module", "phase")
+    __slots__ = ("key", "born", "ref", "nbytes", "role", "saved", "shape", "dtype", "op", "module", "phase")
 
-    def __init__(self, key: int, nbytes: int, tensor: torch.Tensor, op: str, module: str, phase: str) -> None:
+    def __init__(
+        self, key: int, born: int, nbytes: int, tensor: torch.Tensor, op: str, module: str, phase: str
+    ) -> None:
         self.key = key
+        self.born = born  # order of first sight, to tell whether it was alive at a past peak
         self.ref: weakref.ref | None = None
         self.nbytes = nbytes
         self.role = OTHER  # parameters / gradients / optimizer_states, or other
@@ -131,12 +134,27 @@ class _AccountingMode(TorchDispatchMode):
         return out
 
 
-class _PhaseStats:
-    __slots__ = ("peak", "breakdown")
+class _Peak:
+    """A peak of live bytes: its size, its breakdown, and how many storages were born by then."""
 
-    def __init__(self, peak: int, breakdown: dict[str, int]) -> None:
+    __slots__ = ("peak", "breakdown", "born")
+
+    def __init__(self, peak: int, breakdown: dict[str, int], born: int) -> None:
         self.peak = peak
         self.breakdown = breakdown
+        self.born = born
+
+    def raise_to(self, current: int, by_category: dict[str, int], born: int) -> bool:
+        if current <= self.peak:
+            return False
+        self.peak, self.breakdown, self.born = current, dict(by_category), born
+        return True
+
+    def reclassify(self, record: _Storage, source: str, target: str) -> None:
+        # A storage alive now and born before the peak was alive at the peak.
+        if record.born < self.born and self.breakdown.get(source, 0) >= record.nbytes:
+            self.breakdown[source] -= record.nbytes
+            self.breakdown[target] += record.nbytes
 
 
 class MemoryTracker:
@@ -169,22 +187,23 @@ class MemoryTracker:
         self._by_category = empty_breakdown()
         self._current = 0
         # Run peak, and the snapshot taken at the first decrease after a new peak.
-        self._peak = 0
-        self._peak_breakdown = empty_breakdown()
+        self._births = 0
+        self._run_peak = _Peak(0, empty_breakdown(), 0)
         self._peak_phase = NO_PHASE
         self._peak_step = 0
         self._peak_dirty = False
         self._snapshot: PeakSnapshot | None = None
+        self._snapshot_peak = _Peak(0, empty_breakdown(), 0)
+        self._snapshot_records: list[tuple[_Storage, str]] = []
         self._activation_max = 0
         self._activation_dirty = False
         self._module_activations: dict[str, int] = {}
         self._module_inputs: dict[str, int] = {}
         # Current step.
         self._step = 0
-        self._step_peak = 0
-        self._step_breakdown = empty_breakdown()
+        self._step_peak = _Peak(0, empty_breakdown(), 0)
         self._phase_stack: list[str] = []
-        self._phase_stats: dict[str, _PhaseStats] = {}
+        self._phase_stats: dict[str, _Peak] = {}
         self._timeline = Timeline(max_timeline_samples)
         self._peak_timeline: Timeline | None = None
         self._last_timeline: Timeline | None = None
@@ -257,9 +276,9 @@ class MemoryTracker:
         self._phase_stack.append(name)
         stats = self._phase_stats.get(name)
         if stats is None:
-            self._phase_stats[name] = _PhaseStats(self._current, dict(self._by_category))
-        elif self._current > stats.peak:  # entered again (next micro-batch) higher than before
-            stats.peak, stats.breakdown = self._current, dict(self._by_category)
+            self._phase_stats[name] = _Peak(self._current, dict(self._by_category), self._births)
+        else:  # entered again (next micro-batch), maybe higher than before
+            stats.raise_to(self._current, self._by_category, self._births)
         try:
             yield
         finally:
@@ -272,8 +291,8 @@ class MemoryTracker:
         phases = [PhaseMemory(name, stats.peak, dict(stats.breakdown)) for name, stats in self._phase_stats.items()]
         result = StepMemory(
             step=self._step,
-            peak_bytes=self._step_peak,
-            breakdown=dict(self._step_breakdown),
+            peak_bytes=self._step_peak.peak,
+            breakdown=dict(self._step_peak.breakdown),
             phases=phases,
             live_bytes_at_end=self._current,
             live_breakdown_at_end=dict(self._by_category),
@@ -284,8 +303,7 @@ class MemoryTracker:
         self._timeline = Timeline(self.max_timeline_samples)
         self._phase_stats = {}
         self._step += 1
-        self._step_peak = self._current
-        self._step_breakdown = dict(self._by_category)
+        self._step_peak = _Peak(self._current, dict(self._by_category), self._births)
         self._sample()
         return result
 
@@ -299,7 +317,7 @@ class MemoryTracker:
     def peak_bytes(self) -> int:
         """The most live tensor bytes seen since tracking started."""
         self._flush()
-        return self._peak
+        return self._run_peak.peak
 
     def breakdown(self) -> dict[str, int]:
         """Live bytes now, by category."""
@@ -312,9 +330,16 @@ class MemoryTracker:
         self._settle()
         if self._snapshot is None:
             self._capture_peak()
+        top_tensors = []
+        for record, category in self._snapshot_records:
+            # A role found later (optimizer state, gradient) was already its role then.
+            info = self._describe(record)
+            info.category = record.role if record.role != OTHER else category
+            top_tensors.append(info)
         return dataclasses.replace(
             self._snapshot,
-            top_tensors=list(self._snapshot.top_tensors),
+            breakdown=dict(self._snapshot_peak.breakdown),
+            top_tensors=top_tensors,
             activation_peak_bytes=self._activation_max,
             module_activation_bytes=dict(self._module_activations),
             module_input_bytes=dict(self._module_inputs),
@@ -371,7 +396,8 @@ class MemoryTracker:
             return record
         module = self._module_stack[-1] if self._module_stack else NO_MODULE
         phase = self._phase_stack[-1] if self._phase_stack else NO_PHASE
-        record = _Storage(key, nbytes, tensor, op, module, phase)
+        record = _Storage(key, self._births, nbytes, tensor, op, module, phase)
+        self._births += 1
         events = self._events
         record.ref = weakref.ref(storage, lambda ref, key=key: events.append(("free", key, ref)))
         self._records[key] = record
@@ -453,17 +479,10 @@ class MemoryTracker:
         if category == ACTIVATIONS and self._by_category[ACTIVATIONS] > self._activation_max:
             self._activation_max = self._by_category[ACTIVATIONS]
             self._activation_dirty = True
-        if self._current > self._step_peak:
-            self._step_peak = self._current
-            self._step_breakdown = dict(self._by_category)
+        self._step_peak.raise_to(self._current, self._by_category, self._births)
         for name in self._phase_stack:
-            stats = self._phase_stats[name]
-            if self._current > stats.peak:
-                stats.peak = self._current
-                stats.breakdown = dict(self._by_category)
-        if self._current > self._peak:
-            self._peak = self._current
-            self._peak_breakdown = dict(self._by_category)
+            self._phase_stats[name].raise_to(self._current, self._by_category, self._births)
+        if self._run_peak.raise_to(self._current, self._by_category, self._births):
             self._peak_phase = self._phase_stack[-1] if self._phase_stack else NO_PHASE
             self._peak_step = self._step
             self._peak_dirty = True
@@ -485,6 +504,13 @@ class MemoryTracker:
         before = record.category
         record.role = role
         self._move(record.nbytes, before, record.category)
+        if role != OTHER and before in (ACTIVATIONS, OTHER):
+            # Optimizer state made lazily in the first step is only recognized after it:
+            # give past peaks it was part of the right breakdown.
+            for peak in (self._run_peak, self._step_peak, *self._phase_stats.values()):
+                peak.reclassify(record, before, role)
+            if self._snapshot is not None:
+                self._snapshot_peak.reclassify(record, before, role)
 
     def _sample(self) -> None:
         phase = self._phase_stack[-1] if self._phase_stack else NO_PHASE
@@ -507,12 +533,15 @@ class MemoryTracker:
         self._peak_dirty = False
         records = list(self._records.values())
         largest = heapq.nlargest(self.top_tensors, records, key=lambda record: record.nbytes)
+        peak = self._run_peak
+        self._snapshot_peak = _Peak(peak.peak, dict(peak.breakdown), peak.born)
+        self._snapshot_records = [(record, record.category) for record in largest]
         self._snapshot = PeakSnapshot(
-            peak_bytes=self._peak,
-            breakdown=dict(self._peak_breakdown),
+            peak_bytes=peak.peak,
+            breakdown=self._snapshot_peak.breakdown,
             phase=self._peak_phase,
             step=self._peak_step,
-            top_tensors=[self._describe(record) for record in largest],
+            top_tensors=[],
         )
 
     def _capture_activations(self) -> None:

@@ -295,3 +295,22 @@ def test_dropping_the_tracker_and_model_frees_them_without_gc(llama, step):
         assert tracker_ref() is None and weight() is None
     finally:
         gc.enable()
+
+
+def test_state_made_in_the_first_step_counts_as_optimizer_state_at_that_peak(llama, step):
+    model = llama(layers=2, hidden=128, vocab=1024)
+    optimizer = torch.optim.AdamW(model.parameters(), foreach=False)
+    parameters = list(model.parameters())
+    param_bytes = sum(p.numel() * p.element_size() for p in parameters)
+    tracker = MemoryTracker("cpu")
+    tracker.attach(model, optimizer)
+    with tracker:
+        step(tracker, model, optimizer, torch.randint(0, 1024, (1, 8)))
+        memory = tracker.end_step()
+    optimizer_phase = next(phase for phase in memory.phases if phase.name == "optimizer")
+    assert optimizer_phase.peak_bytes == memory.peak_bytes  # short sequence: the state creation peaks
+    assert memory.breakdown[OPTIMIZER_STATES] == 2 * param_bytes + 4 * len(parameters)
+    assert memory.breakdown[GRADIENTS] == param_bytes
+    snapshot = tracker.peak_snapshot()
+    assert snapshot.breakdown == memory.breakdown
+    assert OPTIMIZER_STATES in {tensor.category for tensor in snapshot.top_tensors}
