@@ -196,7 +196,9 @@ def load_adapter_weights(model: nn.Module, directory: str | Path) -> None:
     result = set_peft_model_state_dict(model, load_peft_weights(str(directory), device="cpu"))
     missing = [key for key in result.missing_keys if "lora_" in key]
     if missing:
-        raise UsageError(f"adapter in {directory} does not match this model (missing {missing[0]}); check --lora-r and --lora-targets")
+        raise UsageError(
+            f"adapter in {directory} does not match this model (missing {missing[0]}); check --lora-r and --lora-targets"
+        )
 
 
 def merge_and_save(model: nn.Module, directory: str | Path, dtype: torch.dtype | None = None) -> Path:

@@ -33,7 +33,6 @@ from torch import nn
 
 from memfit.errors import UsageError
 
-
 NO_EFFECT_ON_CPU = "activation offload has no effect on CPU: activations already live in host memory"
 OPTIMIZER_NO_EFFECT_ON_CPU = "optimizer offload has no effect on CPU: optimizer state already lives in host memory"
 DEFAULT_MIN_OFFLOAD_BYTES = 1 << 16  # smaller tensors cost more in copy latency than they free
@@ -143,7 +142,11 @@ def optimizer_offload(
     """
     device = torch.device(device)
     if device.type != "cuda":
-        reason = OPTIMIZER_NO_EFFECT_ON_CPU if device.type == "cpu" else f"optimizer offload supports CUDA only, not {device.type}"
+        reason = (
+            OPTIMIZER_NO_EFFECT_ON_CPU
+            if device.type == "cpu"
+            else f"optimizer offload supports CUDA only, not {device.type}"
+        )
         return optimizer_class(params, **optimizer_kwargs), reason
     try:
         from torchao.optim import CPUOffloadOptimizer

@@ -32,9 +32,7 @@ from memfit.errors import UsageError
 OptimizerFactory = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
 
 
-def check_optimizer_in_backward(
-    accumulation_steps: int, max_grad_norm: float, uses_grad_scaler: bool = False
-) -> None:
+def check_optimizer_in_backward(accumulation_steps: int, max_grad_norm: float, uses_grad_scaler: bool = False) -> None:
     """Raise UsageError when the run needs all gradients at once.
 
     Args:
@@ -86,7 +84,9 @@ class OptimizerInBackward(torch.optim.Optimizer):
         # the groups it builds are then replaced by the per-parameter optimizers' own.
         super().__init__(list(self.optimizers), defaults={})
         self.param_groups = [group for optimizer in self.optimizers.values() for group in optimizer.param_groups]
-        self._handles = [parameter.register_post_accumulate_grad_hook(self._step_parameter) for parameter in self.optimizers]
+        self._handles = [
+            parameter.register_post_accumulate_grad_hook(self._step_parameter) for parameter in self.optimizers
+        ]
 
     @torch.no_grad()
     def _step_parameter(self, parameter: torch.Tensor) -> None:

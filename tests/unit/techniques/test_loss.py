@@ -61,8 +61,16 @@ def tiny_llama(vocab_size: int = 256) -> LlamaForCausalLM:
 
 def tiny_gpt2() -> GPT2LMHeadModel:
     config = GPT2Config(
-        n_embd=64, n_layer=2, n_head=4, vocab_size=300, n_positions=128, bos_token_id=0, eos_token_id=0,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        vocab_size=300,
+        n_positions=128,
+        bos_token_id=0,
+        eos_token_id=0,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
     )  # no dropout: the two losses must see the same network
     torch.manual_seed(0)
     return GPT2LMHeadModel(config)
@@ -165,3 +173,41 @@ def test_count_target_tokens_matches_the_shifted_labels():
 )
 def test_default_chunk_size_rule(vocab, seq, batch, expected):
     assert default_loss_chunk_size(vocab, seq, batch) == expected
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_chunked_loss_lowers_the_cuda_peak_by_more_than_the_logits():
+    vocab, batch, seq = 32000, 4, 1024
+    model = tiny_llama(vocab).cuda()
+    input_ids = torch.randint(0, vocab, (batch, seq), device="cuda")
+    logits_fp32_bytes = batch * (seq - 1) * vocab * 4
+    peaks, losses = {}, {}
+    for chunk_size in (0, 1024):
+        model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        loss = causal_lm_loss_sum(model, input_ids, input_ids, chunk_size=chunk_size)
+        loss.backward()
+        torch.cuda.synchronize()
+        peaks[chunk_size] = torch.cuda.max_memory_allocated() - before
+        losses[chunk_size] = loss.detach()
+        del loss
+    assert peaks[0] - peaks[1024] > logits_fp32_bytes, (peaks, logits_fp32_bytes)
+    torch.testing.assert_close(losses[1024], losses[0], rtol=1e-5, atol=0)
+
+
+def test_chunked_loss_runs_through_a_lora_wrapped_model():
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(tiny_llama(), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    for name, parameter in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(parameter, std=0.02)  # a trained adapter, so it shows in the loss
+    batch = batch_with_padding(model.config.vocab_size)
+    plain_loss, plain_grads = loss_and_grads(model, 0, *batch)
+    chunked_loss, chunked_grads = loss_and_grads(model, 16, *batch)
+    torch.testing.assert_close(chunked_loss, plain_loss, rtol=1e-6, atol=0)
+    assert plain_grads.keys() == chunked_grads.keys() and all("lora_" in name for name in plain_grads)
+    for name, grad in plain_grads.items():
+        assert (chunked_grads[name] - grad).norm() / grad.norm() < 1e-6, name

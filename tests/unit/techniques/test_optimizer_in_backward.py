@@ -131,3 +131,35 @@ def test_incompatible_settings_say_what_to_do(kwargs, advice):
     with pytest.raises(UsageError, match=advice):
         check_optimizer_in_backward(**kwargs)
     check_optimizer_in_backward(1, 0.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_backward_peak_drops_by_about_all_gradients():
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(8)]).cuda()
+
+    inputs = torch.randn(64, 2048, device="cuda")
+    peaks = {}
+    for in_backward in (False, True):
+        model = build()
+        optimizer = (
+            OptimizerInBackward(model.parameters(), make_adamw) if in_backward else make_adamw(model.parameters())
+        )
+        for _ in range(2):  # the second step has optimizer state in both cases
+            loss = model(inputs).square().mean()
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            loss.backward()
+            torch.cuda.synchronize()
+            peaks[in_backward] = torch.cuda.max_memory_allocated() - before
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        del model, optimizer, loss
+    weight_bytes = 2048 * 2048 * 4
+    all_gradient_bytes = 8 * (weight_bytes + 2048 * 4)
+    assert peaks[False] > 0.95 * all_gradient_bytes, peaks
+    # One gradient plus the per-parameter AdamW step's temporaries, instead of all eight.
+    assert peaks[True] < 3.5 * weight_bytes, peaks

@@ -165,3 +165,24 @@ def test_auto_checkpoints_nothing_when_it_fits_and_the_biggest_block_first():
     # Checkpointing block 1 peaks at 410 (end of forward 310; its rebuild 100 + 10 + 300).
     assert choose_blocks_to_checkpoint([100, 300, 200], 0, 450, [10, 10, 10]) == [1]
     assert choose_blocks_to_checkpoint([100, 300, 200], 0, 300, 10) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_selective_on_cuda_holds_between_off_and_full():
+    input_ids = torch.randint(0, 256, (4, 1024), device="cuda")
+    held, losses = {}, {}
+    for mode in ("off", "selective", "full"):
+        model = tiny_llama().cuda().to(torch.bfloat16)
+        model.train()
+        enable(model, mode)
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        loss = model(input_ids=input_ids, labels=input_ids).loss
+        torch.cuda.synchronize()
+        held[mode] = torch.cuda.memory_allocated() - before
+        loss.backward()
+        losses[mode] = loss.detach().float()
+        del model, loss
+    assert held["full"] < held["selective"] < held["off"], held
+    assert torch.equal(losses["selective"], losses["off"])
