@@ -1,0 +1,201 @@
+"""Shared pieces of the benchmark scripts.
+
+- `llama_config` / `save_model`: a Llama-shaped model of a named size, saved with the
+  byte-level tokenizer so that `--model DIR` loads it through memfit's real loader and
+  every run of a benchmark starts from the same weights.
+- `run_worker` / `emit_result`: each measured configuration runs in a fresh Python
+  process, so that one run's peak memory never hides inside another's.
+- `PeakWatch`: the peak memory of a process (CPU: VmHWM; CUDA: max allocated) across
+  the per-step peak resets that memfit's loop does.
+- `machine_description`, `markdown_table`, `write_section`: the report.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+RESULT_PREFIX = "BENCH_RESULT "
+
+# Llama shapes by name. "20m": 6 blocks of width 384 (6 heads, no grouping), a 32000-token
+# vocabulary like Llama 2's, embeddings tied to the output head: 22.9M parameters, of which
+# 12.3M in the embedding. "quick": a toy for smoke runs.
+MODEL_SHAPES: dict[str, dict[str, Any]] = {
+    "20m": {
+        "hidden_size": 384,
+        "intermediate_size": 1024,
+        "num_hidden_layers": 6,
+        "num_attention_heads": 6,
+        "num_key_value_heads": 6,
+        "vocab_size": 32000,
+        "tie_word_embeddings": True,
+    },
+    "quick": {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 512,
+        "tie_word_embeddings": True,
+    },
+}
+
+
+def llama_config(shape: str, max_positions: int = 2048):
+    """A `LlamaConfig` of one of MODEL_SHAPES. Token ids come from the byte tokenizer (< 257)."""
+    from transformers import LlamaConfig
+
+    eos = 256  # the byte tokenizer's end-of-text id
+    return LlamaConfig(
+        **MODEL_SHAPES[shape],
+        max_position_embeddings=max_positions,
+        rms_norm_eps=1e-5,
+        bos_token_id=eos,
+        eos_token_id=eos,
+        pad_token_id=eos,
+    )
+
+
+def save_model(directory: str | Path, shape: str, seed: int = 0) -> int:
+    """Build the model `shape` with a fixed seed, save it and the byte tokenizer; return its parameter count."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from memfit.models.tiny import byte_tokenizer
+
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(llama_config(shape))
+    model.save_pretrained(directory)
+    byte_tokenizer().save_pretrained(directory)
+    return sum(p.numel() for p in model.parameters())
+
+
+class PeakWatch:
+    """Peak memory of this process from its start, kept across memfit's per-step resets.
+
+    memfit's loop resets the peak at the start of every step (so that each metrics line
+    holds that step's peak); `before_reset` reads the peak just before, so the maximum
+    of those readings and the last one is the peak of the whole process.
+    """
+
+    def __init__(self, device_type: str):
+        self.device_type = device_type
+        self.peak = 0
+
+    def read(self) -> int:
+        if self.device_type == "cuda":
+            import torch
+
+            return int(torch.cuda.max_memory_allocated())
+        from memfit.memory.stats import process_peak_rss_bytes
+
+        return int(process_peak_rss_bytes() or 0)
+
+    def before_reset(self) -> None:
+        self.peak = max(self.peak, self.read())
+
+    def total(self) -> int:
+        return max(self.peak, self.read())
+
+
+def current_rss_bytes() -> int:
+    from memfit.memory.stats import process_rss_bytes
+
+    return int(process_rss_bytes() or 0)
+
+
+def synchronize(device_type: str) -> None:
+    """Wait for queued GPU work, so that a step's time is the step's."""
+    if device_type == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def emit_result(result: dict[str, Any]) -> None:
+    """Hand a worker's result to the parent process (one marked JSON line on stdout)."""
+    print(RESULT_PREFIX + json.dumps(result), flush=True)
+
+
+def run_worker(script: str | Path, spec: dict[str, Any], timeout: float = 900, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run `script --worker SPEC` in a fresh Python process and return what it emitted.
+
+    Raises RuntimeError with the worker's last lines of output when it fails.
+    """
+    command = [sys.executable, str(script), "--worker", json.dumps(spec)]
+    completed = subprocess.run(
+        command, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}
+    )
+    for line in reversed(completed.stdout.splitlines()):
+        if line.startswith(RESULT_PREFIX):
+            return json.loads(line[len(RESULT_PREFIX) :])
+    tail = "\n".join((completed.stdout + completed.stderr).strip().splitlines()[-15:])
+    raise RuntimeError(f"worker {spec.get('name', '')} failed (exit {completed.returncode}):\n{tail}")
+
+
+def median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def machine_description(device_type: str = "cpu") -> str:
+    """CPU model and cores (and the GPU when measuring on CUDA), OS, torch and transformers versions."""
+    import torch
+    import transformers
+
+    cpu = platform.processor() or "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    parts = [f"{cpu}, {cores} cores"]
+    if device_type == "cuda":
+        parts.append(torch.cuda.get_device_name(0))
+    parts.append(f"{platform.system()} {platform.release()}")
+    parts.append(f"Python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}")
+    return "; ".join(parts)
+
+
+def today() -> str:
+    return datetime.date.today().isoformat()
+
+
+def markdown_table(headers: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+DOC_TITLE = "# Benchmarks\n\nMeasured figures, each with the command and the machine that produced it.\n"
+
+
+def write_section(path: str | Path, heading: str, body: str) -> None:
+    """Put `body` under `## heading` in the markdown file `path`, replacing that section only.
+
+    Other `## ` sections of the file are kept as they are; a missing file is created.
+    """
+    path = Path(path)
+    text = path.read_text() if path.exists() else DOC_TITLE
+    marker = f"## {heading}"
+    section = f"{marker}\n\n{body.strip()}\n"
+    lines = text.splitlines(keepends=True)
+    start = next((i for i, line in enumerate(lines) if line.rstrip() == marker), None)
+    if start is None:
+        text = text.rstrip() + "\n\n" + section
+    else:
+        end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+        rest = "".join(lines[end:])
+        text = "".join(lines[:start]) + section + ("\n" + rest if rest else "")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
