@@ -4,7 +4,7 @@ LoRA (`--lora-r R`, PEFT)
     Saves: gradients and optimizer state exist only for the adapters. Each adapted
     `d_out x d_in` linear gets `R x (d_in + d_out)` trainable parameters, typically
     0.1-1% of the model, so the 4 + 8 bytes per parameter of fp32 gradients and AdamW
-    moments almost vanish (a 7B model: ~84 GiB of them in full fine-tuning, < 1 GiB
+    moments almost vanish (a 7B model: ~75 GiB of them in full fine-tuning, < 0.5 GiB
     with r=16). The frozen weights can stay in bf16.
     Costs: the adapters' small extra matmuls (a few percent of a step); the
     activations are about those of full training (the base layers' inputs are still
