@@ -14,6 +14,7 @@ import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from memfit.memory.categories import (
     ACTIVATIONS,
@@ -28,6 +29,9 @@ from memfit.memory.categories import (
     empty_breakdown,
 )
 from memfit.units import GIB, MIB, format_bytes
+
+if TYPE_CHECKING:
+    from memfit.config import TrainConfig
 
 # A path component that is a number marks a block of a stack: model.layers.3, transformer.h.3.
 _BLOCK_PATTERN = re.compile(r"^(.*?\.\d+)(\.|$)")
@@ -53,6 +57,25 @@ class ReportContext:
     loss_chunk_size: int | None = 0
     vocab_size: int | None = None
     optimizer_in_backward: bool = False
+
+    @classmethod
+    def from_config(
+        cls, config: TrainConfig, vocab_size: int | None = None, loss_chunk_size: int | None = None
+    ) -> ReportContext:
+        """The context of a run configured by `config`.
+
+        `loss_chunk_size`: the chunk size the run really used, when `--loss-chunk-size`
+        was left to its default (chosen by memfit); without it, the default counts as on.
+        """
+        chunk = loss_chunk_size if loss_chunk_size is not None else config.memory.loss_chunk_size
+        return cls(
+            gradient_checkpointing=config.memory.gradient_checkpointing != "off",
+            optimizer=config.optimizer.optimizer,
+            lora=config.lora.lora_r > 0,
+            loss_chunk_size=1 if chunk is None else chunk,
+            vocab_size=vocab_size,
+            optimizer_in_backward=config.memory.optimizer_in_backward,
+        )
 
 
 @dataclass

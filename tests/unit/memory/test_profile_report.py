@@ -155,3 +155,16 @@ def test_report_without_closed_steps_uses_the_snapshot(steps, llama):
         model(input_ids=torch.randint(0, 256, (1, 8))).logits.sum().backward()
     report = build_report([], tracker.peak_snapshot(), "cpu")
     assert report.steps == steps and report.peak_bytes == tracker.peak_bytes
+
+
+def test_context_from_config_turns_off_advice_for_what_the_run_uses():
+    from memfit.config import load_config
+
+    config = load_config(
+        overrides={"gradient_checkpointing": "full", "optimizer": "adamw-8bit", "lora_r": 8, "loss_chunk_size": 0}
+    )
+    context = ReportContext.from_config(config, vocab_size=256)
+    assert context.gradient_checkpointing and context.lora and context.optimizer == "adamw-8bit"
+    assert context.loss_chunk_size == 0 and context.vocab_size == 256
+    assert ReportContext.from_config(load_config(), loss_chunk_size=0).loss_chunk_size == 0
+    assert not ReportContext.from_config(load_config()).gradient_checkpointing
