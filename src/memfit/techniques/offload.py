@@ -26,11 +26,13 @@ a no-op and the reason, which the loop logs.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from typing import Any
 
 import torch
 from torch import nn
 
+from memfit.config import OptimizerConfig
 from memfit.errors import UsageError
 
 NO_EFFECT_ON_CPU = "activation offload has no effect on CPU: activations already live in host memory"
@@ -127,30 +129,58 @@ def check_optimizer_offload(device: torch.device | str, max_grad_norm: float) ->
         )
 
 
-def optimizer_offload(
-    params: Any,
-    optimizer_class: type[torch.optim.Optimizer],
-    device: torch.device | str,
-    **optimizer_kwargs: Any,
-) -> tuple[torch.optim.Optimizer, str | None]:
-    """An optimizer whose state and step live on the CPU, and why not (or None).
+# Options of a device optimizer that must not be carried to its CPU twin.
+_DEVICE_ONLY_OPTIONS = ("fused", "foreach", "capturable", "differentiable")
 
-    On CUDA: torchao's `CPUOffloadOptimizer` wrapping `optimizer_class` (parameters
-    under 4096 elements stay on the GPU with an ordinary optimizer). Without torchao,
-    or on CPU, the ordinary `optimizer_class(params, **optimizer_kwargs)` and the
-    reason. The result works with LR schedulers, `state_dict()` and `zero_grad()`.
+
+def optimizer_offload(
+    optimizer: torch.optim.Optimizer,
+    groups: list[dict[str, Any]],
+    optimizer_config: OptimizerConfig | None,
+    device: torch.device | str,
+) -> tuple[torch.optim.Optimizer, str | None]:
+    """The same optimizer with its state and step on the CPU, or `optimizer` and why not.
+
+    Args:
+        optimizer: the optimizer built for the device (its state is created lazily, so
+            it has cost nothing yet); its class and options are reused.
+        groups: the parameter groups it was built from.
+        optimizer_config: checked for gradient clipping (see `check_optimizer_offload`).
+        device: the training device.
+    Returns:
+        On CUDA, torchao's `CPUOffloadOptimizer` (parameters under 4096 elements stay on
+        the GPU with an ordinary optimizer) and None. Otherwise `optimizer` unchanged and
+        the reason: CPU (no effect), torchao missing, or an optimizer class that is not
+        one of torch's. The result works with LR schedulers, `state_dict()`, `zero_grad()`.
+    Raises:
+        UsageError: gradient clipping is on (CUDA only).
     """
     device = torch.device(device)
     if device.type != "cuda":
-        reason = (
-            OPTIMIZER_NO_EFFECT_ON_CPU
-            if device.type == "cpu"
-            else f"optimizer offload supports CUDA only, not {device.type}"
+        if device.type == "cpu":
+            return optimizer, OPTIMIZER_NO_EFFECT_ON_CPU
+        return optimizer, f"optimizer offload supports CUDA only, not {device.type}"
+    if optimizer_config is not None:
+        check_optimizer_offload(device, optimizer_config.max_grad_norm)
+    optimizer_class = type(optimizer)
+    if not optimizer_class.__module__.startswith("torch.optim"):
+        return (
+            optimizer,
+            f"optimizer offload runs torch optimizers on the CPU; {optimizer_class.__name__} stays on the GPU",
         )
-        return optimizer_class(params, **optimizer_kwargs), reason
     try:
         from torchao.optim import CPUOffloadOptimizer
     except ImportError:
-        reason = "torchao is not installed, so the optimizer state stays on the GPU (pip install memfit[torchao])"
-        return optimizer_class(params, **optimizer_kwargs), reason
-    return CPUOffloadOptimizer(params, optimizer_class, offload_gradients=False, **optimizer_kwargs), None
+        return (
+            optimizer,
+            "torchao is not installed, so the optimizer state stays on the GPU (pip install memfit[torchao])",
+        )
+    accepted = inspect.signature(optimizer_class.__init__).parameters
+    options = {
+        key: value
+        for key, value in optimizer.defaults.items()
+        if key in accepted and key not in _DEVICE_ONLY_OPTIONS  # AdamW's defaults hold more than it takes
+    }
+    # torchao takes the "params" out of the groups it is given: hand it copies.
+    own_groups = [{**group, "params": list(group["params"])} for group in groups]
+    return CPUOffloadOptimizer(own_groups, optimizer_class, offload_gradients=False, **options), None

@@ -26,10 +26,11 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+from torch import nn
 
 from memfit.errors import UsageError
 
-OptimizerFactory = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
+OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 
 
 def check_optimizer_in_backward(accumulation_steps: int, max_grad_norm: float, uses_grad_scaler: bool = False) -> None:
@@ -62,13 +63,17 @@ class OptimizerInBackward(torch.optim.Optimizer):
     """One optimizer per trainable parameter, stepped from the parameter's gradient hook.
 
     Args:
-        params: parameters or parameter groups (dicts with "params" and per-group options
-            such as "weight_decay"), as for any torch optimizer; frozen ones are skipped.
-        make_optimizer: builds the optimizer of one parameter from a list with one group,
-            e.g. `lambda groups: torch.optim.AdamW(groups, lr=1e-3, foreach=False)`.
+        params: a model, parameters, or parameter groups (dicts with "params" and
+            per-group options such as "weight_decay"); frozen parameters are skipped.
+        make_optimizer: builds the optimizer of one parameter from a one-element list,
+            e.g. `lambda params: torch.optim.AdamW(params, lr=1e-3, foreach=False)`. The
+            options of the parameter's group are then set on that optimizer's group,
+            as a torch optimizer would do with per-group options.
     """
 
-    def __init__(self, params: Iterable, make_optimizer: OptimizerFactory):
+    def __init__(self, params: nn.Module | Iterable, make_optimizer: OptimizerFactory):
+        if isinstance(params, nn.Module):
+            params = params.parameters()
         groups = list(params)
         if groups and not isinstance(groups[0], dict):
             groups = [{"params": groups}]
@@ -77,7 +82,9 @@ class OptimizerInBackward(torch.optim.Optimizer):
             options = {key: value for key, value in group.items() if key != "params"}
             for parameter in group["params"]:
                 if parameter.requires_grad and parameter not in self.optimizers:
-                    self.optimizers[parameter] = make_optimizer([{"params": [parameter], **options}])
+                    optimizer = make_optimizer([parameter])
+                    optimizer.param_groups[0].update(options)
+                    self.optimizers[parameter] = optimizer
         if not self.optimizers:
             raise ValueError("OptimizerInBackward got no trainable parameter")
         # Optimizer.__init__ sets up the hook and state machinery that schedulers rely on;

@@ -8,6 +8,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from memfit.config import OptimizerConfig
 from memfit.errors import UsageError
 from memfit.techniques.offload import (
     NO_EFFECT_ON_CPU,
@@ -87,11 +88,11 @@ def test_parameters_and_small_tensors_stay_put():
     assert all(t.numel() * t.element_size() >= 4096 for t in moved_from)
 
 
-def test_optimizer_offload_on_cpu_returns_the_normal_optimizer():
-    model = tiny_llama()
-    optimizer, reason = optimizer_offload(model.parameters(), torch.optim.AdamW, "cpu", lr=1e-3)
-    assert type(optimizer) is torch.optim.AdamW and reason == OPTIMIZER_NO_EFFECT_ON_CPU
-    assert optimizer.param_groups[0]["lr"] == 1e-3
+def test_optimizer_offload_on_cpu_returns_the_same_optimizer():
+    groups = [{"params": list(tiny_llama().parameters()), "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW(groups, lr=1e-3)
+    offloaded, reason = optimizer_offload(optimizer, groups, OptimizerConfig(max_grad_norm=1.0), "cpu")
+    assert offloaded is optimizer and reason == OPTIMIZER_NO_EFFECT_ON_CPU
 
 
 def test_optimizer_offload_refuses_clipping_on_cuda_only():
@@ -138,11 +139,13 @@ def test_optimizer_offload_keeps_adam_state_off_the_gpu():
     measured = {}
     for offload in (False, True):
         model = tiny_llama("cuda", hidden=512, layers=4)
+        groups = [{"params": list(model.parameters()), "weight_decay": 0.0}]
+        optimizer = torch.optim.AdamW(groups, lr=1e-3, fused=True)
         if offload:
-            optimizer, reason = optimizer_offload(model.parameters(), torch.optim.AdamW, "cuda", lr=1e-3)
-            assert reason is None
-        else:
-            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            optimizer, reason = optimizer_offload(optimizer, groups, OptimizerConfig(max_grad_norm=0.0), "cuda")
+            assert reason is None and type(optimizer).__name__ == "CPUOffloadOptimizer"
+            with pytest.raises(UsageError, match="--max-grad-norm 0"):
+                optimizer_offload(optimizer, groups, OptimizerConfig(max_grad_norm=1.0), "cuda")
         input_ids = torch.randint(0, 256, (2, 128), device="cuda")
         model(input_ids=input_ids, labels=input_ids).loss.backward()
         optimizer.step()

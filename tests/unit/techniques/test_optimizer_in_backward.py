@@ -110,7 +110,7 @@ def test_load_state_dict_from_a_plain_optimizer_is_refused():
 def test_remove_restores_normal_gradients_and_frozen_parameters_are_skipped():
     model = small_model()
     model[0].weight.requires_grad_(False)
-    optimizer = OptimizerInBackward(model.parameters(), make_adamw)
+    optimizer = OptimizerInBackward(model, make_adamw)  # a model works as well as its parameters
     assert model[0].weight not in optimizer.optimizers
     optimizer.set_lr(0.5)
     assert all(group["lr"] == 0.5 for group in optimizer.param_groups)
