@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import json
 
-import pytest
 import torch
+from tracker_helpers import build_llama, tracked_step
 
 from memfit.memory.categories import CATEGORIES, OPTIMIZER_STATES, PeakSnapshot, StepMemory
 from memfit.memory.report import ReportContext, build_report, detect_leak, render
 from memfit.memory.tracker import MemoryTracker
 
 
-def profile(model, optimizer, step, input_ids, steps=2, keep=None, checkpointing=False):
+def profile(model, optimizer, input_ids, steps=2, keep=None, checkpointing=False):
     """Run `steps` tracked steps; `keep` (a list) collects a tensor per step, like a leak."""
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -21,7 +21,7 @@ def profile(model, optimizer, step, input_ids, steps=2, keep=None, checkpointing
     memories = []
     with tracker:
         for _ in range(steps):
-            loss = step(tracker, model, optimizer, input_ids)
+            loss = tracked_step(tracker, model, optimizer, input_ids)
             if keep is not None:
                 keep.append(torch.full((64, 64), float(loss)))  # 16 KiB kept per step
             memories.append(tracker.end_step())
@@ -32,9 +32,9 @@ def flags(report) -> list[str]:
     return [entry["flag"] for entry in report.advice]
 
 
-def test_report_json_has_the_schema(llama, step):
-    model = llama(layers=2)
-    memories, tracker = profile(model, torch.optim.AdamW(model.parameters()), step, torch.randint(0, 256, (2, 64)))
+def test_report_json_has_the_schema():
+    model = build_llama(layers=2)
+    memories, tracker = profile(model, torch.optim.AdamW(model.parameters()), torch.randint(0, 256, (2, 64)))
     report = build_report(memories, tracker.peak_snapshot(), "cpu", ReportContext(vocab_size=256))
     data = json.loads(json.dumps(report.to_dict()))
     for key in ("device", "steps", "peak_bytes", "breakdown", "phases", "top_modules", "top_tensors", "advice", "leak"):
@@ -51,9 +51,9 @@ def test_report_json_has_the_schema(llama, step):
     assert data["leak"] is None
 
 
-def test_checkpointing_advice_when_activations_dominate_and_its_estimate(llama, step):
+def test_checkpointing_advice_when_activations_dominate_and_its_estimate():
     input_ids = torch.randint(0, 256, (2, 512))  # long sequence, small model
-    plain_steps, plain = profile(llama(layers=4), None, step, input_ids, steps=1)
+    plain_steps, plain = profile(build_llama(layers=4), None, input_ids, steps=1)
     report = build_report(plain_steps, plain.peak_snapshot(), "cpu")
     assert report.breakdown["activations"] > 0.6 * report.peak_bytes
     advice = report.advice[0]
@@ -61,7 +61,7 @@ def test_checkpointing_advice_when_activations_dominate_and_its_estimate(llama, 
     assert advice["message"].startswith("activations are ")
 
     # The estimate is close to what checkpointing really saves.
-    checkpointed_steps, _ = profile(llama(layers=4), None, step, input_ids, steps=1, checkpointing=True)
+    checkpointed_steps, _ = profile(build_llama(layers=4), None, input_ids, steps=1, checkpointing=True)
     real_saving = plain_steps[0].peak_bytes - checkpointed_steps[0].peak_bytes
     assert 0.6 * real_saving <= advice["saves_bytes"] <= 1.4 * real_saving, (advice["saves_bytes"], real_saving)
 
@@ -70,9 +70,9 @@ def test_checkpointing_advice_when_activations_dominate_and_its_estimate(llama, 
     assert "--gradient-checkpointing full" not in flags(already)
 
 
-def test_optimizer_and_lora_advice_when_state_dominates(llama, step):
-    model = llama(layers=2, hidden=128, vocab=1024)
-    memories, tracker = profile(model, torch.optim.AdamW(model.parameters()), step, torch.randint(0, 1024, (1, 8)))
+def test_optimizer_and_lora_advice_when_state_dominates():
+    model = build_llama(layers=2, hidden=128, vocab=1024)
+    memories, tracker = profile(model, torch.optim.AdamW(model.parameters()), torch.randint(0, 1024, (1, 8)))
     report = build_report(memories, tracker.peak_snapshot(), "cpu")
     state = max(memory.breakdown[OPTIMIZER_STATES] for memory in memories)
     eight_bit = next(entry for entry in report.advice if entry["flag"] == "--optimizer adamw-8bit")
@@ -88,9 +88,9 @@ def test_optimizer_and_lora_advice_when_state_dominates(llama, step):
     )
 
 
-def test_chunked_loss_advice_when_logits_are_large(llama, step):
-    model = llama(layers=1, hidden=32, vocab=4096)
-    memories, tracker = profile(model, None, step, torch.randint(0, 4096, (2, 256)), steps=1)
+def test_chunked_loss_advice_when_logits_are_large():
+    model = build_llama(layers=1, hidden=32, vocab=4096)
+    memories, tracker = profile(model, None, torch.randint(0, 4096, (2, 256)), steps=1)
     report = build_report(memories, tracker.peak_snapshot(), "cpu", ReportContext(vocab_size=4096))
     chunk = next(entry for entry in report.advice if entry["technique"] == "chunked loss")
     assert chunk["flag"].startswith("--loss-chunk-size ")
@@ -103,18 +103,18 @@ def test_chunked_loss_advice_when_logits_are_large(llama, step):
     )
 
 
-def test_leak_warning_fires_on_a_growing_loop_and_not_on_a_clean_one(llama, step):
+def test_leak_warning_fires_on_a_growing_loop_and_not_on_a_clean_one():
     input_ids = torch.randint(0, 256, (1, 16))
-    model = llama(layers=1)
+    model = build_llama(layers=1)
     kept: list[torch.Tensor] = []
-    leaky, tracker = profile(model, torch.optim.AdamW(model.parameters()), step, input_ids, steps=5, keep=kept)
+    leaky, tracker = profile(model, torch.optim.AdamW(model.parameters()), input_ids, steps=5, keep=kept)
     report = build_report(leaky, tracker.peak_snapshot(), "cpu")
     assert report.leak is not None
     assert report.leak["growth_bytes_per_step"] == 64 * 64 * 4
     assert "per step" in report.leak["message"]
 
-    model = llama(layers=1)
-    clean, tracker = profile(model, torch.optim.AdamW(model.parameters()), step, input_ids, steps=5)
+    model = build_llama(layers=1)
+    clean, tracker = profile(model, torch.optim.AdamW(model.parameters()), input_ids, steps=5)
     assert build_report(clean, tracker.peak_snapshot(), "cpu").leak is None
 
 
@@ -126,10 +126,10 @@ def test_detect_leak_needs_steady_growth_over_three_steps():
     assert detect_leak([1000_000, 1200_000, 1100_000, 1300_000, 1400_000]) is None
 
 
-def test_render_shows_peak_categories_phases_tensors_and_advice(llama, step):
+def test_render_shows_peak_categories_phases_tensors_and_advice():
     input_ids = torch.randint(0, 256, (2, 256))
-    model = llama(layers=2)
-    memories, tracker = profile(model, torch.optim.AdamW(model.parameters()), step, input_ids)
+    model = build_llama(layers=2)
+    memories, tracker = profile(model, torch.optim.AdamW(model.parameters()), input_ids)
     text = render(build_report(memories, tracker.peak_snapshot(), "cpu"))
     assert text.splitlines()[1].startswith("peak ")
     for word in (*CATEGORIES, "forward", "backward", "optimizer", "largest tensors", "advice:", "MiB"):
@@ -146,15 +146,14 @@ def test_report_from_synthetic_records_without_torch_run():
     assert render(report)
 
 
-@pytest.mark.parametrize("steps", [0])
-def test_report_without_closed_steps_uses_the_snapshot(steps, llama):
-    model = llama(layers=1)
+def test_report_without_closed_steps_uses_the_snapshot():
+    model = build_llama(layers=1)
     tracker = MemoryTracker("cpu")
     tracker.attach(model)
     with tracker:
         model(input_ids=torch.randint(0, 256, (1, 8))).logits.sum().backward()
     report = build_report([], tracker.peak_snapshot(), "cpu")
-    assert report.steps == steps and report.peak_bytes == tracker.peak_bytes
+    assert report.steps == 0 and report.peak_bytes == tracker.peak_bytes
 
 
 def test_context_from_config_turns_off_advice_for_what_the_run_uses():

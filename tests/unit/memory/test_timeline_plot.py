@@ -6,19 +6,20 @@ import sys
 
 import pytest
 import torch
+from tracker_helpers import build_llama, tracked_step
 
 from memfit.errors import UsageError
 from memfit.memory.plot import plot_timeline
 from memfit.memory.tracker import MemoryTracker
 
 
-def test_plot_writes_a_png_of_a_tracked_step(llama, step, tmp_path):
-    model = llama(layers=2)
+def test_plot_writes_a_png_of_a_tracked_step(tmp_path):
+    model = build_llama(layers=2)
     optimizer = torch.optim.AdamW(model.parameters())
     tracker = MemoryTracker("cpu")
     tracker.attach(model, optimizer)
     with tracker:
-        step(tracker, model, optimizer, torch.randint(0, 256, (2, 64)))
+        tracked_step(tracker, model, optimizer, torch.randint(0, 256, (2, 64)))
         tracker.end_step()
     path = plot_timeline(tracker.timeline(), tmp_path / "plots" / "memory.png", title="tiny llama")
     data = path.read_bytes()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tracker_helpers import build_llama, tracked_step
 
 from memfit.memory.categories import ACTIVATIONS, CATEGORIES, GRADIENTS, OPTIMIZER_STATES, OTHER, PARAMETERS
 from memfit.memory.tracker import MemoryTracker
@@ -46,8 +47,8 @@ def allocator_peak_delta(run) -> int:
 
 
 @pytest.mark.parametrize("foreach", [False, None, True], ids=["for-loop", "default", "foreach"])
-def test_peak_matches_allocator_and_categories_match_closed_forms(llama, step, foreach):
-    model = llama(layers=2)
+def test_peak_matches_allocator_and_categories_match_closed_forms(foreach):
+    model = build_llama(layers=2)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=foreach)
     input_ids = torch.randint(0, 256, (2, 64))
     parameters = list(model.parameters())
@@ -59,7 +60,7 @@ def test_peak_matches_allocator_and_categories_match_closed_forms(llama, step, f
             # What exists before the step, counted from the tensors themselves.
             state = [t for s in optimizer.state.values() for t in s.values()]
             before = storage_bytes([*parameters, *state, input_ids, *model.buffers()])
-            delta = allocator_peak_delta(lambda: step(tracker, model, optimizer, input_ids))
+            delta = allocator_peak_delta(lambda: tracked_step(tracker, model, optimizer, input_ids))
             memory = tracker.end_step()
             independent = before + delta
             assert abs(memory.peak_bytes - independent) <= 0.01 * independent, (index, memory.peak_bytes, independent)
@@ -116,8 +117,8 @@ def test_saved_tensors_are_activations_while_the_graph_keeps_them():
         assert tracker.breakdown()[OTHER] >= 400  # exp is still alive, no longer saved
 
 
-def test_dropping_the_graph_without_backward_frees_the_activations(llama):
-    model = llama(layers=2)
+def test_dropping_the_graph_without_backward_frees_the_activations():
+    model = build_llama(layers=2)
     input_ids = torch.randint(0, 256, (2, 64))
     tracker = MemoryTracker("cpu")
     tracker.attach(model)
@@ -131,8 +132,8 @@ def test_dropping_the_graph_without_backward_frees_the_activations(llama):
         assert tracker.breakdown()[ACTIVATIONS] == 0
 
 
-def test_phases_modules_peak_snapshot_and_timeline(llama, step):
-    model = llama(layers=2)
+def test_phases_modules_peak_snapshot_and_timeline():
+    model = build_llama(layers=2)
     optimizer = torch.optim.AdamW(model.parameters())
     input_ids = torch.randint(0, 256, (2, 64))
     tracker = MemoryTracker("cpu", max_timeline_samples=64)
@@ -140,7 +141,7 @@ def test_phases_modules_peak_snapshot_and_timeline(llama, step):
     with tracker:
         steps = []
         for _ in range(2):
-            step(tracker, model, optimizer, input_ids)
+            tracked_step(tracker, model, optimizer, input_ids)
             steps.append(tracker.end_step())
     assert [phase.name for phase in steps[1].phases] == ["forward", "backward", "optimizer"]
     assert max(phase.peak_bytes for phase in steps[1].phases) == steps[1].peak_bytes
@@ -168,17 +169,17 @@ def test_phases_modules_peak_snapshot_and_timeline(llama, step):
     assert max(sum(sizes.values()) for _, _, sizes in timeline) == peak_step.peak_bytes
 
 
-def test_gradient_checkpointing_lowers_the_activation_peak(llama, step):
+def test_gradient_checkpointing_lowers_the_activation_peak():
     input_ids = torch.randint(0, 256, (2, 512))
     results = {}
     for checkpointing in (False, True):
-        model = llama(layers=4)
+        model = build_llama(layers=4)
         if checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         tracker = MemoryTracker("cpu")
         tracker.attach(model)
         with tracker:
-            loss = step(tracker, model, None, input_ids)
+            loss = tracked_step(tracker, model, None, input_ids)
             memory = tracker.end_step()
         grads = [p.grad.clone() for p in model.parameters()]
         results[checkpointing] = (loss, grads, memory, tracker.peak_snapshot())
@@ -195,16 +196,16 @@ def test_gradient_checkpointing_lowers_the_activation_peak(llama, step):
     assert checkpointed[2].peak_bytes < 0.5 * plain[2].peak_bytes
 
 
-def test_bf16_autocast_step(llama, step):
+def test_bf16_autocast_step():
     input_ids = torch.randint(0, 256, (2, 128))
     activations = {}
     for autocast in (False, True):
-        model = llama(layers=2)
+        model = build_llama(layers=2)
         optimizer = torch.optim.AdamW(model.parameters())
         tracker = MemoryTracker("cpu")
         tracker.attach(model, optimizer)
         with tracker:
-            loss = step(tracker, model, optimizer, input_ids, autocast=autocast)
+            loss = tracked_step(tracker, model, optimizer, input_ids, autocast=autocast)
             memory = tracker.end_step()
         assert torch.isfinite(loss)
         activations[autocast] = memory.breakdown[ACTIVATIONS]
@@ -216,8 +217,8 @@ def test_bf16_autocast_step(llama, step):
     assert activations[True] < activations[False]
 
 
-def test_gradient_accumulation_keeps_one_gradient_per_parameter(llama):
-    model = llama(layers=2)
+def test_gradient_accumulation_keeps_one_gradient_per_parameter():
+    model = build_llama(layers=2)
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     input_ids = torch.randint(0, 256, (4, 32))
     tracker = MemoryTracker("cpu")
@@ -233,15 +234,15 @@ def test_gradient_accumulation_keeps_one_gradient_per_parameter(llama):
     assert [phase.name for phase in memory.phases] == ["forward", "backward"]
 
 
-def test_attach_again_counts_a_new_optimizer_once(llama, step):
-    model = llama(layers=1)
+def test_attach_again_counts_a_new_optimizer_once():
+    model = build_llama(layers=1)
     input_ids = torch.randint(0, 256, (1, 16))
     tracker = MemoryTracker("cpu")
     tracker.attach(model, torch.optim.SGD(model.parameters(), lr=0.1))
     with tracker:
         optimizer = torch.optim.AdamW(model.parameters())
         tracker.attach(model, optimizer)
-        step(tracker, model, optimizer, input_ids)
+        tracked_step(tracker, model, optimizer, input_ids)
         memory = tracker.end_step()
     parameters = list(model.parameters())
     param_bytes = sum(p.numel() * p.element_size() for p in parameters)
@@ -250,24 +251,24 @@ def test_attach_again_counts_a_new_optimizer_once(llama, step):
 
 
 @pytest.mark.gpu
-def test_cuda_peak_matches_max_memory_allocated(llama, step):
+def test_cuda_peak_matches_max_memory_allocated():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     device = torch.device("cuda")
-    model = llama(layers=4, hidden=1024, vocab=32000).to(device)
+    model = build_llama(layers=4, hidden=1024, vocab=32000).to(device)
     optimizer = torch.optim.AdamW(model.parameters())
     input_ids = torch.randint(0, 32000, (4, 512), device=device)
     tracker = MemoryTracker(device)
     tracker.attach(model, optimizer)
     with tracker:
         # The first step creates optimizer state and the cuBLAS workspace (not a tensor).
-        step(tracker, model, optimizer, input_ids)
+        tracked_step(tracker, model, optimizer, input_ids)
         tracker.end_step()
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         allocated_at_start = torch.cuda.memory_allocated()
         tracked_at_start = tracker.current_bytes
-        step(tracker, model, optimizer, input_ids)
+        tracked_step(tracker, model, optimizer, input_ids)
         memory = tracker.end_step()
         torch.cuda.synchronize()
     allocator_growth = torch.cuda.max_memory_allocated() - allocated_at_start
@@ -276,18 +277,18 @@ def test_cuda_peak_matches_max_memory_allocated(llama, step):
     assert memory.live_breakdown_at_end[PARAMETERS] == sum(p.numel() * 4 for p in model.parameters())
 
 
-def test_dropping_the_tracker_and_model_frees_them_without_gc(llama, step):
+def test_dropping_the_tracker_and_model_frees_them_without_gc():
     import gc
     import weakref
 
     gc.disable()
     try:
-        model = llama(layers=1)
+        model = build_llama(layers=1)
         optimizer = torch.optim.AdamW(model.parameters())
         tracker = MemoryTracker("cpu")
         tracker.attach(model, optimizer)
         with tracker:
-            step(tracker, model, optimizer, torch.randint(0, 256, (1, 8)))
+            tracked_step(tracker, model, optimizer, torch.randint(0, 256, (1, 8)))
             tracker.end_step()
         weight = weakref.ref(model.lm_head.weight)
         tracker_ref = weakref.ref(tracker)
@@ -297,15 +298,15 @@ def test_dropping_the_tracker_and_model_frees_them_without_gc(llama, step):
         gc.enable()
 
 
-def test_state_made_in_the_first_step_counts_as_optimizer_state_at_that_peak(llama, step):
-    model = llama(layers=2, hidden=128, vocab=1024)
+def test_state_made_in_the_first_step_counts_as_optimizer_state_at_that_peak():
+    model = build_llama(layers=2, hidden=128, vocab=1024)
     optimizer = torch.optim.AdamW(model.parameters(), foreach=False)
     parameters = list(model.parameters())
     param_bytes = sum(p.numel() * p.element_size() for p in parameters)
     tracker = MemoryTracker("cpu")
     tracker.attach(model, optimizer)
     with tracker:
-        step(tracker, model, optimizer, torch.randint(0, 1024, (1, 8)))
+        tracked_step(tracker, model, optimizer, torch.randint(0, 1024, (1, 8)))
         memory = tracker.end_step()
     optimizer_phase = next(phase for phase in memory.phases if phase.name == "optimizer")
     assert optimizer_phase.peak_bytes == memory.peak_bytes  # short sequence: the state creation peaks

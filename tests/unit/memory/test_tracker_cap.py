@@ -4,27 +4,28 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tracker_helpers import build_llama, tracked_step
 
 from memfit.memory.cap import apply_memory_cap, cap_exceeded_error, is_out_of_memory
 from memfit.memory.categories import ACTIVATIONS
 from memfit.memory.tracker import MemoryTracker
 
 
-def measure_step_peak(llama, step, input_ids) -> int:
-    model = llama(layers=2)
+def measure_step_peak(input_ids) -> int:
+    model = build_llama(layers=2)
     optimizer = torch.optim.AdamW(model.parameters())
     tracker = MemoryTracker("cpu")
     tracker.attach(model, optimizer)
     with tracker:
-        step(tracker, model, optimizer, input_ids)
+        tracked_step(tracker, model, optimizer, input_ids)
         return tracker.end_step().peak_bytes
 
 
-def test_cap_below_the_peak_raises_above_it_completes_and_recovery_frees(llama, step):
+def test_cap_below_the_peak_raises_above_it_completes_and_recovery_frees():
     input_ids = torch.randint(0, 256, (2, 128))
-    peak = measure_step_peak(llama, step, input_ids)
+    peak = measure_step_peak(input_ids)
 
-    model = llama(layers=2)
+    model = build_llama(layers=2)
     optimizer = torch.optim.AdamW(model.parameters())
     tracker = MemoryTracker("cpu", cap_bytes=peak - 1)
     tracker.attach(model, optimizer)
@@ -34,7 +35,7 @@ def test_cap_below_the_peak_raises_above_it_completes_and_recovery_frees(llama, 
         with pytest.raises(
             torch.OutOfMemoryError, match=r"memfit memory cap: tried to allocate .* live; cap is .*--memory-cap"
         ):
-            step(tracker, model, optimizer, input_ids)
+            tracked_step(tracker, model, optimizer, input_ids)
         # Everything the failed attempt made is gone once the exception is dropped.
         optimizer.zero_grad(set_to_none=True)
         assert tracker.current_bytes == before
@@ -51,22 +52,22 @@ def test_cap_below_the_peak_raises_above_it_completes_and_recovery_frees(llama, 
         optimizer.zero_grad(set_to_none=True)
         assert tracker.end_step().peak_bytes <= peak - 1
 
-    fresh = llama(layers=2)
+    fresh = build_llama(layers=2)
     fresh_optimizer = torch.optim.AdamW(fresh.parameters())
     roomy = MemoryTracker("cpu", cap_bytes=peak + 1)
     roomy.attach(fresh, fresh_optimizer)
     with roomy:
-        step(roomy, fresh, fresh_optimizer, input_ids)
+        tracked_step(roomy, fresh, fresh_optimizer, input_ids)
         assert roomy.end_step().peak_bytes == peak
 
 
-def test_cap_hit_in_backward_recovers(llama, step):
+def test_cap_hit_in_backward_recovers():
     input_ids = torch.randint(0, 256, (2, 128))
-    model = llama(layers=2)
+    model = build_llama(layers=2)
     tracker = MemoryTracker("cpu")
     tracker.attach(model)
     with tracker:
-        step(tracker, model, None, input_ids)
+        tracked_step(tracker, model, None, input_ids)
         memory = tracker.end_step()
     forward_peak = next(phase.peak_bytes for phase in memory.phases if phase.name == "forward")
     backward_peak = next(phase.peak_bytes for phase in memory.phases if phase.name == "backward")
@@ -79,7 +80,7 @@ def test_cap_hit_in_backward_recovers(llama, step):
         model(input_ids=input_ids[:, :2])
         before = capped.current_bytes
         with pytest.raises(torch.OutOfMemoryError):
-            step(capped, model, None, input_ids)
+            tracked_step(capped, model, None, input_ids)
         model.zero_grad(set_to_none=True)
         assert capped.current_bytes == before
 

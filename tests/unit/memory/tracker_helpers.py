@@ -1,10 +1,12 @@
-"""Fixtures for the memory tracker tests: tiny Llama models and one tracked training step."""
+"""Helpers of the memory tracker tests: tiny Llama models and one tracked training step.
+
+(A plain module, not a conftest.py: other test folders import their own `conftest`.)
+"""
 
 from __future__ import annotations
 
 import contextlib
 
-import pytest
 import torch
 
 
@@ -39,13 +41,3 @@ def tracked_step(tracker, model, optimizer, input_ids, autocast: bool = False) -
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
     return loss.detach()
-
-
-@pytest.fixture
-def llama():
-    return build_llama
-
-
-@pytest.fixture
-def step():
-    return tracked_step
