@@ -40,6 +40,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"memfit: unknown command {command!r}{suggest(command, COMMANDS)}; {USAGE}", file=sys.stderr)
         return 2
     logging.basicConfig(level=os.environ.get("MEMFIT_LOG_LEVEL", "INFO"), format="%(message)s", stream=sys.stderr)
+    # Optional libraries announce things at import that say nothing about the run
+    # (torchao's kernels for other GPUs, deprecation notices, DeepSpeed's accelerator probe).
+    for noisy in ("torch.utils._pytree", "torchao", "DeepSpeed", "deepspeed", "accelerate", "bitsandbytes"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)
     module = importlib.import_module(f"memfit.cli.{COMMANDS[command][0]}")
     try:
         return module.run(rest)
