@@ -32,7 +32,7 @@ class DistContext:
             return value
         import torch.distributed as dist
 
-        tensor = torch.tensor([float(value)], dtype=torch.float64, device=device or "cpu")
+        tensor = torch.tensor([float(value)], dtype=torch.float64, device=device or _collective_device())
         dist.all_reduce(tensor)
         return tensor.item()
 
@@ -41,7 +41,7 @@ class DistContext:
             return value
         import torch.distributed as dist
 
-        tensor = torch.tensor([float(value)], dtype=torch.float64, device=device or "cpu")
+        tensor = torch.tensor([float(value)], dtype=torch.float64, device=device or _collective_device())
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
         return tensor.item()
 
@@ -56,6 +56,15 @@ class DistContext:
             dist.barrier()
 
 
+def _collective_device() -> torch.device:
+    """Where small collective tensors live: NCCL only moves CUDA tensors, gloo CPU ones."""
+    import torch.distributed as dist
+
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def init_distributed(device: torch.device | None = None) -> DistContext:
     """Start the process group when launched by torchrun; a single-process context otherwise."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -63,7 +72,11 @@ def init_distributed(device: torch.device | None = None) -> DistContext:
         return DistContext()
     import torch.distributed as dist
 
+    if device is not None and device.type == "cuda":
+        torch.cuda.set_device(device)  # before NCCL starts, so each rank's communicator uses its own GPU
     if not dist.is_initialized():
         backend = "nccl" if device is not None and device.type == "cuda" else "gloo"
         dist.init_process_group(backend=backend)
-    return DistContext(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=int(os.environ.get("LOCAL_RANK", "0")))
+    return DistContext(
+        rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=int(os.environ.get("LOCAL_RANK", "0"))
+    )

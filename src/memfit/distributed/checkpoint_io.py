@@ -1,0 +1,130 @@
+"""Checkpoints written by several ranks at once, with the single-process guarantees.
+
+A sharded checkpoint `<output-dir>/checkpoints/step-N/` holds what the engine wrote
+(`shards/` for FSDP2 through torch.distributed.checkpoint, `engine/` for DeepSpeed)
+plus the files memfit writes itself: `scheduler.pt`, `rng-<rank>.pt` and
+`trainer_state.json` (the file that marks a checkpoint complete).
+
+Every rank writes into the same temporary directory `.tmp-step-N`; after a barrier
+rank 0 adds the trainer state, flushes and renames it into place, and prunes old
+checkpoints. A run killed at any moment leaves the last complete checkpoint intact.
+The output directory must be on a file system every rank sees (one machine, or a
+shared mount across machines).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from memfit.distributed.context import DistContext
+from memfit.errors import UsageError
+from memfit.train.checkpoint import CHECKPOINT_DIR, TrainerState, list_checkpoints
+
+
+def _fsync_tree(path: Path) -> None:
+    for file in sorted(path.rglob("*")):
+        if file.is_file():
+            with open(file, "rb") as handle:
+                os.fsync(handle.fileno())
+    for directory in [path, *[p for p in path.rglob("*") if p.is_dir()]]:
+        try:
+            descriptor = os.open(directory, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            os.fsync(descriptor)
+        finally:
+            os.close(descriptor)
+
+
+def save_sharded(
+    output_dir: str | Path,
+    state: TrainerState,
+    dist: DistContext,
+    write_shards: Callable[[Path], None],
+    scheduler: Any,
+    config_dict: dict[str, Any],
+    keep_last: int = 2,
+) -> Path:
+    """Write one checkpoint from every rank; `write_shards(tmp_dir)` runs on all of them."""
+    root = Path(output_dir) / CHECKPOINT_DIR
+    final = root / f"step-{state.step}"
+    temporary = root / f".tmp-step-{state.step}"
+    if dist.is_main:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(temporary, ignore_errors=True)
+        temporary.mkdir()
+    dist.barrier()
+    write_shards(temporary)
+    rng = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state_all()
+    torch.save(rng, temporary / f"rng-{dist.rank}.pt")
+    dist.barrier()  # every rank's part is on disk before the checkpoint is declared complete
+    if dist.is_main:
+        torch.save(scheduler.state_dict() if scheduler is not None else {}, temporary / "scheduler.pt")
+        meta = {
+            "step": state.step,
+            "tokens_seen": state.tokens_seen,
+            "micro_batch_size": state.micro_batch_size,
+            "extra": state.extra,
+            "world_size": dist.world_size,
+            "config": config_dict,
+        }
+        (temporary / "trainer_state.json").write_text(json.dumps(meta, indent=2))
+        _fsync_tree(temporary)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(temporary, final)
+        for old in list_checkpoints(output_dir)[:-keep_last] if keep_last > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+    return final
+
+
+def load_sharded(path: Path, dist: DistContext, read_shards: Callable[[Path], None], scheduler: Any) -> TrainerState:
+    """Restore a checkpoint written by `save_sharded` with the same number of ranks."""
+    try:
+        meta = json.loads((path / "trainer_state.json").read_text())
+        saved_world = meta.get("world_size", 1)
+        if saved_world != dist.world_size:
+            raise UsageError(
+                f"checkpoint {path} was written by {saved_world} ranks and this run has {dist.world_size};"
+                f" resume with --nproc_per_node {saved_world}"
+            )
+        read_shards(path)
+        if scheduler is not None:
+            scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
+        rng = torch.load(path / f"rng-{dist.rank}.pt", weights_only=True)
+    except UsageError:
+        raise
+    except Exception as error:  # any damage means the same to the user
+        first = str(error).splitlines()[0][:160] if str(error) else type(error).__name__
+        raise UsageError(
+            f"checkpoint {path} is damaged or was not written by a sharded run ({first}); delete it to resume from an"
+            " earlier one, or start without --resume"
+        ) from None
+    torch.set_rng_state(rng["cpu"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+    return TrainerState(meta["step"], meta.get("tokens_seen", 0), meta.get("micro_batch_size"), meta.get("extra", {}))
+
+
+def save_pretrained_atomic(model: torch.nn.Module, tokenizer: Any, directory: Path, state_dict: dict | None) -> Path:
+    """`save_pretrained` of a gathered state dict into `directory`, via a temporary sibling."""
+    temporary = directory.with_name(f".tmp-{directory.name}-{os.getpid()}")
+    shutil.rmtree(temporary, ignore_errors=True)
+    model.save_pretrained(temporary, state_dict=state_dict, safe_serialization=True)
+    if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
+        tokenizer.save_pretrained(temporary)
+    if directory.exists():
+        shutil.rmtree(directory)
+    os.replace(temporary, directory)
+    return directory
