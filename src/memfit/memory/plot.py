@@ -84,11 +84,14 @@ def plot_timeline(
         )
         top = peak / scale
         previous_phase = None
+        span = max(indices[-1] - indices[0], 1)
         for index, phase, _ in timeline:
             # Gaps between phases (a step's bookkeeping) get no line of their own.
             if phase != previous_phase and phase != NO_PHASE:
                 axes.axvline(index, color="black", linestyle=":", linewidth=1)
-                axes.text(index, top * 1.02, f" {phase}", fontsize=8, va="bottom", ha="left")
+                near_end = index - indices[0] > 0.9 * span  # keep the label inside the axes
+                label = f"{phase} " if near_end else f" {phase}"
+                axes.text(index, top * 1.02, label, fontsize=8, va="bottom", ha="right" if near_end else "left")
             previous_phase = phase
         axes.axhline(top, color="black", linewidth=0.8, alpha=0.5)
         axes.annotate(

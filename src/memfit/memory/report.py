@@ -96,6 +96,7 @@ class ProfileReport:
     activation_peak_bytes: int = 0
     step_peak_bytes: list[int] = field(default_factory=list)
     live_bytes_at_end: list[int] = field(default_factory=list)
+    blocks: list[tuple[str, int]] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         """The JSON object of `memfit profile --json` (all sizes in bytes)."""
@@ -114,6 +115,7 @@ class ProfileReport:
             "activation_peak_bytes": self.activation_peak_bytes,
             "step_peak_bytes": list(self.step_peak_bytes),
             "live_bytes_at_end": list(self.live_bytes_at_end),
+            "blocks": [{"module": name, "activation_bytes": size} for name, size in self.blocks],
         }
 
 
@@ -150,6 +152,7 @@ def build_report(
         activation_peak_bytes=snapshot.activation_peak_bytes,
         step_peak_bytes=[step.peak_bytes for step in steps],
         live_bytes_at_end=[step.live_bytes_at_end for step in steps],
+        blocks=list(block_activations(snapshot).items()),
     )
     report.advice = advise(report.breakdown, peak_bytes, snapshot, context)
     return report
@@ -375,6 +378,13 @@ def render(report: ProfileReport) -> str:
         for phase in report.phases:
             largest = max(phase.breakdown, key=phase.breakdown.get) if phase.breakdown else "-"
             lines.append(f"  {phase.name:<18}{size(phase.peak_bytes)}  largest: {largest}")
+    if report.blocks:
+        sizes = [size for _, size in report.blocks]
+        largest_name, largest = max(report.blocks, key=lambda item: item[1])
+        lines.append(
+            f"activations per block: {len(sizes)} blocks, {format_bytes(sum(sizes) // len(sizes), unit)} on average "
+            f"(largest {largest_name}: {format_bytes(largest, unit)})"
+        )
     if report.top_modules:
         lines.append(
             f"modules holding the most activations (of {format_bytes(report.activation_peak_bytes, unit)} "

@@ -42,6 +42,7 @@ def test_report_json_has_the_schema():
     assert data["device"] == "cpu" and data["steps"] == 2
     assert list(data["breakdown"]) == list(CATEGORIES)
     assert sum(data["breakdown"].values()) == data["peak_bytes"] == tracker.peak_bytes
+    assert [block["module"] for block in data["blocks"]] == ["model.layers.0", "model.layers.1"]
     assert [phase["name"] for phase in data["phases"]] == ["forward", "backward", "optimizer"]
     assert all(set(phase) == {"name", "peak_bytes", "breakdown"} for phase in data["phases"])
     assert data["top_modules"] and set(data["top_modules"][0]) == {"module", "activation_bytes"}
@@ -132,7 +133,16 @@ def test_render_shows_peak_categories_phases_tensors_and_advice():
     memories, tracker = profile(model, torch.optim.AdamW(model.parameters()), input_ids)
     text = render(build_report(memories, tracker.peak_snapshot(), "cpu"))
     assert text.splitlines()[1].startswith("peak ")
-    for word in (*CATEGORIES, "forward", "backward", "optimizer", "largest tensors", "advice:", "MiB"):
+    for word in (
+        *CATEGORIES,
+        "forward",
+        "backward",
+        "optimizer",
+        "largest tensors",
+        "advice:",
+        "MiB",
+        "per block: 2 blocks",
+    ):
         assert word in text
     assert "%" in text
 
