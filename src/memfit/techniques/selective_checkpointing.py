@@ -68,6 +68,11 @@ def selective_checkpoint_kwargs() -> dict:
 # ---------------------------------------------------------------------------
 
 
+# Backward also holds the gradients of the block it is differentiating: measured at a
+# third of a Llama block's saved activations; half leaves a margin.
+BACKWARD_TRANSIENT_SHARE = 0.5
+
+
 def predicted_peak_bytes(
     per_block_activation_bytes: list[int],
     fixed_bytes: int,
@@ -80,7 +85,8 @@ def predicted_peak_bytes(
     only `checkpointed_block_bytes` (its input) when checkpointed. In backward, blocks
     are undone last to first; when checkpointed block i is rebuilt, the blocks after it
     are already freed and the blocks before it still hold theirs, plus block i's full
-    activations.
+    activations. Either way backward adds the gradient buffers of the block at hand
+    (`BACKWARD_TRANSIENT_SHARE` of the largest block's activations).
     """
     kept = _as_list(checkpointed_block_bytes, len(per_block_activation_bytes))
     chosen = set(checkpointed)
@@ -91,7 +97,8 @@ def predicted_peak_bytes(
         if i in chosen:
             peak = max(peak, held_before + kept[i] + size)
         held_before += held[i]
-    return fixed_bytes + peak
+    transient = int(BACKWARD_TRANSIENT_SHARE * max(per_block_activation_bytes, default=0))
+    return fixed_bytes + peak + transient
 
 
 def choose_blocks_to_checkpoint(
@@ -158,6 +165,13 @@ def measure_block_activation_bytes(
     Parameters (weights saved by matmuls) are not counted; a storage saved twice is
     counted once. Costs one forward with autograd on.
     """
+    return measure_saved_bytes(model, batch, blocks)[0]
+
+
+def measure_saved_bytes(
+    model: nn.Module, batch: Mapping[str, torch.Tensor] | torch.Tensor, blocks: nn.ModuleList | None = None
+) -> tuple[list[int], int]:
+    """Bytes saved for backward per block, and outside the blocks (embeddings, head, loss)."""
     if blocks is None:
         from memfit.techniques.checkpointing import transformer_blocks
 
@@ -165,15 +179,20 @@ def measure_block_activation_bytes(
     inputs = {"input_ids": batch} if isinstance(batch, torch.Tensor) else dict(batch)
     parameter_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
     per_block = [0] * len(blocks)
+    outside = 0
     seen: set[int] = set()
     current: list[int] = []  # stack of blocks being run
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
+        nonlocal outside
         storage = tensor.untyped_storage()
         key = storage.data_ptr()
-        if current and key not in parameter_storages and key not in seen:
+        if key not in parameter_storages and key not in seen:
             seen.add(key)
-            per_block[current[-1]] += storage.nbytes()
+            if current:
+                per_block[current[-1]] += storage.nbytes()
+            else:
+                outside += storage.nbytes()
         return tensor
 
     def enter(index: int, _module, _args) -> None:
@@ -182,10 +201,18 @@ def measure_block_activation_bytes(
     def leave(_module, _args, _output) -> None:  # returns None: the output stays as it is
         current.pop()
 
+    def require_grad(_module, _args, output):
+        return output.requires_grad_(True)
+
     handles = []
     for index, block in enumerate(blocks):
         handles.append(block.register_forward_pre_hook(functools.partial(enter, index)))
         handles.append(block.register_forward_hook(leave))
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if embeddings is not None and not any(p.requires_grad for p in model.parameters()):
+        # A frozen (e.g. quantized) base saves nothing unless something upstream needs grad;
+        # training it with adapters will, so measure as if it did.
+        handles.append(embeddings.register_forward_hook(require_grad))
     try:
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
             outputs = model(**inputs)
@@ -193,4 +220,85 @@ def measure_block_activation_bytes(
     finally:
         for handle in handles:
             handle.remove()
-    return per_block
+    return per_block, outside
+
+
+# ---------------------------------------------------------------------------
+# --gradient-checkpointing auto
+# ---------------------------------------------------------------------------
+
+# Share of the budget the prediction may use: the rest covers what the prediction
+# leaves out (temporaries of backward, allocator fragmentation, the CUDA context).
+AUTO_BUDGET_SHARE = 0.9
+
+
+def static_training_bytes(model: nn.Module, config) -> int:
+    """Weights, gradients and optimizer state of a run, from its TrainConfig (before LoRA is applied)."""
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    trainable = [p for p in model.parameters() if p.is_floating_point()]
+    if config.lora_enabled or not trainable:
+        return weights  # adapters' gradients and state are a rounding error at this scale
+    trainable_bytes = sum(p.numel() * p.element_size() for p in trainable)
+    if config.memory.optimizer_in_backward:
+        gradients = max(p.numel() * p.element_size() for p in trainable)
+    else:
+        gradients = trainable_bytes
+    name = config.optimizer.optimizer
+    if config.memory.optimizer_offload:
+        states = 0
+    elif name == "adamw":
+        states = 2 * trainable_bytes
+    elif name in ("adamw-8bit", "paged-adamw-8bit"):
+        states = 2 * sum(p.numel() for p in trainable)
+    elif name == "sgd":
+        states = trainable_bytes if config.optimizer.momentum else 0
+    else:  # adafactor: factored second moments, small
+        states = trainable_bytes // 100
+    return weights + gradients + states
+
+
+def auto_checkpointing(model: nn.Module, config, budget_bytes: int | None) -> str:
+    """`--gradient-checkpointing auto`: checkpoint the fewest blocks that fit `budget_bytes`.
+
+    Measures one sample (batch 1 at --seq-len) and scales by --batch-size, predicts the
+    peak with `predicted_peak_bytes` against 90% of the budget, and switches checkpointing
+    on for the chosen blocks (all of them when nothing fits). The measuring forward runs
+    in the model's dtype without autocast, so with mixed precision the estimate errs on
+    the safe side. Returns a one-line description for the log.
+    """
+    from memfit.errors import UsageError
+    from memfit.techniques.checkpointing import apply_gradient_checkpointing, transformer_blocks
+    from memfit.units import format_bytes
+
+    if budget_bytes is None:
+        raise UsageError("--gradient-checkpointing auto needs --memory-budget (or --gpu / --memory-cap) to aim at")
+    blocks = transformer_blocks(model)
+    parameter = next(model.parameters())
+    vocab_size = getattr(model.config, "vocab_size", None) or 2
+    seq_len, batch_size = config.data.seq_len, config.training.batch_size
+    sample = torch.randint(0, vocab_size, (1, seq_len), device=parameter.device)
+    try:
+        per_sample, outside_per_sample = measure_saved_bytes(model, {"input_ids": sample, "labels": sample}, blocks)
+    except torch.OutOfMemoryError:
+        return (
+            apply_gradient_checkpointing(model, "full")
+            + " (auto: even a one-sample measuring forward ran out of memory)"
+        )
+    per_block = [size * batch_size for size in per_sample]
+    fixed = static_training_bytes(model, config) + outside_per_sample * batch_size
+    hidden_size = getattr(model.config, "hidden_size", None) or getattr(model.config, "n_embd", 0)
+    embeddings = model.get_input_embeddings()
+    element_size = embeddings.weight.element_size() if embeddings is not None else 4
+    kept = batch_size * seq_len * hidden_size * element_size  # a checkpointed block keeps its input
+    target = int(budget_bytes * AUTO_BUDGET_SHARE)
+    chosen = choose_blocks_to_checkpoint(per_block, fixed, target, kept)
+    if chosen is None:
+        everything = list(range(len(blocks)))
+        peak = predicted_peak_bytes(per_block, fixed, kept, everything)
+        description = apply_gradient_checkpointing(model, "full")
+        return f"{description} (auto: predicted peak {format_bytes(peak)} exceeds {format_bytes(target)} even so)"
+    peak = predicted_peak_bytes(per_block, fixed, kept, chosen)
+    if not chosen:
+        return f"off (auto: predicted peak {format_bytes(peak)} fits {format_bytes(target)})"
+    description = apply_gradient_checkpointing(model, "full", block_indices=chosen)
+    return f"{description} (auto: predicted peak {format_bytes(peak)} within {format_bytes(target)})"

@@ -162,8 +162,9 @@ def test_auto_matches_brute_force_on_random_blocks():
 
 def test_auto_checkpoints_nothing_when_it_fits_and_the_biggest_block_first():
     assert choose_blocks_to_checkpoint([100, 100], 0, 10_000, 10) == []
-    # Checkpointing block 1 peaks at 410 (end of forward 310; its rebuild 100 + 10 + 300).
-    assert choose_blocks_to_checkpoint([100, 300, 200], 0, 450, [10, 10, 10]) == [1]
+    # Checkpointing block 1 peaks at 410 (end of forward 310; its rebuild 100 + 10 + 300),
+    # plus 150 for backward's gradient buffers (half the largest block): 560.
+    assert choose_blocks_to_checkpoint([100, 300, 200], 0, 600, [10, 10, 10]) == [1]
     assert choose_blocks_to_checkpoint([100, 300, 200], 0, 300, 10) is None
 
 
@@ -186,3 +187,66 @@ def test_selective_on_cuda_holds_between_off_and_full():
         del model, loss
     assert held["full"] < held["selective"] < held["off"], held
     assert torch.equal(losses["selective"], losses["off"])
+
+
+class PeakLiveBytes(LiveBytes):
+    """LiveBytes that also keeps the peak."""
+
+    def __init__(self):
+        super().__init__()
+        self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        self.peak = max(self.peak, self.live)
+        return out
+
+
+def measured_training_peak(model, input_ids) -> int:
+    """Peak live bytes over two AdamW steps, parameters included.
+
+    The second step is the steady state: the optimizer state exists through its backward.
+    """
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+    with PeakLiveBytes() as meter:
+        for _ in range(2):
+            loss = model(input_ids=input_ids, labels=input_ids).loss
+            loss.backward()
+            del loss
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    return meter.peak + sum(p.nbytes for p in model.parameters())
+
+
+def test_auto_checkpointing_fits_the_budget_with_the_fewest_blocks():
+    from memfit.config import TrainConfig
+    from memfit.techniques.selective_checkpointing import (
+        AUTO_BUDGET_SHARE,
+        auto_checkpointing,
+        measure_saved_bytes,
+        static_training_bytes,
+    )
+
+    config = TrainConfig()
+    config.data.seq_len, config.training.batch_size = 64, 2
+    input_ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
+    model = tiny_llama(layers=4).train()
+    sample = input_ids[:1]
+    per_sample, outside = measure_saved_bytes(model, {"input_ids": sample, "labels": sample})
+    per_block = [2 * size for size in per_sample]
+    fixed = static_training_bytes(model, config) + 2 * outside
+    kept = 2 * 64 * 64 * 4  # batch x seq x hidden x fp32
+    predicted = [predicted_peak_bytes(per_block, fixed, kept, list(range(k))) for k in range(5)]
+
+    for blocks in (0, 2, 3):
+        budget = int(predicted[blocks] / AUTO_BUDGET_SHARE) + 1
+        model = tiny_llama(layers=4).train()
+        description = auto_checkpointing(model, config, budget)
+        checkpointed = [layer.gradient_checkpointing for layer in model.model.layers]
+        assert sum(checkpointed) == blocks, description
+        assert measured_training_peak(model, input_ids) <= budget, description
+
+    model = tiny_llama(layers=4).train()
+    description = auto_checkpointing(model, config, min(predicted) // 2)
+    assert all(layer.gradient_checkpointing for layer in model.model.layers)
+    assert "exceeds" in description
