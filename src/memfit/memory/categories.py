@@ -15,6 +15,7 @@ counts as a parameter: the first role in `CATEGORIES` wins.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 
 PARAMETERS = "parameters"
@@ -156,19 +157,20 @@ class Timeline:
 
     def __init__(self, max_samples: int = 4000) -> None:
         self.max_samples = max(16, max_samples)
-        self._samples: list[tuple[int, str, tuple[int, ...]]] = []
+        # (event_index, phase, sizes, born): `born` counts the storages first seen by then.
+        self._samples: list[tuple[int, str, tuple[int, ...], int]] = []
         self._stride = 1
-        self._window: tuple[int, str, tuple[int, ...]] | None = None
+        self._window: tuple[int, str, tuple[int, ...], int] | None = None
         self._window_events = 0
         self._events = 0
         self._last: tuple[int, ...] | None = None
 
-    def record(self, phase: str, sizes: tuple[int, ...]) -> None:
+    def record(self, phase: str, sizes: tuple[int, ...], born: int = 0) -> None:
         """Add a sample unless the sizes did not change since the last one."""
         if sizes == self._last:
             return
         self._last = sizes
-        sample = (self._events, phase, sizes)
+        sample = (self._events, phase, sizes, born)
         self._events += 1
         if self._window is None or sum(sizes) > sum(self._window[2]):
             self._window = sample
@@ -182,10 +184,49 @@ class Timeline:
             self._samples = [max(samples[i : i + 2], key=lambda item: sum(item[2])) for i in range(0, len(samples), 2)]
             self._stride *= 2
 
+    @property
+    def next_index(self) -> int:
+        """The event index the next sample will get."""
+        return self._events
+
+    def reclassify(self, moves: list[tuple[int, int, int, str, str]]) -> None:
+        """Give storages recognized late their category in the samples taken before.
+
+        `moves`: (born, until, nbytes, source, target) per storage: it was alive from
+        its first sight (`born`) on, and counted under `source` in samples whose event
+        index is below `until`.
+        """
+        samples = self._samples + ([self._window] if self._window is not None else [])
+        borns = [sample[3] for sample in samples]
+        indices = [sample[0] for sample in samples]
+        groups: dict[tuple[str, str], list[int]] = {}
+        for born, until, nbytes, source, target in moves:
+            # Samples [first, last) saw the storage alive under `source`.
+            first, last = bisect.bisect_right(borns, born), bisect.bisect_left(indices, until)
+            if first < last:
+                change = groups.setdefault((source, target), [0] * (len(samples) + 1))
+                change[first] += nbytes
+                change[last] -= nbytes
+        for (source, target), change in groups.items():
+            source_at, target_at = CATEGORIES.index(source), CATEGORIES.index(target)
+            moved = 0
+            for position, sample in enumerate(samples):
+                moved += change[position]
+                amount = min(moved, sample[2][source_at])
+                if amount > 0:
+                    sizes = list(sample[2])
+                    sizes[source_at] -= amount
+                    sizes[target_at] += amount
+                    samples[position] = (sample[0], sample[1], tuple(sizes), sample[3])
+        if self._window is not None:
+            self._window = samples.pop()
+        self._samples = samples
+        self._last = None
+
     def samples(self) -> list[tuple[int, str, dict[str, int]]]:
         """The samples as (event_index, phase, {category: bytes})."""
         samples = self._samples + ([self._window] if self._window is not None else [])
-        return [(index, phase, dict(zip(CATEGORIES, sizes, strict=True))) for index, phase, sizes in samples]
+        return [(index, phase, dict(zip(CATEGORIES, sizes, strict=True))) for index, phase, sizes, _ in samples]
 
     def __len__(self) -> int:
         return len(self._samples) + (self._window is not None)

@@ -205,6 +205,7 @@ class MemoryTracker:
         self._phase_stack: list[str] = []
         self._phase_stats: dict[str, _Peak] = {}
         self._timeline = Timeline(max_timeline_samples)
+        self._late_roles: list[tuple[int, int, int, str, str]] = []  # for the timeline, at the next _classify
         self._peak_timeline: Timeline | None = None
         self._last_timeline: Timeline | None = None
         # Model and optimizer.
@@ -511,10 +512,11 @@ class MemoryTracker:
                 peak.reclassify(record, before, role)
             if self._snapshot is not None:
                 self._snapshot_peak.reclassify(record, before, role)
+            self._late_roles.append((record.born, self._timeline.next_index, record.nbytes, before, role))
 
     def _sample(self) -> None:
         phase = self._phase_stack[-1] if self._phase_stack else NO_PHASE
-        self._timeline.record(phase, tuple(self._by_category[category] for category in CATEGORIES))
+        self._timeline.record(phase, tuple(self._by_category[category] for category in CATEGORIES), self._births)
 
     # ---------------------------------------------------------------- snapshots
 
@@ -573,6 +575,9 @@ class MemoryTracker:
             role = roles.get(key, OTHER)
             if record.role != role:
                 self._set_role(record, role)
+        if self._late_roles:
+            self._timeline.reclassify(self._late_roles)
+            self._late_roles = []
         self._sample()
 
     def _claim(self, tensor: torch.Tensor, role: str, roles: dict[int, str]) -> None:

@@ -315,3 +315,9 @@ def test_state_made_in_the_first_step_counts_as_optimizer_state_at_that_peak():
     snapshot = tracker.peak_snapshot()
     assert snapshot.breakdown == memory.breakdown
     assert OPTIMIZER_STATES in {tensor.category for tensor in snapshot.top_tensors}
+    # The timeline is corrected the same way, without counting anything twice.
+    timeline = tracker.timeline()
+    assert all(sizes[GRADIENTS] <= param_bytes and min(sizes.values()) >= 0 for _, _, sizes in timeline)
+    optimizer_samples = [sizes for _, phase, sizes in timeline if phase == "optimizer"]
+    assert max(sizes[OPTIMIZER_STATES] for sizes in optimizer_samples) == 2 * param_bytes + 4 * len(parameters)
+    assert max(timeline, key=lambda sample: sum(sample[2].values()))[2] == memory.breakdown
