@@ -607,7 +607,7 @@ class MemoryTracker:
     def _pack(self, tensor: torch.Tensor):
         storage = self._storage_of(tensor)
         if storage is None:
-            return tensor
+            return tensor.detach()  # not on our device; detached for the reason below
         self._flush()
         record = self._track(storage, tensor, EXISTING_OP)
         self._settle()

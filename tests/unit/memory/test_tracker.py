@@ -321,3 +321,19 @@ def test_state_made_in_the_first_step_counts_as_optimizer_state_at_that_peak():
     optimizer_samples = [sizes for _, phase, sizes in timeline if phase == "optimizer"]
     assert max(sizes[OPTIMIZER_STATES] for sizes in optimizer_samples) == 2 * param_bytes + 4 * len(parameters)
     assert max(timeline, key=lambda sample: sum(sample[2].values()))[2] == memory.breakdown
+
+
+def test_tensors_saved_off_the_tracked_device_are_freed_with_their_graph():
+    import gc
+    import weakref
+
+    leaf = torch.randn(1000, requires_grad=True)
+    gc.disable()
+    try:
+        with MemoryTracker("meta"):  # tracks nothing on CPU: every save takes the other path
+            saved = leaf.exp()  # exp saves its output: holding it with its grad_fn would be a cycle
+        storage = weakref.ref(saved.untyped_storage())
+        del saved
+        assert storage() is None
+    finally:
+        gc.enable()
