@@ -102,7 +102,8 @@ def train(
             state = load_checkpoint(resume_from, model, session.optimizer.optimizer, session.scheduler, session.scaler)
         if state.micro_batch_size:
             micro_batch_size = min(micro_batch_size, state.micro_batch_size)  # do not repeat an OOM
-        log.info("memfit: resumed from %s at step %d (micro-batch %d)", resume_from, state.step, micro_batch_size)
+        if session.dist.is_main:
+            log.info("memfit: resumed from %s at step %d (micro-batch %d)", resume_from, state.step, micro_batch_size)
 
     if session.dist.is_main and save_outputs:
         session.output_dir.mkdir(parents=True, exist_ok=True)
@@ -137,7 +138,7 @@ def train(
     progress = Progress(session.total_steps, state.step, config.output.log_every, enabled=session.dist.is_main)
     activation_offload = _activation_offload_context(session)
     started = time.perf_counter()
-    with tracker if tracker is not None else contextlib.nullcontext(), progress, activation_offload, _oom_is_fatal(runner):
+    with tracker if tracker is not None else contextlib.nullcontext(), progress, activation_offload, _oom_is_fatal(runner, config):
         for step in range(state.step, session.total_steps):
             reset_peaks(session.device)
             step_started = time.perf_counter()
@@ -222,7 +223,7 @@ def train(
 
 
 @contextlib.contextmanager
-def _oom_is_fatal(runner: StepRunner):
+def _oom_is_fatal(runner: StepRunner, config: TrainConfig):
     """An OOM the step runner could not recover from ends the run with exit code 3 and one line."""
     from memfit.errors import DoesNotFitError
     from memfit.memory.cap import is_out_of_memory
@@ -233,7 +234,12 @@ def _oom_is_fatal(runner: StepRunner):
         if not is_out_of_memory(error):
             raise
         first = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
-        advice = "OOM recovery is off (--no-oom-recovery)" if not runner.oom_recovery else "it happened outside a training step"
+        if runner.oom_recovery:
+            advice = "it happened outside a training step"
+        elif config.memory.oom_recovery:
+            advice = "OOM recovery is not possible under this sharding engine (ranks exchange shards mid-pass)"
+        else:
+            advice = "OOM recovery is off (--no-oom-recovery)"
         raise DoesNotFitError(
             f"out of memory at micro-batch {runner.micro_batch_size} ({first}); {advice}; lower --batch-size or --seq-len,"
             " or see memfit plan for what fits"

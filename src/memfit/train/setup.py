@@ -111,7 +111,11 @@ def build_session(config: TrainConfig) -> TrainingSession:
 
         parallel = prepare_parallel(config, model, dist, device, precision, notes)  # FSDP2 shards the model here
 
+    if not dist.is_main:
+        dist.barrier()  # rank 0 tokenizes into the shared cache first; the others then read it
     dataset = load_training_data(_data_config(config), loaded.tokenizer, max_positions=loaded.max_positions)
+    if dist.is_main:
+        dist.barrier()
     accumulation = config.accumulation_for(dist.world_size)
     effective_batch = config.training.batch_size * accumulation * dist.world_size
     if len(dataset) < effective_batch:
