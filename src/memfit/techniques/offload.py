@@ -68,7 +68,11 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
             return False
         if tensor.device.type not in ("cpu", "cuda") or tensor.layout != torch.strided:
             return False
-        if isinstance(tensor, nn.Parameter) or tensor.untyped_storage().data_ptr() in self._parameter_storages:
+        if (
+            isinstance(tensor, nn.Parameter)
+            or isinstance(tensor._base, nn.Parameter)  # e.g. weight.t() saved by a matmul
+            or tensor.untyped_storage().data_ptr() in self._parameter_storages
+        ):
             return False  # weights are needed on the device anyway
         return tensor.numel() * tensor.element_size() >= self.min_bytes
 

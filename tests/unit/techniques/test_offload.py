@@ -65,11 +65,12 @@ def test_forced_pack_unpack_path_leaves_loss_and_grads_unchanged():
         assert torch.equal(grads[name], grad), name
 
 
-def test_parameters_and_small_tensors_stay_put():
+@pytest.mark.parametrize("pass_model", [True, False], ids=["model-given", "no-model"])
+def test_parameters_and_small_tensors_stay_put(pass_model):
     model = tiny_llama()
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
     moved_from = []
-    context = ActivationOffload(model, min_bytes=4096, force=True)
+    context = ActivationOffload(model if pass_model else None, min_bytes=4096, force=True)
     pack = context.pack_hook
 
     def spying_pack(tensor):
