@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
 
 
 def pytest_collection_modifyitems(config, items):
@@ -66,10 +63,3 @@ def text_file(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("data") / "corpus.txt"
     path.write_text("\n\n".join(documents))
     return path
-
-
-def run_memfit(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    """Run the real `memfit` command in a subprocess (exit code, stdout, stderr)."""
-    return subprocess.run(
-        [sys.executable, "-m", "memfit", *map(str, args)], capture_output=True, text=True, timeout=timeout, cwd=REPO
-    )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from conftest import run_memfit
+from memfit_cli import run_memfit
 
 
 def test_profile_json_and_plot(llama_dir, text_file, tmp_path):

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from conftest import run_memfit
+from memfit_cli import run_memfit
 from memfit.train.metrics import read_metrics
 
 STEP_FIELDS = {

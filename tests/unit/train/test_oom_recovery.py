@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import run_memfit
+from memfit_cli import run_memfit
 from memfit.config import load_config
 from memfit.train.checkpoint import list_checkpoints
 from memfit.train.loop import train
