@@ -45,7 +45,7 @@ SIZE = {"size": True}
 @dataclass
 class ModelConfig:
     model: str = "tiny"
-    """Model to train: 'tiny' (built-in), a local directory, a Hugging Face id, or a preset name."""
+    """Model to train: 'tiny' (built-in), a local directory, a Hugging Face id, or preset:NAME (random weights of a preset's shape)."""
     tokenizer: str | None = None
     """Tokenizer to use; defaults to the model's own."""
     dtype: str = field(default="fp32", metadata=_choices(*WEIGHT_DTYPES))

@@ -20,6 +20,8 @@ from memfit.techniques.attention import AttentionChoice
 log = logging.getLogger("memfit")
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+PRESET_PREFIX = "preset:"
+"""`--model preset:llama-3.2-1b` trains a randomly initialised model of a preset's shape."""
 
 
 @dataclass
@@ -76,30 +78,42 @@ def load_model_and_tokenizer(
             tiny_config(), dtype=dtype, attn_implementation=attention.hf_name
         )
         source = "built-in tiny (Llama architecture, random init)"
-    elif _is_preset(name):
-        from memfit.models.presets import preset_config
+    elif name.startswith(PRESET_PREFIX):
+        # Only on request: 'gpt2' alone means the pretrained weights, not a random model of that shape.
+        from memfit.models.presets import is_preset, preset_config
 
-        model = AutoModelForCausalLM.from_config(preset_config(name), dtype=dtype, attn_implementation=attention.hf_name)
-        source = f"preset {name} (random init)"
+        preset = name.removeprefix(PRESET_PREFIX)
+        if not is_preset(preset):
+            raise UsageError(f"unknown preset {preset!r}; memfit presets models lists them")
+        model = AutoModelForCausalLM.from_config(preset_config(preset), dtype=dtype, attn_implementation=attention.hf_name)
+        source = f"preset {preset} (random init)"
     else:
         if _looks_like_path(name) and not Path(name).expanduser().exists():
             raise UsageError(f"model path {name} does not exist; give a directory saved with save_pretrained, a Hugging Face id, or 'tiny'")
         model = _from_pretrained(name, config, dtype, attention, quantization_config)
         source = f"directory {name}" if Path(name).exists() else f"Hugging Face {name}"
-    if quantization_config is None:
+        quantization_config = None  # from_pretrained quantized it while loading
+    if quantization_config is not None:
+        model = _quantized_copy(model, name, config, dtype, attention, quantization_config)
+    else:
         model.to(device)
     model.config.use_cache = False  # the KV cache is for generation; in training it only costs memory
-    tokenizer = load_tokenizer(config.model.tokenizer or name, config.model.trust_remote_code)
+    tokenizer_name = config.model.tokenizer or name
+    if tokenizer_name == name and source.startswith("preset"):
+        tokenizer_name = "tiny"  # a preset has no tokenizer files: byte tokens fit any vocabulary of 257+
+        source += ", byte tokenizer (pass --tokenizer for the real one)"
+    tokenizer = load_tokenizer(tokenizer_name, config.model.trust_remote_code)
     max_positions = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
     return LoadedModel(model, tokenizer, source, max_positions)
 
 
-def _is_preset(name: str) -> bool:
-    try:
-        from memfit.models.presets import is_preset
-    except ImportError:
-        return False
-    return is_preset(name)
+def _quantized_copy(model, name: str, config: TrainConfig, dtype, attention: AttentionChoice, quantization_config):
+    """bitsandbytes quantizes while loading: write a model built from a config once into the
+    run's cache, then load it back quantized (QLoRA on the built-in or a preset model)."""
+    directory = Path(config.output.output_dir) / "cache" / f"base-{name.replace('/', '-')}-seed{config.training.seed}"
+    if not (directory / "config.json").is_file():
+        model.save_pretrained(directory, safe_serialization=True)
+    return _from_pretrained(str(directory), config, dtype, attention, quantization_config)
 
 
 def _from_pretrained(name, config: TrainConfig, dtype, attention: AttentionChoice, quantization_config):

@@ -62,7 +62,11 @@ def apply_gradient_checkpointing(
     blocks = transformer_blocks(model)
     chosen = block_indices if block_indices is not None else checkpointed_block_indices(len(blocks), every)
     if hasattr(model, "gradient_checkpointing_enable") and getattr(model, "supports_gradient_checkpointing", False):
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.23's name
+        if enable is not None:
+            enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         if all(hasattr(block, "gradient_checkpointing") for block in blocks):
             for index, block in enumerate(blocks):
                 block.gradient_checkpointing = index in chosen

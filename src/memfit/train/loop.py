@@ -120,7 +120,9 @@ def train(
         loss_chunk_size=session.loss_chunk_size,
         scaler=session.scaler,
         tracker=tracker,
-        oom_recovery=config.memory.oom_recovery,
+        # Splitting a micro-batch adds a backward pass, and each backward applies an update
+        # under --optimizer-in-backward: recovery would change the numbers, so it is off.
+        oom_recovery=config.memory.oom_recovery and not config.memory.optimizer_in_backward,
         dist=session.dist,
         optimizer_steps_in_backward=config.memory.optimizer_in_backward,
         enable_checkpointing=lambda: _turn_on_checkpointing(model),
@@ -236,6 +238,8 @@ def _oom_is_fatal(runner: StepRunner, config: TrainConfig):
         first = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
         if runner.oom_recovery:
             advice = "it happened outside a training step"
+        elif config.memory.oom_recovery and config.memory.optimizer_in_backward:
+            advice = "OOM recovery cannot split micro-batches under --optimizer-in-backward (each backward applies an update)"
         elif config.memory.oom_recovery:
             advice = "OOM recovery is not possible under this sharding engine (ranks exchange shards mid-pass)"
         else:
@@ -273,7 +277,7 @@ def _activation_offload_context(session: TrainingSession):
         return contextlib.nullcontext()
     from memfit.techniques.offload import activation_offload
 
-    context, reason = activation_offload(session.device)
+    context, reason = activation_offload(session.device, model=session.model)
     if reason:
         session.notes["activation_offload"] = reason
     return context

@@ -127,7 +127,7 @@ def build_session(config: TrainConfig) -> TrainingSession:
     total_steps = (
         schedule.steps_for_epochs(config.training.epochs) if config.training.epochs is not None else config.training.max_steps
     )
-    optimizer = _build_optimizer(config, model, device, notes)
+    optimizer = _build_optimizer(config, model, device, notes, precision.grad_scaler)
     scheduler = build_scheduler(optimizer.optimizer, config.optimizer, total_steps)
     scaler = make_grad_scaler(precision, device)
     _note_offloads(config, device, notes)
@@ -164,12 +164,16 @@ def _data_config(config: TrainConfig):
     return replace(config.data, cache_dir=cache_dir)
 
 
-def _build_optimizer(config: TrainConfig, model: torch.nn.Module, device: torch.device, notes: dict) -> OptimizerChoice:
+def _build_optimizer(
+    config: TrainConfig, model: torch.nn.Module, device: torch.device, notes: dict, precision_uses_scaler: bool = False
+) -> OptimizerChoice:
     groups = parameter_groups(model, config.optimizer.weight_decay)
     if config.memory.optimizer_in_backward:
         from memfit.techniques.optimizer_in_backward import OptimizerInBackward, check_optimizer_in_backward
 
-        check_optimizer_in_backward(config.accumulation_for(), config.optimizer.max_grad_norm)
+        check_optimizer_in_backward(
+            config.accumulation_for(), config.optimizer.max_grad_norm, uses_grad_scaler=precision_uses_scaler
+        )
         made: list[OptimizerChoice] = []
 
         def make(params):
