@@ -125,7 +125,9 @@ def emit_result(result: dict[str, Any]) -> None:
     print(RESULT_PREFIX + json.dumps(result), flush=True)
 
 
-def run_worker(script: str | Path, spec: dict[str, Any], timeout: float = 900, env: dict[str, str] | None = None) -> dict[str, Any]:
+def run_worker(
+    script: str | Path, spec: dict[str, Any], timeout: float = 900, env: dict[str, str] | None = None
+) -> dict[str, Any]:
     """Run `script --worker SPEC` in a fresh Python process and return what it emitted.
 
     Raises RuntimeError with the worker's last lines of output when it fails.
@@ -163,7 +165,9 @@ def machine_description(device_type: str = "cpu") -> str:
     if device_type == "cuda":
         parts.append(torch.cuda.get_device_name(0))
     parts.append(f"{platform.system()} {platform.release()}")
-    parts.append(f"Python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}")
+    parts.append(
+        f"Python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}"
+    )
     return "; ".join(parts)
 
 
@@ -180,22 +184,39 @@ def markdown_table(headers: list[str], rows: list[list[str]]) -> str:
 DOC_TITLE = "# Benchmarks\n\nMeasured figures, each with the command and the machine that produced it.\n"
 
 
-def write_section(path: str | Path, heading: str, body: str) -> None:
-    """Put `body` under `## heading` in the markdown file `path`, replacing that section only.
+def _replace_block(lines: list[str], marker: str, level: str, block: str) -> list[str]:
+    """Replace the block that starts at the line `marker` and runs to the next heading of
+    `level` or higher; append the block when the marker is missing."""
+    start = next((i for i, line in enumerate(lines) if line.rstrip() == marker), None)
+    if start is None:
+        while lines and not lines[-1].strip():
+            lines = lines[:-1]
+        return lines + (["\n"] if lines else []) + block.splitlines(keepends=True)
+    stops = tuple("#" * n + " " for n in range(2, len(level) + 1))
+    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith(stops)), len(lines))
+    rest = lines[end:]
+    return lines[:start] + block.splitlines(keepends=True) + (["\n"] if rest else []) + rest
 
-    Other `## ` sections of the file are kept as they are; a missing file is created.
+
+def write_section(path: str | Path, heading: str, body: str, subheading: str | None = None) -> None:
+    """Put `body` under `## heading` (and `### subheading` when given) in the markdown file `path`.
+
+    Only that section (or that subsection) is replaced: other `## ` sections, and other
+    `### ` subsections of the same section, are kept as they are. A missing file is created.
     """
     path = Path(path)
     text = path.read_text() if path.exists() else DOC_TITLE
-    marker = f"## {heading}"
-    section = f"{marker}\n\n{body.strip()}\n"
     lines = text.splitlines(keepends=True)
-    start = next((i for i, line in enumerate(lines) if line.rstrip() == marker), None)
-    if start is None:
-        text = text.rstrip() + "\n\n" + section
+    marker = f"## {heading}"
+    if subheading is None:
+        lines = _replace_block(lines, marker, "##", f"{marker}\n\n{body.strip()}\n")
     else:
+        start = next((i for i, line in enumerate(lines) if line.rstrip() == marker), None)
+        if start is None:
+            lines = _replace_block(lines, marker, "##", f"{marker}\n")
+            start = next(i for i, line in enumerate(lines) if line.rstrip() == marker)
         end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
-        rest = "".join(lines[end:])
-        text = "".join(lines[:start]) + section + ("\n" + rest if rest else "")
+        section = _replace_block(lines[start:end], f"### {subheading}", "###", f"### {subheading}\n\n{body.strip()}\n")
+        lines = lines[:start] + section + (["\n"] if end < len(lines) and section[-1].strip() else []) + lines[end:]
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
+    path.write_text("".join(lines).rstrip() + "\n")

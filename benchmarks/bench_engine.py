@@ -1,7 +1,7 @@
 """Engine benchmark: peak memory and tokens/s of memfit's memory switches, next to Hugging Face Trainer.
 
     python benchmarks/bench_engine.py                             # ~23M Llama, seq 512, batch 4 (CPU: ~10 min on 2 cores)
-    python benchmarks/bench_engine.py --out docs/benchmarks.md    # also write the table into the docs
+    python benchmarks/bench_engine.py --out docs/benchmarks.md    # also write the table into the docs (its own subsection)
     python benchmarks/bench_engine.py --quick                     # toy model, a smoke run in seconds
     python benchmarks/bench_engine.py --device cuda               # GPU: bf16, peaks from the CUDA allocator
 
@@ -64,7 +64,18 @@ CONFIGURATIONS: list[tuple[str, str, str, dict[str, Any]]] = [
         {"loss_chunk_size": 1024, "gradient_checkpointing": "full", "precision": "bf16", "optimizer": "adamw-8bit"},
     ),
 ]
-REPEATED = ("hf", "baseline")  # run `--repeats` times, alternately; the rest once
+REPEATED = ("hf", "baseline")
+
+
+def configurations_for(device: str) -> list[tuple[str, str, str, dict[str, Any]]]:
+    """CONFIGURATIONS for `device`: on CUDA both trainers run bf16, so the precision row shows fp32."""
+    if device != "cuda":
+        return CONFIGURATIONS
+    fp32 = ("precision", "memfit + `--precision fp32`", "memfit", {"precision": "fp32"})
+    return [
+        fp32 if c[0] == "precision" else c for c in CONFIGURATIONS
+    ]  # run `--repeats` times, alternately; the rest once
+
 
 # Optimizer settings both trainers use (memfit's defaults; HF's cosine decays to 0, memfit's to 10%).
 LR, BETAS, EPS, MAX_GRAD_NORM, SEED = 1e-3, (0.9, 0.95), 1e-8, 1.0, 0
@@ -146,7 +157,10 @@ def memfit_worker(spec: dict[str, Any]) -> dict[str, Any]:
         "import_rss_bytes": import_rss,
         "first_loss": result.losses[0],
         "final_loss": result.losses[-1],
-        "ran": {key: result.summary.get(key) for key in ("precision", "optimizer", "attention", "gradient_checkpointing", "loss_chunk_size")},
+        "ran": {
+            key: result.summary.get(key)
+            for key in ("precision", "optimizer", "attention", "gradient_checkpointing", "loss_chunk_size")
+        },
     }
 
 
@@ -173,7 +187,9 @@ def hf_worker(spec: dict[str, Any]) -> dict[str, Any]:
         def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
             return windows[order[index]]
 
-    tokens = [sum(len(windows[i]["input_ids"]) for i in order[k * batch_size : (k + 1) * batch_size]) for k in range(steps)]
+    tokens = [
+        sum(len(windows[i]["input_ids"]) for i in order[k * batch_size : (k + 1) * batch_size]) for k in range(steps)
+    ]
     stamps: list[float] = []
     peak_through_steps = [0]
     losses: list[float] = []
@@ -188,6 +204,9 @@ def hf_worker(spec: dict[str, Any]) -> dict[str, Any]:
             peak_through_steps[0] = watch.total()
 
     class LossRecordingTrainer(Trainer):
+        def _get_train_sampler(self, *args, **kwargs):
+            return torch.utils.data.SequentialSampler(self.train_dataset)  # the order is already memfit's
+
         def training_step(self, *args, **kwargs):
             loss = super().training_step(*args, **kwargs)
             losses.append(float(loss))
@@ -219,7 +238,6 @@ def hf_worker(spec: dict[str, Any]) -> dict[str, Any]:
         report_to=[],
         disable_tqdm=True,
         dataloader_num_workers=0,
-        train_sampling_strategy="sequential",
         remove_unused_columns=False,
         seed=SEED,
     )
@@ -254,11 +272,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=2, help="first steps left out of tokens/s (default 2)")
     parser.add_argument("--batch-size", type=int, default=4, help="samples per step (default 4)")
     parser.add_argument("--seq-len", type=int, default=512, help="tokens per sample (default 512)")
-    parser.add_argument("--repeats", type=int, default=2, help="runs of HF Trainer and of the memfit baseline, alternated (default 2)")
+    parser.add_argument(
+        "--repeats", type=int, default=2, help="runs of HF Trainer and of the memfit baseline, alternated (default 2)"
+    )
     parser.add_argument("--quick", action="store_true", help="toy model, seq-len 64, 3 steps: a smoke run in seconds")
-    parser.add_argument("--only", help="comma-separated configurations to run (default all): " + ", ".join(c[0] for c in CONFIGURATIONS))
+    parser.add_argument(
+        "--only", help="comma-separated configurations to run (default all): " + ", ".join(c[0] for c in CONFIGURATIONS)
+    )
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: cuda when present")
     parser.add_argument("--out", help="markdown file to write the results section into (e.g. docs/benchmarks.md)")
+    parser.add_argument(
+        "--label", help="title of this run's subsection in --out (default: the device, e.g. 'CPU, 2 cores')"
+    )
     parser.add_argument("--json", help="also write the raw results of every run to this JSON file")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -277,12 +302,22 @@ def resolve_device(choice: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def default_label(device: str) -> str:
+    """One subsection per kind of machine: 'CPU, 2 cores' or 'CUDA, NVIDIA H100 80GB HBM3'."""
+    if device == "cuda":
+        import torch
+
+        return f"CUDA, {torch.cuda.get_device_name(0)}"
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return f"CPU, {cores} cores"
+
+
 def run_all(args: argparse.Namespace, device: str, workdir: Path) -> tuple[dict[str, list[dict]], int]:
     shape = "quick" if args.quick else "20m"
     model_dir = workdir / "model"
     parameters = save_model(model_dir, shape, SEED)
     wanted = set(args.only.split(",")) if args.only else {c[0] for c in CONFIGURATIONS}
-    configurations = [c for c in CONFIGURATIONS if c[0] in wanted]
+    configurations = [c for c in configurations_for(device) if c[0] in wanted]
     pair = [c for c in configurations if c[0] in REPEATED]
     others = [c for c in configurations if c[0] not in REPEATED]
     # HF, memfit, <the switches>, HF, memfit, ...: the pair spread over the whole run.
@@ -306,6 +341,8 @@ def run_all(args: argparse.Namespace, device: str, workdir: Path) -> tuple[dict[
         started = time.perf_counter()
         result = run_worker(__file__, spec, env=env)
         results[name].append(result)
+        if args.json:  # kept up to date, so an interrupted run leaves what it measured
+            Path(args.json).write_text(json.dumps({"runs": results}, indent=1))
         print(
             f"[{number}/{len(plan)}] {label}: {result['tokens_per_second']:.0f} tokens/s,"
             f" peak {result['peak_bytes'] / MIB:.0f} MiB, first loss {result['first_loss']:.4f}"
@@ -323,35 +360,52 @@ def summarize(results: dict[str, list[dict]]) -> dict[str, dict[str, float]]:
             "first_loss": median([r["first_loss"] for r in runs]),
             "import_rss_bytes": median([r["import_rss_bytes"] for r in runs]),
             "runs": len(runs),
+            "ran": runs[0]["ran"],
         }
         for name, runs in results.items()
         if runs
     }
 
 
+def fallback_note(overrides: dict[str, Any], ran: dict[str, Any]) -> str:
+    """What ran instead of the switch asked for (a missing bitsandbytes, say), or ''."""
+    notes = []
+    if "optimizer" in overrides and not str(ran.get("optimizer", "")).startswith(overrides["optimizer"]):
+        notes.append(f"optimizer {ran.get('optimizer')} ran")
+    if "precision" in overrides and ran.get("precision") != overrides["precision"]:
+        notes.append(f"precision {ran.get('precision')} ran")
+    return f" ({'; '.join(notes)} instead)" if notes else ""
+
+
 def ratio(value: float | None, reference: float | None) -> str:
     return f"{value / reference:.2f}" if value and reference else "-"
 
 
-def report(args: argparse.Namespace, device: str, summary: dict[str, dict[str, float]], parameters: int, command: str) -> str:
+def report(
+    args: argparse.Namespace, device: str, summary: dict[str, dict[str, float]], parameters: int, command: str
+) -> str:
     shape = MODEL_SHAPES["quick" if args.quick else "20m"]
     peak_name = "peak allocated (MiB)" if device == "cuda" else "peak RSS (MiB)"
     hf = summary.get("hf", {})
     rows = []
-    for name, label, _, _ in CONFIGURATIONS:
+    for name, label, _, overrides in configurations_for(device):
         if name not in summary:
             continue
         figures = summary[name]
         runs = f" (median of {figures['runs']})" if figures["runs"] > 1 else ""
-        rows.append([
-            label + runs,
-            f"{figures['tokens_per_second']:.0f}",
-            f"{figures['peak_bytes'] / MIB:.0f}",
-            ratio(figures["tokens_per_second"], hf.get("tokens_per_second")),
-            ratio(figures["peak_bytes"], hf.get("peak_bytes")),
-            f"{figures['first_loss']:.4f}",
-        ])
-    table = markdown_table(["configuration", "tokens/s", peak_name, "tokens/s vs HF", "peak vs HF", "loss at step 1"], rows)
+        rows.append(
+            [
+                label + runs + fallback_note(overrides, figures["ran"]),
+                f"{figures['tokens_per_second']:.0f}",
+                f"{figures['peak_bytes'] / MIB:.0f}",
+                ratio(figures["tokens_per_second"], hf.get("tokens_per_second")),
+                ratio(figures["peak_bytes"], hf.get("peak_bytes")),
+                f"{figures['first_loss']:.4f}",
+            ]
+        )
+    table = markdown_table(
+        ["configuration", "tokens/s", peak_name, "tokens/s vs HF", "peak vs HF", "loss at step 1"], rows
+    )
     precision = "bf16 autocast" if device == "cuda" else "fp32"
     lines = [
         f"Model: Llama-shaped, {parameters / 1e6:.1f}M parameters ({shape['num_hidden_layers']} blocks of width"
@@ -403,7 +457,7 @@ def main(argv: list[str] | None = None) -> int:
     print(body)
     print(f"\n(benchmark took {time.perf_counter() - started:.0f} s)", file=sys.stderr)
     if args.out:
-        write_section(args.out, SECTION, body)
+        write_section(args.out, SECTION, body, args.label or default_label(device))
     if args.json:
         Path(args.json).write_text(json.dumps({"summary": summary, "runs": results}, indent=1))
     return 0

@@ -17,15 +17,32 @@ def test_bench_engine_quick_writes_its_section(tmp_path):
     out.write_text("# Benchmarks\n\n## Another benchmark\n\nkept as it is\n")
     raw = tmp_path / "raw.json"
     result = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick", "--steps", "2", "--only", "hf,baseline", "--device", "cpu",
-         "--out", str(out), "--json", str(raw)],
-        capture_output=True, text=True, timeout=300, cwd=REPO,
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--quick",
+            "--steps",
+            "2",
+            "--only",
+            "hf,baseline",
+            "--device",
+            "cpu",
+            "--out",
+            str(out),
+            "--json",
+            str(raw),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     text = out.read_text()
     assert "## Another benchmark\n\nkept as it is" in text
     assert text.count(SECTION) == 1
     section = text.split(SECTION, 1)[1]
+    assert "### CPU, " in section  # one subsection per kind of machine
     assert "| configuration | tokens/s | peak RSS (MiB) |" in section
     assert "Hugging Face Trainer (reference)" in section and "memfit baseline" in section
     assert "Command: `python benchmarks/bench_engine.py --quick" in section
@@ -36,7 +53,7 @@ def test_bench_engine_quick_writes_its_section(tmp_path):
     assert all(run["peak_bytes"] > 0 for name in ("hf", "baseline") for run in runs[name])
 
 
-def test_bench_engine_rewrites_its_section_in_place(tmp_path):
+def test_write_section_replaces_only_its_section(tmp_path):
     sys.path.insert(0, str(REPO / "benchmarks"))
     try:
         from _common import write_section
@@ -46,7 +63,12 @@ def test_bench_engine_rewrites_its_section_in_place(tmp_path):
     write_section(doc, "First", "one")
     write_section(doc, "Second", "two")
     write_section(doc, "First", "one again")
+    write_section(doc, "Second", "cpu figures", "CPU")
+    write_section(doc, "Second", "gpu figures", "GPU")
+    write_section(doc, "Second", "cpu figures again", "CPU")
     text = doc.read_text()
     assert text.startswith("# Benchmarks")
     assert "one again" in text and "\none\n" not in text
     assert text.index("## First") < text.index("## Second") and "two" in text
+    assert "cpu figures again" in text and "cpu figures\n" not in text and "gpu figures" in text
+    assert text.index("### CPU") < text.index("### GPU")
