@@ -44,6 +44,8 @@ class Architecture:
     attention_dropout: float
     tied_embeddings: bool
     learned_positions: bool
+    fused_qkv: bool = False
+    """Q, K and V come from one projection (GPT-2's c_attn, Phi-3's qkv_proj)."""
 
     @property
     def q_width(self) -> int:
@@ -65,7 +67,7 @@ def architecture_of(hf_config: Any) -> Architecture:
             c.vocab_size, gated_mlp=False, rms_norm=False,
             gelu_intermediates=4 if activation == "gelu_new" else 1,
             dropout=float(c.resid_pdrop), attention_dropout=float(c.attn_pdrop),
-            tied_embeddings=bool(getattr(c, "tie_word_embeddings", True)), learned_positions=True,
+            tied_embeddings=bool(getattr(c, "tie_word_embeddings", True)), learned_positions=True, fused_qkv=True,
         )
     hidden = c.hidden_size
     heads = c.num_attention_heads
@@ -76,6 +78,7 @@ def architecture_of(hf_config: Any) -> Architecture:
         dropout=float(getattr(c, "resid_pdrop", 0.0) or 0.0),
         attention_dropout=float(getattr(c, "attention_dropout", 0.0) or 0.0),
         tied_embeddings=bool(getattr(c, "tie_word_embeddings", False)), learned_positions=False,
+        fused_qkv=c.model_type == "phi3",
     )
 
 
@@ -107,17 +110,21 @@ def layer_bytes_per_token(arch: Architecture, precision: Precision, attention: s
         norm = r * h + 8 + c * h
     # Q, K, V as SDPA receives them; GQA keeps K and V narrow except in eager, which repeats them.
     kv = arch.kv_width if attention != "eager" else arch.q_width
-    attention_bytes = a * (arch.q_width + 2 * kv + arch.q_width)  # Q, K, V and the attention output
+    if arch.fused_qkv and arch.rms_norm:
+        # Q and K after RoPE, the output; V is a view of the fused QKV output, kept whole
+        attention_bytes = a * (arch.q_width + kv + arch.q_width) + c * (arch.q_width + 2 * arch.kv_width)
+    else:
+        attention_bytes = a * (arch.q_width + 2 * kv + arch.q_width)  # Q, K, V and the attention output
     attention_bytes += c * arch.q_width  # o_proj's input
     attention_bytes += 4 * arch.heads  # log-sum-exp of the flash/efficient kernels
-    if not arch.rms_norm:
-        attention_bytes += c * arch.q_width  # GPT-2 splits a fused QKV output: the split copy is kept
-    if attention == "eager" or arch.attention_dropout > 0:
-        probabilities = arch.heads * seq_len
+    probabilities = arch.heads * seq_len
+    if arch.attention_dropout > 0 and attention != "eager":
+        # SDPA with dropout takes the math path: fp32 softmax output, float dropout mask, dropped probabilities
+        attention_bytes += probabilities * 12
+    elif attention == "eager":
         attention_bytes += probabilities * (4 + (c if c != 4 else 0))
         if arch.attention_dropout > 0:
-            # dropout needs SDPA's math path: mask, dropped probabilities, scaled Q and K
-            attention_bytes += probabilities * (1 + c) + c * (arch.q_width + kv)
+            attention_bytes += probabilities * (1 + c)
     if arch.gated_mlp:
         mlp = 4 * c * i
     else:
@@ -131,8 +138,13 @@ def layer_bytes_per_token(arch: Architecture, precision: Precision, attention: s
 
 
 def checkpointed_layer_bytes_per_token(arch: Architecture, precision: Precision) -> float:
-    """What a fully checkpointed block keeps: its input and output (the residual stream)."""
-    return 2 * precision.residual * arch.hidden + (arch.hidden if arch.dropout > 0 else 0)
+    """What a fully checkpointed block keeps: its input and output (the residual stream).
+
+    With LoRA the output is not needed for a weight gradient, and measured steps keep
+    about 1.25 residual-widths per block instead of 2.
+    """
+    copies = 1.25 if precision.lora_rank else 2.0
+    return copies * precision.residual * arch.hidden + (arch.hidden if arch.dropout > 0 else 0)
 
 
 def selective_layer_bytes_per_token(arch: Architecture, precision: Precision) -> float:
@@ -153,11 +165,10 @@ def logits_bytes(arch: Architecture, tokens: int, chunk_tokens: int, compute_byt
 
     Unchunked: the logits in the compute dtype, their flattened copy, the fp32 copy and
     the fp32 log-softmax kept for backward, then as much again for the gradients:
-    about 12 bytes per token and vocabulary entry at the peak (14 with 16-bit logits,
-    whose backward adds a 16-bit gradient). Chunked: one chunk's worth.
+    about 12 bytes per token and vocabulary entry at the peak. Chunked: one chunk's worth.
     """
     live_tokens = min(tokens, chunk_tokens) if chunk_tokens > 0 else tokens
-    return (12.0 if compute_bytes == 4 else 14.0) * live_tokens * arch.vocab
+    return 12.0 * live_tokens * arch.vocab
 
 
 def activation_bytes(
@@ -170,18 +181,21 @@ def activation_bytes(
     checkpointing: str,
     checkpoint_every: int = 1,
 ) -> tuple[float, float]:
-    """(activations kept at the end of forward, extra bytes of the block recomputed in backward,
-    bytes of one uncheckpointed block)."""
+    """Activation bytes of a micro-batch.
+
+    Returns (kept at the end of forward, extra bytes of the block recomputed in
+    backward, bytes of one uncheckpointed block, smallest bytes one block keeps).
+    """
     tokens = batch_size * seq_len
     full_layer = layer_bytes_per_token(arch, precision, attention, seq_len) * tokens
     edges = model_edge_bytes_per_token(arch, precision) * tokens
     if checkpointing == "off":
-        return arch.layers * full_layer + edges, 0.0, full_layer
+        return arch.layers * full_layer + edges, 0.0, full_layer, full_layer
     if checkpointing == "selective":
         kept = selective_layer_bytes_per_token(arch, precision) * tokens
-        return arch.layers * kept + edges, full_layer - kept, full_layer
+        return arch.layers * kept + edges, full_layer - kept, full_layer, kept
     checkpointed = math.ceil(arch.layers / max(1, checkpoint_every))
     kept = checkpointed_layer_bytes_per_token(arch, precision) * tokens
     # One block is recomputed at a time in backward: its full activations come back.
     total = checkpointed * kept + (arch.layers - checkpointed) * full_layer + edges
-    return total, full_layer, full_layer
+    return total, full_layer, full_layer, kept

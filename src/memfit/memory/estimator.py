@@ -376,14 +376,24 @@ def _analytical_peak(config, run: RunShape, hf_config, inventory, parts) -> tupl
     arch = architecture_of(hf_config)
     precision = _precision(run)
     b, s = config.training.batch_size, config.data.seq_len
-    activations, recompute, per_layer = activation_bytes(
+    activations, recompute, per_layer, kept_one = activation_bytes(
         arch, precision, batch_size=b, seq_len=s, attention=run.attention,
         checkpointing=run.checkpointing, checkpoint_every=run.checkpoint_every,
     )
     logits = logits_bytes(arch, b * (s - 1), run.loss_chunk_size, precision.compute)
-    # Gradients alive while the last block's backward runs: the head's and that block's.
+    # Backward frees a block's activations while its gradients appear: the peak is at the
+    # first block (everything kept + the head's and one block's gradients) or the last
+    # one (one block kept + every gradient), whichever is larger.
     head = arch.vocab * arch.hidden * parts["trainable_bytes"] if not run.lora_r else 0
-    last_block = parts["gradients"] / max(1, arch.layers) if not run.lora_r else 0
+    block_grads = (parts["gradients"] - head) / max(1, arch.layers)
+    if run.checkpointing != "off" and run.lora_r and run.weight_bytes == 2:
+        # A recomputed block's backward through fp32 adapters on a 16-bit base holds its
+        # MLP activation gradients at once (measured: about 2 x intermediate x 2 bytes per token).
+        recompute += 2 * precision.compute * arch.intermediate * b * s
+    edges = activations - arch.layers * kept_one  # the embedding side, and uncheckpointed blocks
+    at_first_block = activations + block_grads
+    at_last_block = max(0.0, edges) + kept_one + arch.layers * block_grads
+    in_flight_grads = block_grads if at_first_block >= at_last_block else arch.layers * block_grads
     other = 0.0
     if run.autocast and run.weight_bytes == 4:
         # autocast caches a 16-bit copy of each weight for the whole forward
@@ -392,13 +402,14 @@ def _analytical_peak(config, run: RunShape, hf_config, inventory, parts) -> tupl
         other += 2 * max(math.prod(s) for s in inventory.shapes)  # one dequantized weight at a time
     resident = parts["parameters"] + parts["optimizer_states"] + activations + other
     forward_end = resident + logits
-    backward = resident + recompute + head + last_block
+    backward_activations = max(at_first_block, at_last_block) - in_flight_grads
+    backward = resident - activations + backward_activations + recompute + head + in_flight_grads
     optimizer_step = parts["parameters"] + parts["gradients"] + parts["optimizer_states"] + parts["optimizer_temporaries"]
     if max(forward_end, backward) >= optimizer_step:
         in_backward = backward > forward_end
-        moment = {"parameters": parts["parameters"], "gradients": head + last_block if in_backward else 0,
+        moment = {"parameters": parts["parameters"], "gradients": head + in_flight_grads if in_backward else 0,
                   "optimizer_states": parts["optimizer_states"],
-                  "activations": activations + (recompute if in_backward else 0),
+                  "activations": (backward_activations + recompute) if in_backward else activations,
                   "logits": 0 if in_backward else logits, "other": other}
         phase = "backward" if in_backward else "forward"
     else:

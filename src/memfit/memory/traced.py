@@ -209,14 +209,17 @@ def _add_lora(model, train_config, fake: bool = False):
     return model
 
 
-def run_training_steps(model, train_config, setup: StepSetup, counter: LiveStorageCounter, steps: int = 2) -> None:
-    """Run `steps` optimizer steps as the loop does; the counter's peak is reset after the first."""
-    from memfit.techniques.loss import causal_lm_loss_sum
+def make_optimizer(model, train_config, setup: StepSetup) -> torch.optim.Optimizer:
+    """The optimizer the training loop builds (memfit.techniques.optimizers)."""
     from memfit.techniques.optimizers import build_optimizer, parameter_groups
 
-    optimizer = build_optimizer(
-        parameter_groups(model, train_config.optimizer.weight_decay), train_config.optimizer, setup.device
-    ).optimizer
+    groups = parameter_groups(model, train_config.optimizer.weight_decay)
+    return build_optimizer(groups, train_config.optimizer, setup.device).optimizer
+
+
+def run_training_steps(model, train_config, setup: StepSetup, counter: LiveStorageCounter, steps: int = 2) -> None:
+    """Run `steps` optimizer steps as the loop does; the counter's peak is reset after the first."""
+    optimizer = make_optimizer(model, train_config, setup)
     trainable = [p for p in model.parameters() if p.requires_grad]
     vocab = model.get_output_embeddings().weight.shape[0]
     tokens = setup.batch_size * (setup.seq_len - 1)
@@ -224,23 +227,63 @@ def run_training_steps(model, train_config, setup: StepSetup, counter: LiveStora
         if step == 1:
             counter.reset_peak()
         counter.phase = "forward"
-        input_ids = torch.randint(0, vocab, (setup.batch_size, setup.seq_len), device=setup.device)
-        labels = input_ids.clone()
-        with _autocast(setup):
-            loss = causal_lm_loss_sum(model, input_ids, labels, None, setup.loss_chunk_size) / tokens
+        loss = _forward(model, setup, vocab, tokens)
         counter.phase = "backward"
         loss.backward()
         del loss
         counter.retag([p.grad for p in trainable if p.grad is not None], "gradients")
         counter.phase = "optimizer"
-        if train_config.optimizer.max_grad_norm > 0:
-            torch.nn.utils.clip_grad_norm_(trainable, train_config.optimizer.max_grad_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        _optimizer_step(optimizer, trainable, train_config)
         counter.retag(
             [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)],
             "optimizer_states",
         )
+
+
+def _forward(model, setup: StepSetup, vocab: int, tokens: int) -> torch.Tensor:
+    from memfit.techniques.loss import causal_lm_loss_sum
+
+    input_ids = torch.randint(0, vocab, (setup.batch_size, setup.seq_len), device=setup.device)
+    labels = input_ids.clone()
+    with _autocast(setup):
+        return causal_lm_loss_sum(model, input_ids, labels, None, setup.loss_chunk_size) / tokens
+
+
+def _optimizer_step(optimizer, trainable, train_config) -> None:
+    if train_config.optimizer.max_grad_norm > 0:
+        torch.nn.utils.clip_grad_norm_(trainable, train_config.optimizer.max_grad_norm)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def measure_step_with_tracker(hf_config, train_config, setup: StepSetup, steps: int = 2) -> int:
+    """Peak live bytes of the last of `steps` real training steps, measured by MemoryTracker.
+
+    The same step as `trace_step`, on real tensors, counted by the tracker the training
+    loop uses: the reference the estimates are checked against.
+    """
+    from memfit.memory.tracker import MemoryTracker
+
+    model = build_model(hf_config, setup, train_config)
+    optimizer = make_optimizer(model, train_config, setup)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    vocab = model.get_output_embeddings().weight.shape[0]
+    tokens = setup.batch_size * (setup.seq_len - 1)
+    tracker = MemoryTracker(setup.device)
+    tracker.attach(model, optimizer)
+    peak = 0
+    with tracker:
+        for _ in range(steps):
+            with tracker.phase("forward"):
+                loss = _forward(model, setup, vocab, tokens)
+            with tracker.phase("backward"):
+                loss.backward()
+                del loss
+            with tracker.phase("optimizer"):
+                _optimizer_step(optimizer, trainable, train_config)
+            peak = tracker.end_step().peak_bytes
+    tracker.detach()
+    return peak
 
 
 def _autocast(setup: StepSetup):

@@ -1,0 +1,108 @@
+"""How close are memfit's estimates to the measured peak of real training steps?
+
+Runs real CPU training steps (forward, backward, clipping, optimizer) of small models
+built from transformers configs and measures the peak of live tensor bytes, then
+compares the `analytical` and `traced` estimates with it. Writes a markdown table.
+
+    python benchmarks/bench_estimate_accuracy.py --out docs/accuracy_table.md
+
+The measurement is memfit.memory.tracker.MemoryTracker on the second of two real
+steps (optimizer state allocated), the same tracker `memfit profile` uses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import platform
+import sys
+import time
+
+import torch
+
+from memfit.config import load_config
+from memfit.memory.estimator import estimate, resolve_run
+from memfit.memory.traced import StepSetup, measure_step_with_tracker
+
+
+def architectures() -> dict:
+    from transformers import GPT2Config, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config
+
+    common = dict(hidden_size=128, intermediate_size=352, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=1000, max_position_embeddings=1024)
+    return {
+        "llama": LlamaConfig(**common),
+        "qwen2": Qwen2Config(**common, tie_word_embeddings=True),
+        "mistral": MistralConfig(**common, sliding_window=None),
+        "phi3": Phi3Config(**{**common, "num_key_value_heads": 4}, pad_token_id=0),
+        "gpt2": GPT2Config(n_embd=128, n_layer=4, n_head=4, vocab_size=1000, n_positions=1024),
+    }
+
+
+VARIANTS = {
+    "adamw": {},
+    "adamw ckpt": {"gradient_checkpointing": "full"},
+    "adamw-8bit": {"optimizer": "adamw-8bit"},
+    "bf16 autocast": {"precision": "bf16"},
+    "lora r8": {"lora_r": 8},
+    "lora r8 bf16 ckpt": {"lora_r": 8, "dtype": "bf16", "gradient_checkpointing": "full"},
+}
+
+
+def measured_peak(hf_config, config) -> int:
+    """Peak live tensor bytes of a real steady-state step on the CPU."""
+    run = resolve_run(config, hf_config, None)
+    dtypes = {4: torch.float32, 2: torch.bfloat16}
+    setup = StepSetup(
+        config.training.batch_size, config.data.seq_len, dtypes[run.weight_bytes],
+        torch.bfloat16 if run.autocast else None, run.attention, run.checkpointing, run.checkpoint_every,
+        run.loss_chunk_size, torch.device("cpu"),
+    )
+    return measure_step_with_tracker(hf_config, config, setup)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=None, help="write the markdown table here as well as to stdout")
+    parser.add_argument("--seq-lens", default="128,512")
+    parser.add_argument("--batch-size", type=int, default=2)
+    args = parser.parse_args(argv)
+    seq_lens = [int(s) for s in args.seq_lens.split(",")]
+    rows, errors = [], {"analytical": [], "traced": []}
+    started = time.time()
+    for (arch_name, hf_config), (variant, changes), seq_len in itertools.product(
+        architectures().items(), VARIANTS.items(), seq_lens
+    ):
+        config = load_config(overrides={"seq_len": seq_len, "batch_size": args.batch_size, **changes})
+        truth = measured_peak(hf_config, config)
+        analytical = estimate(config, hf_config=hf_config).peak_bytes
+        traced = estimate(config, hf_config=hf_config, method="traced").peak_bytes
+        a_err, t_err = analytical / truth - 1, traced / truth - 1
+        errors["analytical"].append(a_err)
+        errors["traced"].append(t_err)
+        rows.append(f"| {arch_name} | {variant} | {seq_len} | {truth / 2**20:.1f} | {analytical / 2**20:.1f} | {100 * a_err:+.1f}% "
+                    f"| {traced / 2**20:.1f} | {100 * t_err:+.1f}% |")
+        print(rows[-1], file=sys.stderr)
+    header = [
+        f"Measured {time.strftime('%Y-%m-%d')} on {platform.processor() or platform.machine()} "
+        f"({torch.get_num_threads()} threads), torch {torch.__version__}, batch {args.batch_size}; "
+        f"{time.time() - started:.0f} s.",
+        "",
+        "| model | variant | seq | measured MiB | analytical MiB | error | traced MiB | error |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    summary = [""]
+    for method, values in errors.items():
+        worst = max(abs(v) for v in values)
+        mean = sum(abs(v) for v in values) / len(values)
+        summary.append(f"- {method}: mean |error| {100 * mean:.1f}%, worst {100 * worst:.1f}% over {len(values)} runs")
+    text = "\n".join(header + rows + summary) + "\n"
+    print(text)
+    if args.out:
+        with open(args.out, "w") as handle:
+            handle.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
