@@ -1,6 +1,6 @@
 """Engine benchmark: peak memory and tokens/s of memfit's memory switches, next to Hugging Face Trainer.
 
-    python benchmarks/bench_engine.py                             # ~23M Llama, seq 512, batch 4 (CPU: ~10 min on 2 cores)
+    python benchmarks/bench_engine.py                             # ~23M Llama, seq 512, batch 4 (~6 min on 2 idle CPU cores)
     python benchmarks/bench_engine.py --out docs/benchmarks.md    # also write the table into the docs (its own subsection)
     python benchmarks/bench_engine.py --quick                     # toy model, a smoke run in seconds
     python benchmarks/bench_engine.py --device cuda               # GPU: bf16, peaks from the CUDA allocator
