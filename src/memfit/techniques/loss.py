@@ -75,8 +75,10 @@ def causal_lm_loss_sum(
     if chunk_size > 0:
         return chunked_causal_lm_loss_sum(model, input_ids, labels, attention_mask, chunk_size)
     outputs = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-    logits = outputs.logits[:, :-1, :]
-    targets = labels[:, 1:]
+    logits = outputs.logits
+    # Shift the labels, not the logits: slicing off the last position would copy all of
+    # [batch, seq, vocab] (and its gradient); the padded last target is ignored instead.
+    targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
     return F.cross_entropy(
         logits.reshape(-1, logits.size(-1)).float(),
         targets.reshape(-1),
