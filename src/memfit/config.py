@@ -5,24 +5,19 @@ on the command line (with dashes: `--seq-len 512`) and in a YAML file (with
 underscores: `seq_len: 512`), flat or under a section (`data: {seq_len: 512}`).
 The seeds' names are accepted as aliases (`--window-size`, `optim: adamw_8bit`, ...).
 
-`load_config(yaml_path, overrides)` builds a `TrainConfig` from a file and flags,
+`load_config(yaml_path, overrides)` (in `memfit.config_loading`, re-exported here) builds a
+`TrainConfig` from a file and flags,
 flags winning; `TrainConfig.validate()` collects every problem and raises once.
 Command-line parsing itself lives in `memfit.cli.flags`.
 """
 
 from __future__ import annotations
 
-import ast
 import dataclasses
-import difflib
-import inspect
-import typing
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from memfit.errors import UsageError
-from memfit.units import parse_size
 
 PRECISIONS = ("auto", "amp", "fp32", "bf16", "fp16")
 WEIGHT_DTYPES = ("fp32", "bf16", "fp16")
@@ -201,63 +196,6 @@ SECTIONS: dict[str, type] = {
     "distributed": DistributedConfig,
 }
 
-# Section names other tools use in their YAML files; their keys are read as flat keys.
-SECTION_ALIASES = ("training_args", "args", "train", "optim")
-
-# Names from the seeds and other trainers -> memfit name.
-ALIASES: dict[str, str] = {
-    "per_device_train_batch_size": "batch_size",
-    "micro_batch_size": "batch_size",
-    "window_size": "seq_len",
-    "max_seq_length": "seq_len",
-    "dataset_file": "dataset",
-    "model_name_or_path": "model",
-    "learning_rate": "lr",
-    "optim": "optimizer",
-    "steps": "max_steps",
-    "num_train_epochs": "epochs",
-    "save_steps": "save_every",
-    "logging_steps": "log_every",
-    "lr_scheduler_type": "lr_schedule",
-    "adam_beta1": "beta1",
-    "adam_beta2": "beta2",
-    "adam_epsilon": "eps",
-    "output_directory": "output_dir",
-    "resume_from_checkpoint": "resume",
-    "attn_implementation": "attention",
-    "torch_dtype": "dtype",
-}
-
-# Boolean switches from the seeds that set a memfit field to a value.
-SWITCHES: dict[str, tuple[str, Any, Any]] = {
-    # name: (memfit field, value when true, value when false)
-    "amp": ("precision", "amp", "fp32"),
-    "use_8bit_optimizer": ("optimizer", "adamw-8bit", "adamw"),
-    "bf16": ("precision", "bf16", "fp32"),
-    "fp16": ("precision", "fp16", "fp32"),
-}
-
-# Spellings of choice values other tools use -> memfit's spelling.
-VALUE_ALIASES: dict[str, dict[str, str]] = {
-    "optimizer": {
-        "adamw_8bit": "adamw-8bit",
-        "adamw8bit": "adamw-8bit",
-        "adamw_bnb_8bit": "adamw-8bit",
-        "paged_adamw_8bit": "paged-adamw-8bit",
-        "adamw_torch": "adamw",
-        "adamw_torch_fused": "adamw",
-        "adamw_hf": "adamw",
-        "adam": "adamw",
-    },
-    "gradient_checkpointing": {"true": "full", "false": "off", "on": "full", "none": "off"},
-    "precision": {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "no": "fp32"},
-    "dtype": {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "auto": "fp32"},
-    "lr_schedule": {"cosine_with_warmup": "cosine", "linear_with_warmup": "linear", "constant_with_warmup": "constant"},
-    "quantize": {"nf4": "4bit", "int4": "4bit", "int8": "8bit", "off": "none", "false": "none"},
-    "sharding": {"off": "none", "fsdp2": "fsdp"},
-}
-
-
 @dataclass
 class TrainConfig:
     """Everything a `memfit train` run needs, one section per concern."""
@@ -279,8 +217,10 @@ class TrainConfig:
         """Every field by its flat name."""
         return {name: getattr(getattr(self, section), name) for name, (section, _) in field_index().items()}
 
-    def replace(self, **changes: Any) -> "TrainConfig":
+    def replace(self, **changes: Any) -> TrainConfig:
         """A copy with some flat fields changed (validated like user input)."""
+        from memfit.config_loading import build_config
+
         return build_config(self.flat() | changes)
 
     @property
@@ -365,201 +305,6 @@ def field_index() -> dict[str, tuple[str, dataclasses.Field]]:
     return index
 
 
-def field_docs(cls: type) -> dict[str, str]:
-    """The attribute docstrings of a dataclass (the string literal after each field)."""
-    tree = ast.parse(inspect.getsource(cls))
-    body = tree.body[0].body
-    docs = {}
-    for node, following in zip(body, body[1:]):
-        if (
-            isinstance(node, ast.AnnAssign)
-            and isinstance(node.target, ast.Name)
-            and isinstance(following, ast.Expr)
-            and isinstance(following.value, ast.Constant)
-            and isinstance(following.value.value, str)
-        ):
-            docs[node.target.id] = following.value.value
-    return docs
-
-
-def base_type(f: dataclasses.Field, owner: type) -> type:
-    """The non-None type of a field (int for `int | None`)."""
-    hint = typing.get_type_hints(owner)[f.name]
-    args = [a for a in typing.get_args(hint) if a is not type(None)]
-    return args[0] if args else hint
-
-
-def is_optional(f: dataclasses.Field, owner: type) -> bool:
-    hint = typing.get_type_hints(owner)[f.name]
-    return type(None) in typing.get_args(hint)
-
-
-_TRUE = {"true", "yes", "on", "1"}
-_FALSE = {"false", "no", "off", "0"}
-
-
-def convert_value(name: str, raw: Any, flag_style: bool = True) -> Any:
-    """Convert a raw value (string from the command line, or YAML scalar) for field `name`.
-
-    Raises UsageError with the flag name and the expected form.
-    """
-    section, f = field_index()[name]
-    owner = SECTIONS[section]
-    kind = base_type(f, owner)
-    label = f"--{name.replace('_', '-')}" if flag_style else name
-    if raw is None or (isinstance(raw, str) and raw.lower() in ("none", "null") and is_optional(f, owner)):
-        if is_optional(f, owner):
-            return None
-        raise UsageError(f"{label} needs a value")
-    if f.metadata.get("size"):
-        return parse_size(raw, label)
-    if kind is bool:
-        if isinstance(raw, bool):
-            return raw
-        text = str(raw).lower()
-        if text in _TRUE:
-            return True
-        if text in _FALSE:
-            return False
-        raise UsageError(f"{label} takes true or false, got {raw!r}")
-    if kind is int:
-        if isinstance(raw, bool) or (isinstance(raw, float) and not raw.is_integer()):
-            raise UsageError(f"{label} takes a whole number, got {raw!r}")
-        try:
-            return int(raw)
-        except (TypeError, ValueError):
-            raise UsageError(f"{label} takes a whole number, got {raw!r}") from None
-    if kind is float:
-        try:
-            return float(raw)
-        except (TypeError, ValueError):
-            raise UsageError(f"{label} takes a number, got {raw!r}") from None
-    text = ",".join(map(str, raw)) if isinstance(raw, list) else str(raw)
-    choices = f.metadata.get("choices")
-    if choices:
-        text = VALUE_ALIASES.get(name, {}).get(text.lower(), text.lower().replace("_", "-"))
-        if isinstance(raw, bool):
-            text = VALUE_ALIASES.get(name, {}).get(str(raw).lower(), text)
-        if text not in choices:
-            raise UsageError(f"{label} must be one of {', '.join(choices)}; got {raw!r}{suggest(str(raw), choices)}")
-    return text
-
-
-def suggest(word: str, candidates: typing.Iterable[str]) -> str:
-    """' (did you mean X?)' for the closest candidate, or ''."""
-    close = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.6)
-    return f" (did you mean {close[0]}?)" if close else ""
-
-
-def canonical_name(key: str) -> str:
-    """Flag or YAML key -> field name, resolving aliases ('window-size' -> 'seq_len')."""
-    key = key.strip().lstrip("-").replace("-", "_")
-    return ALIASES.get(key, key)
-
-
-def known_names() -> list[str]:
-    return sorted(set(field_index()) | set(ALIASES) | set(SWITCHES))
-
-
-def apply_setting(values: dict[str, Any], key: str, raw: Any, problems: list[str], flag_style: bool) -> None:
-    """Convert one user setting into `values` (flat), appending problems instead of raising."""
-    name = canonical_name(key)
-    label = f"--{key.lstrip('-').replace('_', '-')}" if flag_style else key
-    if name in SWITCHES:
-        target, when_true, when_false = SWITCHES[name]
-        try:
-            on = convert_bool(raw, label)
-        except UsageError as error:
-            problems.append(str(error))
-            return
-        values[target] = when_true if on else when_false
-        return
-    if name not in field_index():
-        style = [f"--{n.replace('_', '-')}" for n in known_names()] if flag_style else known_names()
-        problems.append(f"unknown {'option' if flag_style else 'key'} {label}{suggest(label, style)}")
-        return
-    try:
-        values[name] = convert_value(name, raw, flag_style)
-    except UsageError as error:
-        problems.append(str(error))
-
-
-def convert_bool(raw: Any, label: str) -> bool:
-    if isinstance(raw, bool):
-        return raw
-    text = str(raw).lower()
-    if text in _TRUE:
-        return True
-    if text in _FALSE:
-        return False
-    raise UsageError(f"{label} takes true or false, got {raw!r}")
-
-
-def flatten_yaml(data: dict[str, Any], problems: list[str]) -> list[tuple[str, Any]]:
-    """YAML mapping (flat or with sections) -> list of (key, value) settings."""
-    settings = []
-    for key, value in data.items():
-        if key in SECTIONS or key in SECTION_ALIASES:
-            if key in SECTIONS and not isinstance(value, dict) and canonical_name(key) in field_index():
-                settings.append((key, value))  # 'model: gpt2' and 'optimizer: sgd' are fields too
-                continue
-            if not isinstance(value, dict):
-                problems.append(f"section {key!r} must be a mapping of settings")
-                continue
-            settings.extend(value.items())
-        else:
-            settings.append((key, value))
-    return settings
-
-
-def read_yaml(path: str | Path) -> dict[str, Any]:
-    import yaml
-
-    path = Path(path)
-    if not path.is_file():
-        raise UsageError(f"config file {path} does not exist; check the path given to --config")
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as error:
-        raise UsageError(f"config file {path} is not valid YAML: {str(error).splitlines()[0]}") from None
-    if not isinstance(data, dict):
-        raise UsageError(f"config file {path} must hold a mapping of settings, not {type(data).__name__}")
-    return data
-
-
-def build_config(flat_values: dict[str, Any]) -> TrainConfig:
-    """TrainConfig from already-converted flat values."""
-    index = field_index()
-    sections: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
-    for name, value in flat_values.items():
-        sections[index[name][0]][name] = value
-    config = TrainConfig(**{name: SECTIONS[name](**values) for name, values in sections.items()})
-    config.validate()
-    return config
-
-
-def load_config(
-    yaml_path: str | Path | None = None,
-    overrides: list[tuple[str, Any]] | dict[str, Any] | None = None,
-) -> TrainConfig:
-    """Build a TrainConfig from an optional YAML file and overrides (flags win).
-
-    Overrides are (name, raw value) pairs as the command line gives them; names may
-    use dashes, underscores or the seeds' aliases. Every problem of both sources is
-    reported at once in one UsageError.
-    """
-    problems: list[str] = []
-    values: dict[str, Any] = {}
-    if yaml_path is not None:
-        for key, raw in flatten_yaml(read_yaml(yaml_path), problems):
-            apply_setting(values, str(key), raw, problems, flag_style=False)
-    items = overrides.items() if isinstance(overrides, dict) else (overrides or [])
-    for key, raw in items:
-        apply_setting(values, key, raw, problems, flag_style=True)
-    try:
-        config = build_config(values)
-    except UsageError as error:  # range checks on the values that did convert
-        problems.append(str(error))
-    if problems:
-        raise UsageError("; ".join(problems))
-    return config
+# Reading settings (YAML + flags) lives in memfit.config_loading; `load_config` is
+# re-exported here because it is what most callers want next to TrainConfig.
+from memfit.config_loading import load_config  # noqa: E402, F401

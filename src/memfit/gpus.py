@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from memfit.config import suggest
+from memfit.config_loading import suggest
 from memfit.errors import UsageError
 from memfit.units import GIB
 
@@ -101,6 +101,9 @@ def get_gpu(name: str) -> GpuSpec:
         f"unknown GPU {name!r}{suggest(key, list(GPUS) + list(_ALIASES))}; "
         f"known: {', '.join(GPUS)} (or give --memory-budget SIZE)"
     )
+
+
+lookup_gpu = get_gpu  # the name the training setup uses
 
 
 def list_gpus() -> list[GpuSpec]:

@@ -11,15 +11,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from memfit.config import (
-    SECTIONS,
+from memfit.config import SECTIONS, TrainConfig, field_index
+from memfit.config_loading import (
     SWITCHES,
-    TrainConfig,
     base_type,
     canonical_name,
     convert_bool,
     field_docs,
-    field_index,
     is_optional,
     known_names,
     load_config,

@@ -7,7 +7,7 @@ import logging
 import os
 import sys
 
-from memfit.config import suggest
+from memfit.config_loading import suggest
 from memfit.errors import MemfitError
 
 # subcommand -> (module under memfit.cli, one-line summary)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from memfit.config import suggest
+from memfit.config_loading import suggest
 from memfit.errors import UsageError
 
 
@@ -121,7 +121,7 @@ def tiny_hf_config() -> Any:
 def resolve_model_config(model: str, trust_remote_code: bool = False) -> Any:
     """The transformers config of `model`, read without weights.
 
-    `model` is 'tiny', a preset name or the Hugging Face id of one, a local directory
+    `model` is 'tiny', a preset name (optionally 'preset:NAME') or the Hugging Face id of one, a local directory
     holding config.json, a path to a config.json, or another Hugging Face id (needs the
     network or a cached copy).
 
@@ -130,6 +130,7 @@ def resolve_model_config(model: str, trust_remote_code: bool = False) -> Any:
     """
     if model == "tiny":
         return tiny_hf_config()
+    model = model.removeprefix("preset:")  # how `memfit train` names a randomly initialised preset
     preset = find_preset(model)
     if preset is not None:
         return preset.to_hf_config()
