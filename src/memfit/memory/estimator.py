@@ -302,7 +302,8 @@ def estimate(
         moment, per_layer, notes = _analytical_peak(config, run, hf_config, inventory, parts)
     else:
         moment, per_layer, notes = _traced_peak(config, run, hf_config, inventory, parts)
-    moment = _apply_sharding(moment, parts, sharding, world_size, hf_config, run)
+    moment = _apply_sharding(moment, parts, sharding, world_size, hf_config, run,
+                             notes.get("autocast_weight_copies_bytes", 0))
     if run.device_type == "cuda":
         allocated = sum(moment.values())
         moment["other"] += CUDA_CONTEXT_BYTES + int(FRAGMENTATION * allocated)
@@ -391,25 +392,24 @@ def _analytical_peak(config, run: RunShape, hf_config, inventory, parts) -> tupl
         # MLP activation gradients at once (measured: about 2 x intermediate x 2 bytes per token).
         recompute += 2 * precision.compute * arch.intermediate * b * s
     edges = activations - arch.layers * kept_one  # the embedding side, and uncheckpointed blocks
-    at_first_block = activations + block_grads
-    at_last_block = max(0.0, edges) + kept_one + arch.layers * block_grads
+    # autocast caches a 16-bit copy of each weight from its first use until backward is past it
+    cache = 2 * inventory.linear_params if run.autocast and run.weight_bytes == 4 and run.quantize == "none" else 0.0
+    at_first_block = activations + cache + block_grads
+    at_last_block = max(0.0, edges) + kept_one + cache / max(1, arch.layers) + arch.layers * block_grads
     in_flight_grads = block_grads if at_first_block >= at_last_block else arch.layers * block_grads
     other = 0.0
-    if run.autocast and run.weight_bytes == 4:
-        # autocast caches a 16-bit copy of each weight for the whole forward
-        other += 2 * (inventory.linear_params if not run.quantize != "none" else 0)
     if run.quantize == "4bit":
         other += 2 * max(math.prod(s) for s in inventory.shapes)  # one dequantized weight at a time
-    resident = parts["parameters"] + parts["optimizer_states"] + activations + other
-    forward_end = resident + logits
+    resident = parts["parameters"] + parts["optimizer_states"] + other
+    forward_end = resident + activations + cache + logits
     backward_activations = max(at_first_block, at_last_block) - in_flight_grads
-    backward = resident - activations + backward_activations + recompute + head + in_flight_grads
+    backward = resident + backward_activations + recompute + head + in_flight_grads
     optimizer_step = parts["parameters"] + parts["gradients"] + parts["optimizer_states"] + parts["optimizer_temporaries"]
     if max(forward_end, backward) >= optimizer_step:
         in_backward = backward > forward_end
         moment = {"parameters": parts["parameters"], "gradients": head + in_flight_grads if in_backward else 0,
                   "optimizer_states": parts["optimizer_states"],
-                  "activations": (backward_activations + recompute) if in_backward else activations,
+                  "activations": (backward_activations + recompute) if in_backward else activations + cache,
                   "logits": 0 if in_backward else logits, "other": other}
         phase = "backward" if in_backward else "forward"
     else:
@@ -417,7 +417,8 @@ def _analytical_peak(config, run: RunShape, hf_config, inventory, parts) -> tupl
                   "optimizer_states": parts["optimizer_states"], "activations": 0, "logits": 0,
                   "other": parts["optimizer_temporaries"]}
         phase = "optimizer step"
-    notes = {"peak_phase": phase, "activation_bytes": int(activations), "logits_bytes": int(logits)}
+    notes = {"peak_phase": phase, "activation_bytes": int(activations), "logits_bytes": int(logits),
+             "autocast_weight_copies_bytes": int(cache)}
     return moment, per_layer, notes
 
 
@@ -452,7 +453,8 @@ def _traced_peak(config, run: RunShape, hf_config, inventory, parts) -> tuple[di
     return moment, per_layer, notes
 
 
-def _apply_sharding(moment: dict, parts: dict, sharding: str, world_size: int, hf_config, run: RunShape) -> dict:
+def _apply_sharding(moment: dict, parts: dict, sharding: str, world_size: int, hf_config, run: RunShape,
+                    cache: float = 0.0) -> dict:
     """Divide what each sharding mode spreads over the ranks; add DDP's gradient buckets."""
     moment = dict(moment)
     if world_size == 1 or sharding == "none":
@@ -465,6 +467,8 @@ def _apply_sharding(moment: dict, parts: dict, sharding: str, world_size: int, h
     for key in divide[sharding]:
         moment[key] = moment[key] / world_size
     if "parameters" in divide[sharding]:
+        # sharded parameters are gathered (and cast) one block at a time
+        moment["activations"] = max(0.0, moment["activations"] - cache * (1 - 1 / world_size))
         # One block gathered in full for compute, the next prefetched.
         layers = architecture_of(hf_config).layers
         moment["other"] += 2 * parts["parameters"] / max(1, layers)

@@ -1,0 +1,56 @@
+"""`memfit estimate`, `memfit plan` and `memfit presets` through the real command line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from memfit.cli.main import main
+
+KEYS = {"model", "method", "peak_bytes", "breakdown", "budget_bytes", "fits", "headroom_bytes", "error_band"}
+
+
+def test_estimate_json_is_one_object_on_stdout():
+    result = subprocess.run(
+        [sys.executable, "-m", "memfit", "estimate", "--model", "tiny", "--seq-len", "128", "--json"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    data = json.loads(result.stdout)  # nothing else on stdout
+    assert KEYS <= set(data)
+    assert sum(data["breakdown"].values()) == data["peak_bytes"] > 0
+
+
+def test_estimate_table_says_whether_it_fits(capsys):
+    assert main(["estimate", "--model", "llama-3.1-8b", "--gpu", "rtx-4090", "--seq-len", "2048",
+                 "--lora-r", "16", "--dtype", "bf16", "--gradient-checkpointing", "full", "--batch-size", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "activations per layer" in out and "GiB" in out and "%" in out
+    assert "fits in 23.64 GiB: headroom" in out
+    assert main(["estimate", "--model", "llama-3.1-8b", "--gpu", "rtx-4090", "--method", "traced",
+                 "--seq-len", "256", "--batch-size", "1", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["method"] == "traced" and data["fits"] is False
+
+
+def test_plan_json_and_exit_code_when_nothing_fits(capsys):
+    assert main(["plan", "--model", "tiny", "--memory-budget", "1GiB", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert {"fits", "plan", "estimated_peak_bytes", "budget_bytes", "relative_speed", "command", "alternatives"} <= set(data)
+    assert data["fits"] and data["estimated_peak_bytes"] <= data["budget_bytes"]
+    assert main(["plan", "--model", "tiny", "--memory-budget", "1MiB"]) == 3
+    assert "needs" in capsys.readouterr().err
+    assert main(["plan", "--model", "tiny", "--memory-budget", "1GiB"]) == 0
+    assert "run the best with:\n  memfit train --model tiny" in capsys.readouterr().out
+
+
+def test_presets_and_bad_names(capsys):
+    assert main(["presets", "models"]) == 0
+    out = capsys.readouterr().out
+    assert "llama-3.1-70b" in out and "70.55B" in out and "qwen2.5-0.5b" in out
+    assert main(["presets", "gpus"]) == 0
+    assert "rtx-4090" in capsys.readouterr().out
+    assert main(["estimate", "--model", "tiny", "--gpu", "rtx-9999"]) == 2
+    assert "unknown GPU" in capsys.readouterr().err
+    assert main(["estimate", "--model", "no-such-model"]) == 2
