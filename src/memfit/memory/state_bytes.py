@@ -1,0 +1,121 @@
+"""Exact bytes of weights, gradients and optimizer state, from the parameter shapes.
+
+Shapes come from a meta-device build of the model (cached per config), so the counts
+are those of the real module tree: tied weights once, fused projections as they are.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from memfit.errors import UsageError
+
+NF4_BYTES_PER_PARAM = 0.5 + 1 / 64 + 4 / (64 * 256)
+"""4-bit nf4: half a byte, one 8-bit absmax per 64 weights, one fp32 absmax per 256 blocks (double quantization)."""
+BNB_8BIT_MIN_SIZE = 4096
+"""bitsandbytes keeps 32-bit state for tensors with fewer elements than this."""
+BNB_8BIT_BLOCK = 256
+
+
+@dataclass
+class ParameterInventory:
+    """Parameter tensors of the model as training sees them."""
+
+    shapes: list[tuple[int, ...]]
+    """Every parameter tensor (tied weights once)."""
+    linear_params: int
+    """Weights of the linear layers LoRA targets / QLoRA quantizes (not the output head)."""
+    adapter_shapes: list[tuple[int, ...]]
+    """LoRA A and B matrices."""
+
+    @property
+    def total(self) -> int:
+        return sum(math.prod(s) for s in self.shapes)
+
+
+_INVENTORIES: dict[tuple[str, int], ParameterInventory] = {}
+
+
+def parameter_inventory(hf_config: Any, lora_r: int = 0) -> ParameterInventory:
+    """Shapes from a meta-device build (no memory, under a second for 70B); cached per config."""
+    key = (hf_config.to_json_string(use_diff=False), lora_r)
+    if key not in _INVENTORIES:
+        _INVENTORIES[key] = _build_inventory(hf_config, lora_r)
+    return _INVENTORIES[key]
+
+
+def _build_inventory(hf_config: Any, lora_r: int) -> ParameterInventory:
+    from torch import nn
+
+    from memfit.models.presets import build_meta_model
+
+    model = build_meta_model(hf_config)
+    head = model.get_output_embeddings()
+    shapes = [tuple(p.shape) for p in model.parameters()]
+    linear_params, adapters = 0, []
+    for module in model.modules():
+        if module is head:
+            continue
+        if isinstance(module, nn.Linear):
+            fan_in, fan_out = module.in_features, module.out_features
+        elif type(module).__name__ == "Conv1D":  # GPT-2's transposed linear
+            fan_in, fan_out = module.weight.shape
+        else:
+            continue
+        linear_params += fan_in * fan_out
+        if lora_r:
+            adapters += [(lora_r, fan_in), (fan_out, lora_r)]
+    return ParameterInventory(shapes, linear_params, adapters)
+
+
+def optimizer_state_bytes(optimizer: str, shapes: list[tuple[int, ...]], param_bytes: int, momentum: float = 0.0,
+                          fused_step: bool = True) -> int:
+    """Bytes of optimizer state for trainable tensors of `shapes` stored in `param_bytes` per element."""
+    step = 4 if fused_step else 0  # one fp32 step counter per tensor, on the device for fused AdamW
+    if optimizer == "adamw":
+        return sum(2 * param_bytes * math.prod(s) + step for s in shapes)
+    if optimizer in ("adamw-8bit", "paged-adamw-8bit"):
+        total = 2 * BNB_8BIT_BLOCK * 4  # the two quantization maps, shared by all tensors
+        for s in shapes:
+            n = math.prod(s)
+            if n >= BNB_8BIT_MIN_SIZE:
+                total += 2 * n + 2 * 4 * math.ceil(n / BNB_8BIT_BLOCK)
+            else:
+                total += 8 * n
+        return total
+    if optimizer == "sgd":
+        return sum(param_bytes * math.prod(s) for s in shapes) if momentum else 0
+    if optimizer == "adafactor":
+        total = 0
+        for s in shapes:
+            factored = len(s) >= 2
+            total += param_bytes * ((math.prod(s[:-1]) + s[-1]) if factored else math.prod(s)) + 4
+        return total
+    raise UsageError(f"unknown optimizer {optimizer!r}")
+
+
+def optimizer_step_temporary_bytes(run: Any, shapes: list[tuple[int, ...]], param_bytes: int) -> int:
+    """Bytes the optimizer step allocates on top of its state (torch 2.13 implementations).
+
+    Fused AdamW updates in place. The foreach implementation builds sqrt(v) for a whole
+    parameter group at once (one state-sized copy of the larger group: the matrices);
+    the for-loop one builds it for one tensor at a time.
+    """
+    if run.optimizer_offload:
+        return 0
+    sizes = [math.prod(s) for s in shapes] or [0]
+    if run.optimizer in ("adamw", "sgd"):
+        impl = run.optimizer_impl
+        if impl in ("auto", "fused"):
+            return 0
+        if impl == "foreach":
+            if run.optimizer == "sgd":
+                return 0
+            matrices = sum(math.prod(s) for s in shapes if len(s) >= 2)
+            return param_bytes * max(matrices, sum(sizes) - matrices)
+        return param_bytes * max(sizes) if run.optimizer == "adamw" else 0
+    if run.optimizer == "adafactor":
+        return 2 * 4 * max(sizes)  # the update and the variance estimate of one tensor
+    return 4 * max(sizes)  # 8-bit AdamW dequantizes one block-quantized tensor's update at a time
