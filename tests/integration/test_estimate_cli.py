@@ -54,3 +54,22 @@ def test_presets_and_bad_names(capsys):
     assert main(["estimate", "--model", "tiny", "--gpu", "rtx-9999"]) == 2
     assert "unknown GPU" in capsys.readouterr().err
     assert main(["estimate", "--model", "no-such-model"]) == 2
+
+
+def test_plans_best_configuration_trains_under_the_budget_without_oom(llama_dir, text_file, tmp_path):
+    """The planner's choice, run with the budget as an emulated memory cap, never runs out of memory."""
+    from memfit.config import load_config
+    from memfit.memory.planner import plan, plan_to_overrides
+    from memfit.train.loop import train
+    from memfit.train.metrics import read_metrics
+
+    budget = 8 * 1000**2  # between what micro-batch 2 and micro-batch 8 need at seq-len 128
+    config = load_config(overrides=dict(model=str(llama_dir), dataset=str(text_file), seq_len=128, batch_size=8,
+                                        max_steps=2, output_dir=str(tmp_path)))
+    result = plan(config, budget_bytes=budget, allow="full")
+    assert result.fits
+    planned = config.replace(**plan_to_overrides(result), memory_cap=budget)
+    assert planned.effective_batch_for() == 8  # the plan keeps the effective batch
+    trained = train(planned)
+    assert trained.steps == 2
+    assert not [r for r in read_metrics(tmp_path / "metrics.jsonl") if r.get("event") == "oom"]
