@@ -90,6 +90,7 @@ def load_model_and_tokenizer(
     else:
         if _looks_like_path(name) and not Path(name).expanduser().exists():
             raise UsageError(f"model path {name} does not exist; give a directory saved with save_pretrained, a Hugging Face id, or 'tiny'")
+        name = _hub_id(name)
         model = _from_pretrained(name, config, dtype, attention, quantization_config)
         source = f"directory {name}" if Path(name).exists() else f"Hugging Face {name}"
         quantization_config = None  # from_pretrained quantized it while loading
@@ -105,6 +106,16 @@ def load_model_and_tokenizer(
     tokenizer = load_tokenizer(tokenizer_name, config.model.trust_remote_code)
     max_positions = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
     return LoadedModel(model, tokenizer, source, max_positions)
+
+
+def _hub_id(name: str) -> str:
+    """A preset's short name ('llama-3.1-8b', as `memfit plan` prints it) means its Hugging Face id."""
+    if Path(name).exists():
+        return name
+    from memfit.models.presets import find_preset
+
+    preset = find_preset(name)
+    return preset.hf_id if preset is not None else name
 
 
 def _quantized_copy(model, name: str, config: TrainConfig, dtype, attention: AttentionChoice, quantization_config):
