@@ -9,7 +9,6 @@ import pytest
 import torch
 
 
-
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:

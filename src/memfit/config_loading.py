@@ -126,14 +126,7 @@ def convert_value(name: str, raw: Any, flag_style: bool = True) -> Any:
     if f.metadata.get("size"):
         return parse_size(raw, label)
     if kind is bool:
-        if isinstance(raw, bool):
-            return raw
-        text = str(raw).lower()
-        if text in _TRUE:
-            return True
-        if text in _FALSE:
-            return False
-        raise UsageError(f"{label} takes true or false, got {raw!r}")
+        return convert_bool(raw, label)
     if kind is int:
         if isinstance(raw, bool) or (isinstance(raw, float) and not raw.is_integer()):
             raise UsageError(f"{label} takes a whole number, got {raw!r}")

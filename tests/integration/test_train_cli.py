@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from memfit_cli import run_memfit
 from memfit.train.metrics import read_metrics
+from memfit_cli import run_memfit
 
 STEP_FIELDS = {
     "step", "loss", "lr", "grad_norm", "tokens", "tokens_per_second", "micro_batch_size",

@@ -25,23 +25,7 @@ import torch
 
 from memfit.distributed.context import DistContext
 from memfit.errors import UsageError
-from memfit.train.checkpoint import CHECKPOINT_DIR, TrainerState, list_checkpoints
-
-
-def _fsync_tree(path: Path) -> None:
-    for file in sorted(path.rglob("*")):
-        if file.is_file():
-            with open(file, "rb") as handle:
-                os.fsync(handle.fileno())
-    for directory in [path, *[p for p in path.rglob("*") if p.is_dir()]]:
-        try:
-            descriptor = os.open(directory, os.O_RDONLY)
-        except OSError:
-            continue
-        try:
-            os.fsync(descriptor)
-        finally:
-            os.close(descriptor)
+from memfit.train.checkpoint import CHECKPOINT_DIR, TrainerState, fsync_tree, list_checkpoints
 
 
 def save_sharded(
@@ -79,7 +63,7 @@ def save_sharded(
             "config": config_dict,
         }
         (temporary / "trainer_state.json").write_text(json.dumps(meta, indent=2))
-        _fsync_tree(temporary)
+        fsync_tree(temporary)
         if final.exists():
             shutil.rmtree(final)
         os.replace(temporary, final)

@@ -32,7 +32,7 @@ from memfit.config import TrainConfig
 from memfit.distributed.context import DistContext
 from memfit.distributed.memory import gradient_bytes, optimizer_state_bytes, parameter_bytes
 from memfit.errors import UsageError
-from memfit.train.checkpoint import TrainerState, load_checkpoint, save_checkpoint, save_final_model
+from memfit.train.checkpoint import TrainerState, load_checkpoint, save_final_model, save_session_checkpoint
 from memfit.train.step import StepResult, StepRunner
 
 log = logging.getLogger("memfit")
@@ -125,15 +125,7 @@ class Parallel:
     def save_checkpoint(self, session, state: TrainerState) -> Path | None:
         path = None
         if self.dist.is_main:  # every rank holds the same weights: rank 0 writes them
-            path = save_checkpoint(
-                session.output_dir,
-                state,
-                session.model,
-                session.optimizer.optimizer,
-                session.scheduler,
-                session.scaler,
-                session.config.to_dict(),
-            )
+            path = save_session_checkpoint(session, state)
         self.dist.barrier()
         return path
 

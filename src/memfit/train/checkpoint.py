@@ -69,6 +69,16 @@ def _fsync_dir(path: Path) -> None:
         os.close(descriptor)
 
 
+def fsync_tree(path: Path) -> None:
+    """Flush every file and directory under `path` to disk (before an atomic rename)."""
+    for file in sorted(path.rglob("*")):
+        if file.is_file():
+            with open(file, "rb") as handle:
+                os.fsync(handle.fileno())
+    for directory in [path, *[p for p in path.rglob("*") if p.is_dir()]]:
+        _fsync_dir(directory)
+
+
 def save_checkpoint(
     output_dir: str | Path,
     state: TrainerState,
@@ -102,10 +112,7 @@ def save_checkpoint(
         "config": config_dict,
     }
     (temporary / "trainer_state.json").write_text(json.dumps(meta, indent=2))
-    for file in temporary.iterdir():
-        with open(file, "rb") as handle:
-            os.fsync(handle.fileno())
-    _fsync_dir(temporary)
+    fsync_tree(temporary)
     if final.exists():
         shutil.rmtree(final)
     os.replace(temporary, final)
@@ -113,6 +120,19 @@ def save_checkpoint(
     for old in list_checkpoints(output_dir)[:-keep_last] if keep_last > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def save_session_checkpoint(session: Any, state: TrainerState) -> Path:
+    """save_checkpoint with everything taken from a TrainingSession."""
+    return save_checkpoint(
+        session.output_dir,
+        state,
+        session.model,
+        session.optimizer.optimizer,
+        session.scheduler,
+        session.scaler,
+        session.config.to_dict(),
+    )
 
 
 def list_checkpoints(output_dir: str | Path) -> list[Path]:

@@ -26,8 +26,8 @@ from memfit.train.checkpoint import (
     TrainerState,
     load_checkpoint,
     resolve_resume,
-    save_checkpoint,
     save_final_model,
+    save_session_checkpoint,
 )
 from memfit.train.metrics import JsonlLogger, MultiLogger, NullLogger, TensorBoardLogger
 from memfit.train.progress import Progress
@@ -254,15 +254,7 @@ def _save(session: TrainingSession, state: TrainerState) -> None:
     if session.parallel is not None:
         session.parallel.save_checkpoint(session, state)
     elif session.dist.is_main:
-        save_checkpoint(
-            session.output_dir,
-            state,
-            session.model,
-            session.optimizer.optimizer,
-            session.scheduler,
-            session.scaler,
-            session.config.to_dict(),
-        )
+        save_session_checkpoint(session, state)
 
 
 def _turn_on_checkpointing(model: torch.nn.Module) -> str:

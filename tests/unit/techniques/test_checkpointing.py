@@ -98,7 +98,7 @@ def test_loss_and_gradients_unchanged(mode, input_ids):
     checkpointed_loss = model(input_ids=input_ids, labels=input_ids).loss
     checkpointed_loss.backward()
     assert checkpointed_loss.item() == pytest.approx(loss.item(), abs=1e-6)
-    for (name, p), q in zip(reference.named_parameters(), model.parameters()):
+    for (name, p), q in zip(reference.named_parameters(), model.parameters(), strict=True):
         torch.testing.assert_close(q.grad, p.grad, atol=1e-6, rtol=1e-5, msg=name)
 
 
@@ -151,5 +151,5 @@ def test_plain_module_list_is_wrapped():
     model.zero_grad()
     assert apply_gradient_checkpointing(model, "full") == "full on 3 of 3 blocks"
     model(x).backward()
-    for p, g in zip(model.parameters(), reference):
+    for p, g in zip(model.parameters(), reference, strict=True):
         torch.testing.assert_close(p.grad, g)

@@ -90,7 +90,7 @@ def test_adamw_kernels_give_the_same_update():
         choice.optimizer.step()
         results[impl] = [p.detach().clone() for p in model.parameters()]
     for impl in ("foreach", "for-loop"):
-        for a, b in zip(results["fused"], results[impl]):
+        for a, b in zip(results["fused"], results[impl], strict=True):
             torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
 
 

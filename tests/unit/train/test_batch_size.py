@@ -5,19 +5,16 @@ from __future__ import annotations
 import json
 import math
 
-from memfit_cli import run_memfit
 from memfit.config import load_config
 from memfit.train.batch_size import Probe, find_batch_size, search_batch_size
 from memfit.train.loop import train
 from memfit.train.metrics import read_metrics
+from memfit_cli import run_memfit
 
 
 def test_search_takes_logarithmic_probes():
     for limit in (1, 2, 3, 37, 64, 1000):
-        calls = []
-
         def probe(size, limit=limit):
-            calls.append(size)
             return Probe(size, size <= limit, size)
 
         best, probes = search_batch_size(probe, upper=4096)

@@ -8,11 +8,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from memfit_cli import run_memfit
 from memfit.config import load_config
 from memfit.train.checkpoint import list_checkpoints
 from memfit.train.loop import train
 from memfit.train.metrics import read_metrics
+from memfit_cli import run_memfit
 
 
 def _config(llama_dir, text_file, out, **extra):
