@@ -59,3 +59,20 @@ def test_corrupt_checkpoint_is_a_clear_error(llama_dir, text_file, tmp_path):
     (latest / "model.safetensors").write_bytes(b"not a safetensors file")
     with pytest.raises(UsageError, match="damaged"):
         train(_config(llama_dir, text_file, tmp_path, max_steps=3, resume="auto"))
+
+
+def test_lora_run_resumes_from_its_adapter_checkpoint(llama_dir, text_file, tmp_path):
+    pytest.importorskip("peft")
+    lora = dict(lora_r=4, max_steps=4)
+    straight = train(_config(llama_dir, text_file, tmp_path / "straight", **lora))
+    train(_config(llama_dir, text_file, tmp_path / "resumed", save_every=2, **lora))
+    for checkpoint in list_checkpoints(tmp_path / "resumed"):
+        if checkpoint.name != "step-2":
+            import shutil
+
+            shutil.rmtree(checkpoint)
+    saved = load_file(str(list_checkpoints(tmp_path / "resumed")[-1] / "model.safetensors"))
+    assert saved and all("lora_" in name for name in saved)  # only the adapter is checkpointed
+    resumed = train(_config(llama_dir, text_file, tmp_path / "resumed", resume="auto", **lora))
+    assert resumed.losses == pytest.approx(straight.losses[2:], abs=1e-6)
+    assert (resumed.final_dir / "adapter_model.safetensors").is_file()
