@@ -157,6 +157,16 @@ class _Peak:
             self.breakdown[target] += record.nbytes
 
 
+def _optimizers_within(optimizer: torch.optim.Optimizer | None) -> list[torch.optim.Optimizer]:
+    """The optimizer and those it delegates to (one per parameter under optimizer-in-backward)."""
+    if optimizer is None:
+        return []
+    inner = getattr(optimizer, "optimizers", None)
+    if isinstance(inner, dict):
+        inner = list(inner.values())
+    return [optimizer, *(inner or [])]
+
+
 class MemoryTracker:
     """Counts live tensor bytes on one device by category, per phase and per module.
 
@@ -566,8 +576,8 @@ class MemoryTracker:
             for parameter in self._model.parameters():
                 if parameter.grad is not None:
                     self._claim(parameter.grad, GRADIENTS, roles)
-        if self._optimizer is not None:
-            for state in list(self._optimizer.state.values()):
+        for optimizer in _optimizers_within(self._optimizer):
+            for state in list(optimizer.state.values()):
                 for leaf in tree_leaves(state):
                     if isinstance(leaf, torch.Tensor):
                         self._claim(leaf, OPTIMIZER_STATES, roles)
