@@ -123,6 +123,7 @@ class _Prober:
                 raise
             fits = False
         finally:
+            runner.close()
             self.session.optimizer.optimizer.zero_grad(set_to_none=True)
             del runner, samples
             gc.collect()

@@ -98,8 +98,13 @@ class StepRunner:
         self._touched: set[int] = set()
         self._recording = False
         self._low_memory_kernels = False  # set after an OOM in the optimizer step
-        for parameter in self.trainable:
-            parameter.register_post_accumulate_grad_hook(self._note_accumulated)
+        self._hooks = [parameter.register_post_accumulate_grad_hook(self._note_accumulated) for parameter in self.trainable]
+
+    def close(self) -> None:
+        """Remove the gradient hooks (when a runner is made for one probe, not a whole run)."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
 
     # -- bookkeeping -------------------------------------------------------
 
