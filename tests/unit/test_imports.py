@@ -1,0 +1,41 @@
+"""Every module imports with only the core dependencies: the optional ones are imported where used."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+OPTIONAL = ("peft", "bitsandbytes", "torchao", "deepspeed", "matplotlib", "pyarrow", "datasets", "tensorboard", "flash_attn")
+
+SCRIPT = f"""
+import importlib, pkgutil, sys
+for name in {OPTIONAL!r}:
+    sys.modules[name] = None  # importing it now raises ImportError, as if it were not installed
+import memfit
+failed = []
+for module in pkgutil.walk_packages(memfit.__path__, "memfit."):
+    if module.name == "memfit.__main__":
+        continue
+    try:
+        importlib.import_module(module.name)
+    except Exception as error:
+        failed.append(f"{{module.name}}: {{error!r}}")
+print("\\n".join(failed))
+sys.exit(1 if failed else 0)
+"""
+
+
+def test_every_module_imports_without_optional_dependencies():
+    result = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr[-2000:]
+
+
+def test_missing_optional_dependency_is_one_clear_line(tmp_path):
+    """LoRA without peft: exit 2 and what to install, not a traceback."""
+    script = (
+        "import sys; sys.modules['peft'] = None; from memfit.cli.main import main; "
+        f"sys.exit(main(['train', '--lora-r', '4', '--max-steps', '1', '--seq-len', '32', '--output-dir', {str(tmp_path)!r}]))"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr and "pip install" in result.stderr
