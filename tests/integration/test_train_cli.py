@@ -112,3 +112,12 @@ def test_metrics_record_what_really_ran_when_8bit_is_missing(llama_dir, text_fil
     assert "more optimizer memory" in result.summary["fallbacks"]["optimizer"]
     assert torch.isfinite(torch.tensor(result.final_loss))
     assert json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])["fallbacks"]["optimizer"]
+
+
+def test_flash_attention_falls_back_visibly_on_cpu(llama_dir, text_file, tmp_path):
+    result = run_memfit("train", "--model", llama_dir, "--dataset", text_file, "--seq-len", "32", "--max-steps", "1",
+                        "--attention", "flash", "--output-dir", tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "SDPA ran instead" in result.stderr
+    start = read_metrics(tmp_path / "metrics.jsonl")[0]
+    assert start["attention"] == "sdpa" and "flash-attn" in start["fallbacks"]["attention"]

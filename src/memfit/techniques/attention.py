@@ -12,8 +12,6 @@ from dataclasses import dataclass
 
 import torch
 
-from memfit.errors import UsageError
-
 # memfit name -> transformers' attn_implementation
 HF_NAMES = {"flash": "flash_attention_2", "sdpa": "sdpa", "eager": "eager"}
 
@@ -30,6 +28,11 @@ class AttentionChoice:
     @property
     def hf_name(self) -> str:
         return HF_NAMES[self.implementation]
+
+    @property
+    def fell_back(self) -> bool:
+        """Something other than what was explicitly requested runs."""
+        return self.requested not in ("auto", self.implementation)
 
 
 def flash_attn_usable(device: torch.device, compute_dtype: torch.dtype | None) -> tuple[bool, str]:
@@ -52,7 +55,8 @@ def choose_attention(requested: str, device: torch.device, compute_dtype: torch.
             return AttentionChoice(requested, "flash", "auto: flash-attn available")
         return AttentionChoice(requested, "sdpa", f"auto: PyTorch SDPA ({why_not})")
     if requested == "flash" and not flash_ok:
-        raise UsageError(f"--attention flash is not possible here: {why_not}; use --attention sdpa")
+        # Visible fallback: SDPA also avoids the [batch, heads, seq, seq] probabilities.
+        return AttentionChoice(requested, "sdpa", f"flash requested, PyTorch SDPA ran instead: {why_not}")
     return AttentionChoice(requested, requested, f"requested {requested}")
 
 

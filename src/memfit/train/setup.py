@@ -84,6 +84,8 @@ def build_session(config: TrainConfig) -> TrainingSession:
     notes: dict[str, str] = {}
     precision = resolve_precision(config.memory.precision, device)
     attention = choose_attention(config.model.attention, device, precision.autocast_dtype)
+    if attention.fell_back:
+        notes["attention"] = attention.reason
     if config.lora.lora_r > 0 or config.lora.quantize != "none":
         from memfit.techniques.lora import quantization_config
 
