@@ -73,3 +73,13 @@ def test_plans_best_configuration_trains_under_the_budget_without_oom(llama_dir,
     trained = train(planned)
     assert trained.steps == 2
     assert not [r for r in read_metrics(tmp_path / "metrics.jsonl") if r.get("event") == "oom"]
+
+
+def test_train_with_a_budget_plans_first_and_prints_the_plan(llama_dir, text_file, tmp_path):
+    from memfit_cli import run_memfit
+
+    result = run_memfit("train", "--model", llama_dir, "--dataset", text_file, "--seq-len", "128", "--batch-size", "8",
+                        "--max-steps", "1", "--memory-budget", "8MB", "--output-dir", tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "planned for" in result.stderr
+    assert (tmp_path / "final").is_dir()
