@@ -171,6 +171,25 @@ def machine_description(device_type: str = "cpu") -> str:
     return "; ".join(parts)
 
 
+def resolve_device(choice: str) -> str:
+    """--device auto means CUDA when present."""
+    if choice != "auto":
+        return choice
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def default_label(device: str) -> str:
+    """One subsection per kind of machine: 'CPU, 2 cores' or 'CUDA, NVIDIA H100 80GB HBM3'."""
+    if device == "cuda":
+        import torch
+
+        return f"CUDA, {torch.cuda.get_device_name(0)}"
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return f"CPU, {cores} cores"
+
+
 def today() -> str:
     return datetime.date.today().isoformat()
 

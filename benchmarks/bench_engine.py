@@ -34,10 +34,12 @@ from _common import (
     MODEL_SHAPES,
     PeakWatch,
     current_rss_bytes,
+    default_label,
     emit_result,
     machine_description,
     markdown_table,
     median,
+    resolve_device,
     run_worker,
     save_model,
     synchronize,
@@ -292,24 +294,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.warmup >= args.steps:
         parser.error(f"--warmup ({args.warmup}) must be smaller than --steps ({args.steps})")
     return args
-
-
-def resolve_device(choice: str) -> str:
-    if choice != "auto":
-        return choice
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def default_label(device: str) -> str:
-    """One subsection per kind of machine: 'CPU, 2 cores' or 'CUDA, NVIDIA H100 80GB HBM3'."""
-    if device == "cuda":
-        import torch
-
-        return f"CUDA, {torch.cuda.get_device_name(0)}"
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return f"CPU, {cores} cores"
 
 
 def run_all(args: argparse.Namespace, device: str, workdir: Path) -> tuple[dict[str, list[dict]], int]:

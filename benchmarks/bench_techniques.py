@@ -39,7 +39,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _common import MODEL_SHAPES, machine_description, markdown_table, save_model, today, write_section
+from _common import (
+    MODEL_SHAPES,
+    default_label,
+    machine_description,
+    markdown_table,
+    resolve_device,
+    save_model,
+    today,
+    write_section,
+)
 
 SECTION = "Techniques, one by one and stacked"
 MIB = 1024**2
@@ -237,22 +246,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if unknown:
         parser.error(f"unknown rows {', '.join(sorted(unknown))}; known: {', '.join(ROW_NAMES)}")
     return args
-
-
-def resolve_device(choice: str) -> str:
-    if choice != "auto":
-        return choice
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def default_label(device: str) -> str:
-    if device == "cuda":
-        import torch
-
-        return f"CUDA, {torch.cuda.get_device_name(0)}"
-    return f"CPU, {len(os.sched_getaffinity(0))} cores"
 
 
 def ratio(value: float | None, reference: float | None) -> str:
