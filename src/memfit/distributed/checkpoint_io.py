@@ -25,7 +25,7 @@ import torch
 
 from memfit.distributed.context import DistContext
 from memfit.errors import UsageError
-from memfit.train.checkpoint import CHECKPOINT_DIR, TrainerState, fsync_tree, list_checkpoints
+from memfit.train.checkpoint import CHECKPOINT_DIR, TrainerState, publish_checkpoint
 
 
 def save_sharded(
@@ -54,21 +54,7 @@ def save_sharded(
     dist.barrier()  # every rank's part is on disk before the checkpoint is declared complete
     if dist.is_main:
         torch.save(scheduler.state_dict() if scheduler is not None else {}, temporary / "scheduler.pt")
-        meta = {
-            "step": state.step,
-            "tokens_seen": state.tokens_seen,
-            "micro_batch_size": state.micro_batch_size,
-            "extra": state.extra,
-            "world_size": dist.world_size,
-            "config": config_dict,
-        }
-        (temporary / "trainer_state.json").write_text(json.dumps(meta, indent=2))
-        fsync_tree(temporary)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(temporary, final)
-        for old in list_checkpoints(output_dir)[:-keep_last] if keep_last > 0 else []:
-            shutil.rmtree(old, ignore_errors=True)
+        publish_checkpoint(temporary, final, output_dir, state, config_dict, keep_last, world_size=dist.world_size)
     dist.barrier()
     return final
 

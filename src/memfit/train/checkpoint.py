@@ -104,22 +104,30 @@ def save_checkpoint(
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state_all()
     torch.save(rng, temporary / "rng.pt")
-    meta = {
+    publish_checkpoint(temporary, final, output_dir, state, config_dict, keep_last)
+    return final
+
+
+def publish_checkpoint(
+    temporary: Path, final: Path, output_dir: str | Path, state: TrainerState, config_dict: dict, keep_last: int, **meta: Any
+) -> None:
+    """Write trainer_state.json (the mark of a complete checkpoint), flush, rename into place, prune old ones."""
+    record = {
         "step": state.step,
         "tokens_seen": state.tokens_seen,
         "micro_batch_size": state.micro_batch_size,
         "extra": state.extra,
+        **meta,
         "config": config_dict,
     }
-    (temporary / "trainer_state.json").write_text(json.dumps(meta, indent=2))
+    (temporary / "trainer_state.json").write_text(json.dumps(record, indent=2))
     fsync_tree(temporary)
     if final.exists():
         shutil.rmtree(final)
     os.replace(temporary, final)
-    _fsync_dir(root)
+    _fsync_dir(final.parent)
     for old in list_checkpoints(output_dir)[:-keep_last] if keep_last > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
-    return final
 
 
 def save_session_checkpoint(session: Any, state: TrainerState) -> Path:
