@@ -15,7 +15,6 @@ shared mount across machines).
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -85,16 +84,3 @@ def load_sharded(path: Path, dist: DistContext, read_shards: Callable[[Path], No
     if "cuda" in rng and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(rng["cuda"])
     return TrainerState(meta["step"], meta.get("tokens_seen", 0), meta.get("micro_batch_size"), meta.get("extra", {}))
-
-
-def save_pretrained_atomic(model: torch.nn.Module, tokenizer: Any, directory: Path, state_dict: dict | None) -> Path:
-    """`save_pretrained` of a gathered state dict into `directory`, via a temporary sibling."""
-    temporary = directory.with_name(f".tmp-{directory.name}-{os.getpid()}")
-    shutil.rmtree(temporary, ignore_errors=True)
-    model.save_pretrained(temporary, state_dict=state_dict, safe_serialization=True)
-    if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
-        tokenizer.save_pretrained(temporary)
-    if directory.exists():
-        shutil.rmtree(directory)
-    os.replace(temporary, directory)
-    return directory

@@ -28,11 +28,11 @@ from pathlib import Path
 import torch
 
 from memfit.config import TrainConfig
-from memfit.distributed.checkpoint_io import load_sharded, save_pretrained_atomic, save_sharded
+from memfit.distributed.checkpoint_io import load_sharded, save_sharded
 from memfit.distributed.context import DistContext
 from memfit.distributed.parallel import Parallel, ParallelStepRunner
 from memfit.techniques.checkpointing import transformer_blocks
-from memfit.train.checkpoint import TrainerState
+from memfit.train.checkpoint import TrainerState, save_final_model
 
 log = logging.getLogger("memfit")
 
@@ -148,6 +148,6 @@ class FullyShardedParallel(Parallel):
         full = get_model_state_dict(session.model, options=options)  # a collective: every rank calls it
         final = None
         if self.dist.is_main:
-            final = save_pretrained_atomic(session.model, session.loaded.tokenizer, session.output_dir / "final", full)
+            final = save_final_model(session.model, session.loaded.tokenizer, session.output_dir / "final", full)
         self.dist.barrier()
         return final

@@ -36,13 +36,13 @@ from typing import Any
 import torch
 
 from memfit.config import TrainConfig
-from memfit.distributed.checkpoint_io import load_sharded, save_pretrained_atomic, save_sharded
+from memfit.distributed.checkpoint_io import load_sharded, save_sharded
 from memfit.distributed.context import DistContext
 from memfit.distributed.memory import _unique_bytes, optimizer_state_bytes, parameter_bytes
 from memfit.distributed.parallel import Parallel, ParallelStepRunner
 from memfit.errors import UsageError
 from memfit.techniques.loss import causal_lm_loss_sum
-from memfit.train.checkpoint import TrainerState
+from memfit.train.checkpoint import TrainerState, save_final_model
 
 log = logging.getLogger("memfit")
 
@@ -293,7 +293,7 @@ class DeepSpeedParallel(Parallel):
             )
         final = None
         if self.dist.is_main:
-            final = save_pretrained_atomic(model, session.loaded.tokenizer, session.output_dir / "final", full)
+            final = save_final_model(model, session.loaded.tokenizer, session.output_dir / "final", full)
         self.dist.barrier()
         return final
 

@@ -203,12 +203,17 @@ def load_checkpoint(
     return TrainerState(meta["step"], meta.get("tokens_seen", 0), meta.get("micro_batch_size"), meta.get("extra", {}))
 
 
-def save_final_model(model: torch.nn.Module, tokenizer: Any, directory: str | Path) -> Path:
-    """Write the trained model (or the LoRA adapter) loadable with from_pretrained, atomically."""
+def save_final_model(
+    model: torch.nn.Module, tokenizer: Any, directory: str | Path, state_dict: dict | None = None
+) -> Path:
+    """Write the trained model (or the LoRA adapter) loadable with from_pretrained, atomically.
+
+    `state_dict` replaces the model's own (a sharded model's gathered full weights).
+    """
     directory = Path(directory)
     temporary = directory.with_name(f".tmp-{directory.name}-{os.getpid()}")
     shutil.rmtree(temporary, ignore_errors=True)
-    model.save_pretrained(temporary, safe_serialization=True)
+    model.save_pretrained(temporary, state_dict=state_dict, safe_serialization=True)
     if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
         tokenizer.save_pretrained(temporary)
     if directory.exists():
