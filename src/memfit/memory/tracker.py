@@ -62,53 +62,12 @@ from memfit.memory.categories import (
     Timeline,
     empty_breakdown,
 )
+from memfit.memory.storage_records import PeakRecord, SavedTensor, StorageRecord, optimizers_within
 
 __all__ = ["CATEGORIES", "MemoryTracker", "PeakSnapshot", "PhaseMemory", "StepMemory", "TensorInfo"]
 
 NO_MODULE = "(outside modules)"
 EXISTING_OP = "(existing)"
-
-
-class _Storage:
-    """What the tracker knows about one live storage."""
-
-    __slots__ = ("key", "born", "ref", "nbytes", "role", "saved", "shape", "dtype", "op", "module", "phase")
-
-    def __init__(
-        self, key: int, born: int, nbytes: int, tensor: torch.Tensor, op: str, module: str, phase: str
-    ) -> None:
-        self.key = key
-        self.born = born  # order of first sight, to tell whether it was alive at a past peak
-        self.ref: weakref.ref | None = None
-        self.nbytes = nbytes
-        self.role = OTHER  # parameters / gradients / optimizer_states, or other
-        self.saved = 0  # how many saved-for-backward references are alive
-        self.shape = tuple(tensor.shape)
-        self.dtype = str(tensor.dtype).removeprefix("torch.")
-        self.op = op
-        self.module = module
-        self.phase = phase
-
-    @property
-    def category(self) -> str:
-        if self.role != OTHER:
-            return self.role
-        return ACTIVATIONS if self.saved > 0 else OTHER
-
-
-class _SavedTensor:
-    """What autograd keeps instead of a saved tensor; its death releases the saving."""
-
-    __slots__ = ("tensor", "record", "events")
-
-    def __init__(self, tensor: torch.Tensor, record: _Storage, events: collections.deque) -> None:
-        self.tensor = tensor
-        self.record = record
-        self.events = events
-
-    def __del__(self) -> None:
-        # Only queue: this can run in the middle of the tracker's own bookkeeping.
-        self.events.append(("unsave", self.record, None))
 
 
 class _AccountingMode(TorchDispatchMode):
@@ -132,39 +91,6 @@ class _AccountingMode(TorchDispatchMode):
                 # frame a cycle, keeping every tensor of the failed attempt until gc runs.
                 error = None
         return out
-
-
-class _Peak:
-    """A peak of live bytes: its size, its breakdown, and how many storages were born by then."""
-
-    __slots__ = ("peak", "breakdown", "born")
-
-    def __init__(self, peak: int, breakdown: dict[str, int], born: int) -> None:
-        self.peak = peak
-        self.breakdown = breakdown
-        self.born = born
-
-    def raise_to(self, current: int, by_category: dict[str, int], born: int) -> bool:
-        if current <= self.peak:
-            return False
-        self.peak, self.breakdown, self.born = current, dict(by_category), born
-        return True
-
-    def reclassify(self, record: _Storage, source: str, target: str) -> None:
-        # A storage alive now and born before the peak was alive at the peak.
-        if record.born < self.born and self.breakdown.get(source, 0) >= record.nbytes:
-            self.breakdown[source] -= record.nbytes
-            self.breakdown[target] += record.nbytes
-
-
-def _optimizers_within(optimizer: torch.optim.Optimizer | None) -> list[torch.optim.Optimizer]:
-    """The optimizer and those it delegates to (one per parameter under optimizer-in-backward)."""
-    if optimizer is None:
-        return []
-    inner = getattr(optimizer, "optimizers", None)
-    if isinstance(inner, dict):
-        inner = list(inner.values())
-    return [optimizer, *(inner or [])]
 
 
 class MemoryTracker:
@@ -191,29 +117,29 @@ class MemoryTracker:
         self.cap_bytes = cap_bytes
         self.top_tensors = top_tensors
         self.max_timeline_samples = max_timeline_samples
-        self._records: dict[int, _Storage] = {}
+        self._records: dict[int, StorageRecord] = {}
         # Frees and released saves, queued by callbacks and applied at safe points.
         self._events: collections.deque = collections.deque()
         self._by_category = empty_breakdown()
         self._current = 0
         # Run peak, and the snapshot taken at the first decrease after a new peak.
         self._births = 0
-        self._run_peak = _Peak(0, empty_breakdown(), 0)
+        self._run_peak = PeakRecord(0, empty_breakdown(), 0)
         self._peak_phase = NO_PHASE
         self._peak_step = 0
         self._peak_dirty = False
         self._snapshot: PeakSnapshot | None = None
-        self._snapshot_peak = _Peak(0, empty_breakdown(), 0)
-        self._snapshot_records: list[tuple[_Storage, str]] = []
+        self._snapshot_peak = PeakRecord(0, empty_breakdown(), 0)
+        self._snapshot_records: list[tuple[StorageRecord, str]] = []
         self._activation_max = 0
         self._activation_dirty = False
         self._module_activations: dict[str, int] = {}
         self._module_inputs: dict[str, int] = {}
         # Current step.
         self._step = 0
-        self._step_peak = _Peak(0, empty_breakdown(), 0)
+        self._step_peak = PeakRecord(0, empty_breakdown(), 0)
         self._phase_stack: list[str] = []
-        self._phase_stats: dict[str, _Peak] = {}
+        self._phase_stats: dict[str, PeakRecord] = {}
         self._timeline = Timeline(max_timeline_samples)
         self._late_roles: list[tuple[int, int, int, str, str]] = []  # for the timeline, at the next _classify
         self._peak_timeline: Timeline | None = None
@@ -287,7 +213,7 @@ class MemoryTracker:
         self._phase_stack.append(name)
         stats = self._phase_stats.get(name)
         if stats is None:
-            self._phase_stats[name] = _Peak(self._current, dict(self._by_category), self._births)
+            self._phase_stats[name] = PeakRecord(self._current, dict(self._by_category), self._births)
         else:  # entered again (next micro-batch), maybe higher than before
             stats.raise_to(self._current, self._by_category, self._births)
         try:
@@ -314,7 +240,7 @@ class MemoryTracker:
         self._timeline = Timeline(self.max_timeline_samples)
         self._phase_stats = {}
         self._step += 1
-        self._step_peak = _Peak(self._current, dict(self._by_category), self._births)
+        self._step_peak = PeakRecord(self._current, dict(self._by_category), self._births)
         self._sample()
         return result
 
@@ -395,7 +321,7 @@ class MemoryTracker:
             return None
         return storage
 
-    def _track(self, storage: torch.UntypedStorage, tensor: torch.Tensor, op: str) -> _Storage:
+    def _track(self, storage: torch.UntypedStorage, tensor: torch.Tensor, op: str) -> StorageRecord:
         """The record of `storage`, counting it first if it is new (or was resized)."""
         key = storage._cdata
         record = self._records.get(key)
@@ -407,7 +333,7 @@ class MemoryTracker:
             return record
         module = self._module_stack[-1] if self._module_stack else NO_MODULE
         phase = self._phase_stack[-1] if self._phase_stack else NO_PHASE
-        record = _Storage(key, self._births, nbytes, tensor, op, module, phase)
+        record = StorageRecord(key, self._births, nbytes, tensor, op, module, phase)
         self._births += 1
         events = self._events
         record.ref = weakref.ref(storage, lambda ref, key=key: events.append(("free", key, ref)))
@@ -510,7 +436,7 @@ class MemoryTracker:
             self._apply(source, -nbytes)
             self._apply(target, nbytes)
 
-    def _set_role(self, record: _Storage, role: str) -> None:
+    def _set_role(self, record: StorageRecord, role: str) -> None:
         self._settle()
         before = record.category
         record.role = role
@@ -530,7 +456,7 @@ class MemoryTracker:
 
     # ---------------------------------------------------------------- snapshots
 
-    def _describe(self, record: _Storage) -> TensorInfo:
+    def _describe(self, record: StorageRecord) -> TensorInfo:
         return TensorInfo(
             shape=record.shape,
             dtype=record.dtype,
@@ -546,7 +472,7 @@ class MemoryTracker:
         records = list(self._records.values())
         largest = heapq.nlargest(self.top_tensors, records, key=lambda record: record.nbytes)
         peak = self._run_peak
-        self._snapshot_peak = _Peak(peak.peak, dict(peak.breakdown), peak.born)
+        self._snapshot_peak = PeakRecord(peak.peak, dict(peak.breakdown), peak.born)
         self._snapshot_records = [(record, record.category) for record in largest]
         self._snapshot = PeakSnapshot(
             peak_bytes=peak.peak,
@@ -576,7 +502,7 @@ class MemoryTracker:
             for parameter in self._model.parameters():
                 if parameter.grad is not None:
                     self._claim(parameter.grad, GRADIENTS, roles)
-        for optimizer in _optimizers_within(self._optimizer):
+        for optimizer in optimizers_within(self._optimizer):
             for state in list(optimizer.state.values()):
                 for leaf in tree_leaves(state):
                     if isinstance(leaf, torch.Tensor):
@@ -626,11 +552,11 @@ class MemoryTracker:
         self._move(record.nbytes, before, record.category)
         # Keep a detached alias: holding the tensor itself would hold its grad_fn,
         # which holds this object: a cycle through C++ that never gets collected.
-        return _SavedTensor(tensor.detach(), record, self._events)
+        return SavedTensor(tensor.detach(), record, self._events)
 
     @staticmethod
     def _unpack(packed):
-        return packed.tensor if isinstance(packed, _SavedTensor) else packed
+        return packed.tensor if isinstance(packed, SavedTensor) else packed
 
     # The hooks live on the model and reach the tracker through a weak reference:
     # model -> hook -> tracker -> model would be a cycle that keeps a whole model (and
