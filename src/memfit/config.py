@@ -64,7 +64,7 @@ class DataConfig:
     packing: bool = True
     """Pack short documents together into full windows; --no-packing pads them instead."""
     cache_dir: str | None = None
-    """Where tokenized datasets are cached. Default: ~/.cache/memfit/tokens."""
+    """Where tokenized datasets are cached. Default: <output-dir>/cache; share one between runs to tokenize once."""
 
 
 @dataclass

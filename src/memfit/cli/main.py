@@ -53,6 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"memfit {command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `memfit ... | head`: the reader left, nothing is wrong
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - keeps Python from complaining at exit
+        return 0
 
 
 if __name__ == "__main__":
