@@ -98,6 +98,7 @@ class StepRunner:
         self._touched: set[int] = set()
         self._recording = False
         self._low_memory_kernels = False  # set after an OOM in the optimizer step
+        self._last_phase = "forward"  # where a micro-batch was when it failed
         self._hooks = [parameter.register_post_accumulate_grad_hook(self._note_accumulated) for parameter in self.trainable]
 
     def close(self) -> None:
@@ -136,14 +137,12 @@ class StepRunner:
 
         pending = deque(Piece(samples[i : i + self.micro_batch_size]) for i in range(0, len(samples), self.micro_batch_size))
         loss_sum = 0.0
-        pieces_run = 0
         while pending:
             piece = pending.popleft()
             failure = None
             self._touched = set()
             try:
                 loss_sum += self._forward_backward(piece, normalizer)
-                pieces_run += 1
             except Exception as error:  # only out-of-memory is handled; the rest propagates
                 if not is_out_of_memory(error) or not self.oom_recovery:
                     raise
@@ -152,11 +151,6 @@ class StepRunner:
                 continue
             self._recording = False
             self._release_memory()
-            if self.optimizer_steps_in_backward and failure["phase"] == "backward":
-                raise DoesNotFitError(
-                    "out of memory in backward with --optimizer-in-backward, where a partial update cannot be undone;"
-                    " lower --batch-size or drop --optimizer-in-backward"
-                )
             frozen = piece.frozen | frozenset(self._touched)
             if len(piece.samples) > 1:
                 half = (len(piece.samples) + 1) // 2
@@ -181,8 +175,6 @@ class StepRunner:
             skipped=skipped,
             events=events,
         )
-
-    _last_phase = "forward"
 
     def _forward_backward(self, piece: Piece, normalizer: float) -> float:
         frozen = [p for p in self.trainable if id(p) in piece.frozen]
