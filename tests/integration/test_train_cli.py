@@ -121,3 +121,22 @@ def test_flash_attention_falls_back_visibly_on_cpu(llama_dir, text_file, tmp_pat
     assert "SDPA ran instead" in result.stderr
     start = read_metrics(tmp_path / "metrics.jsonl")[0]
     assert start["attention"] == "sdpa" and "flash-attn" in start["fallbacks"]["attention"]
+
+
+def test_embedded_default_trains(tmp_path):
+    """`memfit train` with only a step count: the built-in tiny model on the bundled corpus."""
+    result = run_memfit("train", "--max-steps", "3", "--output-dir", tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "built-in tiny" in result.stderr and "bundled corpus" in result.stderr
+    steps = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "event" not in r]
+    assert steps[-1]["loss"] < steps[0]["loss"]
+
+
+def test_tensorboard_without_the_package_is_refused_before_writing(tmp_path, llama_dir):
+    import importlib.util
+
+    if importlib.util.find_spec("tensorboard") is not None:
+        pytest.skip("tensorboard is installed here")
+    result = run_memfit("train", "--model", llama_dir, "--tensorboard", "--max-steps", "1", "--output-dir", tmp_path / "out")
+    assert result.returncode == 2 and "pip install tensorboard" in result.stderr
+    assert not (tmp_path / "out").exists()

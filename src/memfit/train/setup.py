@@ -7,6 +7,7 @@ directory.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -81,6 +82,8 @@ def build_session(config: TrainConfig) -> TrainingSession:
     device = training_device()
     dist = init_distributed(device)
     config.validate(world_size=dist.world_size)
+    if config.output.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise UsageError("--tensorboard needs the tensorboard package: pip install tensorboard (or drop --tensorboard)")
     notes: dict[str, str] = {}
     precision = resolve_precision(config.memory.precision, device)
     attention = choose_attention(config.model.attention, device, precision.autocast_dtype)
