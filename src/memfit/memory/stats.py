@@ -73,10 +73,21 @@ def memory_stats(device: torch.device) -> dict[str, float | int | None]:
             "peak_allocated_bytes": peak_allocated,
             "peak_reserved_bytes": peak_reserved,
             "peak_reserved_pct": round(100.0 * peak_reserved / capacity, 2),
-            "alloc_retries": stats.get("num_alloc_retries", 0),
-            "num_ooms": stats.get("num_ooms", 0),
+            # The allocator counts these since the process started: report what the last window added.
+            "alloc_retries": _since_last_call(device, "num_alloc_retries", stats.get("num_alloc_retries", 0)),
+            "num_ooms": _since_last_call(device, "num_ooms", stats.get("num_ooms", 0)),
         }
     return {"peak_memory_bytes": process_peak_rss_bytes(), "rss_bytes": process_rss_bytes()}
+
+
+_LAST_COUNTS: dict[tuple[str, str], int] = {}
+
+
+def _since_last_call(device: torch.device, counter: str, total: int) -> int:
+    key = (str(device), counter)
+    previous = _LAST_COUNTS.get(key, 0)
+    _LAST_COUNTS[key] = total
+    return total - previous
 
 
 def configure_cuda_allocator() -> str | None:
