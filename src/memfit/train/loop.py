@@ -135,6 +135,7 @@ def train(
     losses: list[float] = []
     memory_steps: list = []
     skipped_steps = 0
+    oom_events = 0
     run_peak = 0
     tracked_peak = None
     progress = Progress(session.total_steps, state.step, config.output.log_every, enabled=session.dist.is_main)
@@ -152,6 +153,7 @@ def train(
             state.tokens_seen += result.input_tokens * session.dist.world_size
             state.micro_batch_size = runner.micro_batch_size
             skipped_steps += int(result.skipped)
+            oom_events += sum(1 for event in result.events if event.get("event") == "oom")
             for event in result.events:
                 logger.log({"step": state.step, **event})
             loss = session.dist.all_reduce_sum(result.loss) / session.dist.world_size
@@ -210,6 +212,8 @@ def train(
         "wall_seconds": round(wall, 3),
         "peak_memory_bytes": run_peak or None,
         "tracked_peak_bytes": tracked_peak,
+        "tracked_breakdown": dict(max(memory_steps, key=lambda m: m.peak_bytes).breakdown) if memory_steps else None,
+        "oom_events": oom_events,
         "micro_batch_size": runner.micro_batch_size,
         "skipped_steps": skipped_steps,
         **run_facts(session),
