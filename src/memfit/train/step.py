@@ -38,7 +38,7 @@ class Piece:
 
     samples: list[dict]
     frozen: frozenset = frozenset()
-    """Parameters that already hold this piece's gradient (from a failed backward)."""
+    """ids of the parameters that already hold this piece's gradient (from a failed backward)."""
 
 
 @dataclass
