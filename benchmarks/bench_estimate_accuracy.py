@@ -22,7 +22,7 @@ import torch
 
 from memfit.config import load_config
 from memfit.memory.estimator import estimate, resolve_run
-from memfit.memory.traced import StepSetup, measure_step_with_tracker
+from memfit.memory.traced import StepSetup, measure_step_with_allocator, measure_step_with_tracker
 
 
 def architectures() -> dict:
@@ -49,15 +49,17 @@ VARIANTS = {
 }
 
 
-def measured_peak(hf_config, config) -> int:
-    """Peak live tensor bytes of a real steady-state step on the CPU."""
+def measured_peak(hf_config, config, device: str = "cpu") -> int:
+    """Peak of a real steady-state step: live tensor bytes on CPU, the allocator's peak on CUDA."""
     run = resolve_run(config, hf_config, None)
     dtypes = {4: torch.float32, 2: torch.bfloat16}
     setup = StepSetup(
         config.training.batch_size, config.data.seq_len, dtypes[run.weight_bytes],
         torch.bfloat16 if run.autocast else None, run.attention, run.checkpointing, run.checkpoint_every,
-        run.loss_chunk_size, torch.device("cpu"),
+        run.loss_chunk_size, torch.device(device),
     )
+    if device == "cuda":
+        return measure_step_with_allocator(hf_config, config, setup)
     return measure_step_with_tracker(hf_config, config, setup)
 
 
@@ -66,15 +68,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="write the markdown table here as well as to stdout")
     parser.add_argument("--seq-lens", default="128,512")
     parser.add_argument("--batch-size", type=int, default=2)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: measure with torch.cuda.max_memory_allocated instead of the tracker")
+    parser.add_argument("--archs", default=None, help="comma-separated subset of: llama, qwen2, mistral, phi3, gpt2")
     args = parser.parse_args(argv)
     seq_lens = [int(s) for s in args.seq_lens.split(",")]
     rows, errors = [], {"analytical": [], "traced": []}
     started = time.time()
-    for (arch_name, hf_config), (variant, changes), seq_len in itertools.product(
-        architectures().items(), VARIANTS.items(), seq_lens
-    ):
+    chosen = {name: hf for name, hf in architectures().items() if args.archs is None or name in args.archs.split(",")}
+    for (arch_name, hf_config), (variant, changes), seq_len in itertools.product(chosen.items(), VARIANTS.items(), seq_lens):
         config = load_config(overrides={"seq_len": seq_len, "batch_size": args.batch_size, **changes})
-        truth = measured_peak(hf_config, config)
+        truth = measured_peak(hf_config, config, args.device)
         analytical = estimate(config, hf_config=hf_config).peak_bytes
         traced = estimate(config, hf_config=hf_config, method="traced").peak_bytes
         a_err, t_err = analytical / truth - 1, traced / truth - 1
@@ -84,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
                     f"| {traced / 2**20:.1f} | {100 * t_err:+.1f}% |")
         print(rows[-1], file=sys.stderr)
     header = [
-        f"Measured {time.strftime('%Y-%m-%d')} on {platform.processor() or platform.machine()} "
+        f"Measured {time.strftime('%Y-%m-%d')} on "
+        f"{torch.cuda.get_device_name(0) if args.device == 'cuda' else platform.processor() or platform.machine()} "
         f"({torch.get_num_threads()} threads), torch {torch.__version__}, batch {args.batch_size}; "
         f"{time.time() - started:.0f} s.",
         "",

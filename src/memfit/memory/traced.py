@@ -286,6 +286,28 @@ def measure_step_with_tracker(hf_config, train_config, setup: StepSetup, steps: 
     return peak
 
 
+def measure_step_with_allocator(hf_config, train_config, setup: StepSetup, steps: int = 2) -> int:
+    """CUDA only: `torch.cuda.max_memory_allocated` over the last of `steps` real training steps.
+
+    The allocator's view of the same step `measure_step_with_tracker` counts: what the
+    estimate is checked against on a GPU (allocator rounding included, context excluded).
+    """
+    model = build_model(hf_config, setup, train_config)
+    optimizer = make_optimizer(model, train_config, setup)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    vocab = model.get_output_embeddings().weight.shape[0]
+    tokens = setup.batch_size * (setup.seq_len - 1)
+    for _ in range(steps):
+        torch.cuda.synchronize(setup.device)
+        torch.cuda.reset_peak_memory_stats(setup.device)
+        loss = _forward(model, setup, vocab, tokens)
+        loss.backward()
+        del loss
+        _optimizer_step(optimizer, trainable, train_config)
+    torch.cuda.synchronize(setup.device)
+    return torch.cuda.max_memory_allocated(setup.device)
+
+
 def _autocast(setup: StepSetup):
     import contextlib
 
