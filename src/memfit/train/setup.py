@@ -182,11 +182,12 @@ def _build_optimizer(
         made: list[OptimizerChoice] = []
 
         def make(params):
-            choice = build_optimizer([{"params": params, "weight_decay": group["weight_decay"]} for group in groups if any(p is params[0] for p in group["params"])] or [{"params": params}], config.optimizer, device, impl="for-loop")
+            choice = build_optimizer([{"params": params}], config.optimizer, device, impl="for-loop")
             made.append(choice)
             return choice.optimizer
 
-        optimizer = OptimizerInBackward(model, make)
+        # The groups' options (no weight decay on norms and biases) are applied to each per-parameter optimizer.
+        optimizer = OptimizerInBackward(groups, make)
         name = (made[0].name if made else config.optimizer.optimizer) + " in backward"
         return OptimizerChoice(optimizer, name, made[0].reason if made else "")
     choice = build_optimizer(groups, config.optimizer, device)

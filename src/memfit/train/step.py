@@ -241,6 +241,7 @@ class StepRunner:
 
     def _optimizer_step(self, events: list[dict]) -> tuple[float | None, bool]:
         if self.optimizer_steps_in_backward:
+            self.optimizer.step()  # a no-op (the updates ran in backward) that tells the LR schedule a step happened
             return None, False
         first_step = not self.optimizer.state
         for attempt in range(2):
