@@ -28,6 +28,7 @@ LR_SCHEDULES = ("cosine", "linear", "constant")
 CHECKPOINTING_MODES = ("off", "full", "selective", "auto")
 QUANTIZE_MODES = ("none", "4bit", "8bit")
 SHARDING_MODES = ("none", "ddp", "fsdp")
+KERNEL_CHOICES = ("auto", "liger", "none")
 
 
 def _choices(*values: str) -> dict:
@@ -137,6 +138,12 @@ class MemoryConfig:
     """On out-of-memory, split the micro-batch and redo it, keeping the exact update."""
     track_memory: bool = False
     """Track live tensor bytes by category during training and add them to the metrics."""
+    tiled_mlp: int | None = None
+    """Run each block's MLP over N sequence tiles, recomputing one tile at a time in backward (0: off; default: on for long sequences)."""
+    compile: bool = False
+    """Compile each transformer block with torch.compile (regional compilation: short compile, no recompile per length)."""
+    kernels: str = field(default="auto", metadata=_choices(*KERNEL_CHOICES))
+    """Fused kernels: liger (liger-kernel's RMSNorm, SwiGLU, RoPE and fused linear cross-entropy; CUDA), none, or auto (liger where it is installed and supported)."""
 
 
 @dataclass
@@ -168,7 +175,11 @@ class OutputConfig:
     log_every: int = 10
     """Print a progress line every N steps when the output is not a terminal."""
     tensorboard: bool = False
-    """Also write TensorBoard events (needs the tensorboard package)."""
+    """Also write TensorBoard events (needs the tensorboard package); same as --report-to tensorboard."""
+    report_to: str = ""
+    """Experiment trackers that also receive the metrics, comma-separated: tensorboard, wandb (offline), mlflow (local files)."""
+    report: bool = True
+    """Write a self-contained HTML report (report.html) in the output directory at the end of the run."""
 
 
 @dataclass
