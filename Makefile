@@ -7,7 +7,12 @@ BIN := $(VENV)/bin
 # The CPU build of torch when none is installed; a torch you already have (CUDA
 # included, seen through --system-site-packages) is kept.
 TORCH_SPEC ?= torch==2.13.0
-EXTRAS ?= all,dev
+# deepspeed is in the test extras so that its ZeRO equality tests run on CPU too.
+EXTRAS ?= all,dev,deepspeed
+# DeepSpeed on a machine without a GPU: its CPU accelerator. It compiles its C++ ops on
+# first use (minutes); they are kept beside the venv they were built for and reused.
+export DS_ACCELERATOR ?= cpu
+export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch-extensions
 
 .PHONY: demo test setup lint bench clean
 
@@ -28,8 +33,10 @@ demo: setup
 test: setup
 	$(BIN)/python -m pytest tests
 
+# ruff, then the import contracts of pyproject.toml (layers, no cycle between files).
 lint: setup
 	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/lint-imports
 
 bench: setup
 	$(BIN)/python benchmarks/bench_engine.py
