@@ -40,7 +40,7 @@ def run(argv: list[str]) -> int:
     if options.plot and not options.plot.lower().endswith((".png", ".svg", ".pdf")):
         raise UsageError(f"--plot {options.plot}: give a .png, .svg or .pdf file name")
     from memfit.cli.output import print_json, stdout_to_stderr
-    from memfit.memory.profile import profile_run
+    from memfit.train.profiling import profile_run
 
     with stdout_to_stderr(options.json):
         report, extra = profile_run(config.replace(max_steps=options.steps, epochs=None), options.top, options.plot, options.snapshot)

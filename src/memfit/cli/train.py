@@ -20,7 +20,7 @@ def run(argv: list[str]) -> int:
     config, _ = parse_command_line(argv)
     from memfit.train.loop import train
     from memfit.train.planned import apply_plan_if_asked
-    from memfit.train.report import memory_report
+    from memfit.train.run_summary import memory_report
 
     config = apply_plan_if_asked(config)
     if config.training.auto_batch_size:

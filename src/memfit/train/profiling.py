@@ -8,6 +8,8 @@ import torch
 
 from memfit.config import TrainConfig
 from memfit.memory.report import ProfileReport, ReportContext, build_report
+from memfit.train.loop import make_tracker, run_facts, train
+from memfit.train.setup import build_session
 
 log = logging.getLogger("memfit")
 
@@ -19,9 +21,6 @@ def profile_run(
 
     Returns the report and extra JSON fields (what ran, the CUDA allocator cross-check).
     """
-    from memfit.train.loop import make_tracker, run_facts, train
-    from memfit.train.setup import build_session
-
     session = build_session(config)
     tracker = make_tracker(session, always=True)
     record_history = snapshot_path is not None and session.device.type == "cuda"

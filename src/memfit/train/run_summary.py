@@ -1,11 +1,11 @@
-"""The short memory report printed at the end of `memfit train`."""
+"""The run summary printed at the end of `memfit train`: what ran, the loss, the peak memory."""
 
 from __future__ import annotations
 
 from memfit.units import format_bytes
 
 
-def memory_report(summary: dict, device_capacity: int | None = None) -> str:
+def memory_report(summary: dict) -> str:
     """A few lines: what ran, the loss, the peak (measured), and the tracked breakdown if any."""
     lines = ["", "memfit memory report"]
     lines.append(
@@ -17,8 +17,7 @@ def memory_report(summary: dict, device_capacity: int | None = None) -> str:
     peak = summary.get("peak_memory_bytes")
     label = "peak allocated (CUDA)" if str(summary["device"]).startswith("cuda") else "process peak RSS"
     if peak:
-        share = f" ({100 * peak / device_capacity:.1f}% of the device)" if device_capacity else ""
-        lines.append(f"  {label}: {format_bytes(peak)}{share}")
+        lines.append(f"  {label}: {format_bytes(peak)}")
     tracked = summary.get("tracked_breakdown")
     if summary.get("tracked_peak_bytes"):
         lines.append(f"  tracked tensor peak: {format_bytes(summary['tracked_peak_bytes'])}")
