@@ -163,7 +163,7 @@ def train(
             record = {
                 "step": state.step,
                 "loss": loss,
-                "lr": session.scheduler.get_last_lr()[0],
+                "lr": float(session.scheduler.get_last_lr()[0]),  # torchao keeps it as a tensor
                 "grad_norm": result.grad_norm,
                 "tokens": result.input_tokens * session.dist.world_size,
                 "tokens_per_second": result.input_tokens * session.dist.world_size / max(elapsed, 1e-9),

@@ -19,6 +19,8 @@ class MetricLogger(Protocol):
 
 
 def _clean(value: Any) -> Any:
+    if hasattr(value, "item") and getattr(value, "ndim", None) == 0:
+        value = value.item()  # a 0-d tensor or numpy scalar (torchao keeps the learning rate as a tensor)
     if isinstance(value, float) and not math.isfinite(value):
         return None if math.isnan(value) else str(value)
     return value
