@@ -1,0 +1,131 @@
+"""What the tracker measured, kept beside the metrics so a report can be drawn later.
+
+`save_memory_record(directory, tracker, steps, config, facts)` writes
+`memory_timeline.json` at the end of a run that ran the tracker: the timeline of the
+step where the peak happened (thinned to at most `MAX_TIMELINE_SAMPLES` samples, the
+highest of each stretch kept so the peak survives), the profile (breakdown at the peak,
+phases, top modules, largest tensors, advice, leak warning) and, where it can be made,
+memfit's analytical estimate of the same configuration, to show beside the measurement.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from memfit.memory.report import ProfileReport, ReportContext, build_report
+from memfit.reporting.run_data import MEMORY_RECORD_FILE
+
+if TYPE_CHECKING:
+    from memfit.config import TrainConfig
+
+log = logging.getLogger("memfit")
+
+MAX_TIMELINE_SAMPLES = 1000
+RECORD_VERSION = 1
+
+
+def thin_timeline(
+    timeline: Sequence[tuple[int, str, dict[str, int]]], max_samples: int = MAX_TIMELINE_SAMPLES
+) -> list[tuple[int, str, dict[str, int]]]:
+    """At most `max_samples` samples: of each run of consecutive samples, the one with the most bytes.
+
+    Phase changes start a new run, so every phase keeps at least one sample.
+    """
+    samples = list(timeline)
+    if len(samples) <= max_samples:
+        return samples
+    per_bucket = -(-len(samples) // max_samples)
+    thinned: list[tuple[int, str, dict[str, int]]] = []
+    bucket: list[tuple[int, str, dict[str, int]]] = []
+    for sample in samples:
+        if bucket and (len(bucket) == per_bucket or sample[1] != bucket[-1][1]):
+            thinned.append(max(bucket, key=lambda item: sum(item[2].values())))
+            bucket = []
+        bucket.append(sample)
+    if bucket:
+        thinned.append(max(bucket, key=lambda item: sum(item[2].values())))
+    return thinned
+
+
+def timeline_to_dict(timeline: Sequence[tuple[int, str, dict[str, int]]]) -> dict[str, Any]:
+    """Column form: event indices, phases run-length coded, bytes per category."""
+    categories: list[str] = []
+    for _, _, sizes in timeline:
+        categories.extend(name for name in sizes if name not in categories)
+    phases: list[list[Any]] = []
+    for index, phase, _ in timeline:
+        if not phases or phases[-1][1] != phase:
+            phases.append([index, phase])
+    return {
+        "event_index": [index for index, _, _ in timeline],
+        "phases": phases,
+        "bytes": {name: [sizes.get(name, 0) for _, _, sizes in timeline] for name in categories},
+    }
+
+
+def build_memory_record(
+    report: ProfileReport,
+    timeline: Sequence[tuple[int, str, dict[str, int]]],
+    estimate: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The JSON object of `memory_timeline.json`."""
+    raw_samples = len(timeline)
+    thinned = thin_timeline(timeline)
+    return {
+        "version": RECORD_VERSION,
+        "profile": report.to_dict(),
+        "timeline": {**timeline_to_dict(thinned), "step": report.peak_step, "samples_recorded": raw_samples},
+        "estimate": estimate,
+    }
+
+
+def analytical_estimate(config: TrainConfig) -> dict[str, Any] | None:
+    """memfit's analytical estimate of `config`, or None where it cannot be made (an unknown model shape)."""
+    try:
+        from memfit.memory.estimator import estimate
+
+        result = estimate(config, method="analytical")
+    except Exception as error:  # the estimate is an extra: a model it cannot read must not fail the run
+        log.debug("memfit: no estimate for the report: %s", error)
+        return None
+    return {
+        "method": result.method,
+        "peak_bytes": result.peak_bytes,
+        "breakdown": dict(result.breakdown),
+        "error_band": result.error_band,
+        "peak_phase": result.details.get("peak_phase"),
+        "device": result.details.get("device"),
+    }
+
+
+def report_context(config: TrainConfig, facts: dict[str, Any]) -> ReportContext:
+    """What the run already used, so the advice does not suggest it again."""
+    context = ReportContext.from_config(config, loss_chunk_size=facts.get("loss_chunk_size"))
+    if facts.get("gradient_checkpointing") is not None:
+        context.gradient_checkpointing = facts["gradient_checkpointing"] != "off"
+    return context
+
+
+def save_memory_record(
+    directory: str | Path, tracker: Any, steps: Sequence[Any], config: TrainConfig, facts: dict[str, Any]
+) -> Path | None:
+    """Write `memory_timeline.json` for a run that ran the tracker; None when no step was tracked.
+
+    `tracker` is the run's `MemoryTracker`, `steps` the `StepMemory` of each step, `facts`
+    what really ran (precision, checkpointing, loss chunk size) as in the metrics' start line.
+    """
+    if not steps:
+        return None
+    report = build_report(steps, tracker.peak_snapshot(), facts.get("device", str(tracker.device)), report_context(config, facts))
+    record = build_memory_record(report, tracker.timeline(), analytical_estimate(config))
+    path = Path(directory) / MEMORY_RECORD_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_suffix(".json.tmp")
+    temporary.write_text(json.dumps(record), encoding="utf-8")
+    os.replace(temporary, path)  # a reader never sees half a file
+    return path
