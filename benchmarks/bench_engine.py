@@ -95,7 +95,7 @@ def _step_rates(stamps: list[float], tokens: list[int], warmup: int) -> list[flo
 
 def memfit_worker(spec: dict[str, Any]) -> dict[str, Any]:
     import memfit.train.loop as loop
-    from memfit.config import load_config
+    from memfit.config_loading import load_config
 
     watch = PeakWatch(spec["device"])
     import_rss = current_rss_bytes()

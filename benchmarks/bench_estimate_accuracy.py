@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from memfit.config import load_config
+from memfit.config_loading import load_config
 from memfit.memory.estimator import estimate, resolve_run
 from memfit.memory.traced import StepSetup, measure_step_with_allocator, measure_step_with_tracker
 

@@ -6,7 +6,8 @@ Library entry points:
     result = train(load_config(overrides={"max_steps": 10}))
 """
 
-from memfit.config import TrainConfig, load_config
+from memfit.config import TrainConfig
+from memfit.config_loading import load_config
 
 __all__ = ["TrainConfig", "load_config", "train", "estimate", "plan"]
 __version__ = "0.1.0"

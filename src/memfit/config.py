@@ -3,17 +3,18 @@
 Every field has a docstring (shown by `memfit train --help`). The same names work
 on the command line (with dashes: `--seq-len 512`) and in a YAML file (with
 underscores: `seq_len: 512`), flat or under a section (`data: {seq_len: 512}`).
-The seeds' names are accepted as aliases (`--window-size`, `optim: adamw_8bit`, ...).
+Names of other trainers are accepted as aliases (the Hugging Face Trainer's
+`per_device_train_batch_size`, AI-OS's `--window-size`, `optim: adamw_8bit`, ...).
 
-`load_config(yaml_path, overrides)` (in `memfit.config_loading`, re-exported here) builds a
-`TrainConfig` from a file and flags,
-flags winning; `TrainConfig.validate()` collects every problem and raises once.
-Command-line parsing itself lives in `memfit.cli.flags`.
+`memfit.config_loading.load_config(yaml_path, overrides)` builds a `TrainConfig` from a
+file and flags, flags winning; `TrainConfig.validate()` collects every problem and raises
+once. Command-line parsing itself lives in `memfit.cli.flags`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -91,7 +92,7 @@ class OptimizerConfig:
     warmup_steps: int = 0
     """Optimizer steps of linear warmup."""
     max_grad_norm: float = 1.0
-    """Clip the global gradient norm to this value; 0 turns clipping off."""
+    """Clip the global gradient norm to this value; 0 turns clipping off (the default under --optimizer-in-backward)."""
 
 
 @dataclass
@@ -207,6 +208,7 @@ SECTIONS: dict[str, type] = {
     "distributed": DistributedConfig,
 }
 
+
 @dataclass
 class TrainConfig:
     """Everything a `memfit train` run needs, one section per concern."""
@@ -220,6 +222,33 @@ class TrainConfig:
     output: OutputConfig = field(default_factory=OutputConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
+    def __post_init__(self) -> None:
+        # Where the settings came from: not settings themselves, so not fields (to_dict and
+        # flat leave them out).
+        self.user_set: frozenset[str] | None = None
+        """Flat names the user gave (file or flags); None for a config built in code."""
+        self.derived: dict[str, str] = {}
+        """Settings memfit chose because the user left them out: flat name -> why (log and metrics)."""
+
+    @classmethod
+    def from_flat(cls, values: dict[str, Any], user_set: Iterable[str] | None = None) -> TrainConfig:
+        """A validated TrainConfig from already-converted flat values.
+
+        `user_set` names the settings the user gave (default: every name in `values`);
+        defaults that depend on other settings are derived only for the names outside it.
+        Raises UsageError naming every problem.
+        """
+        names = frozenset(values if user_set is None else user_set)
+        values, derived = derive_defaults(values, names)
+        index = field_index()
+        sections: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
+        for name, value in values.items():
+            sections[index[name][0]][name] = value
+        config = cls(**{name: SECTIONS[name](**settings) for name, settings in sections.items()})
+        config.user_set, config.derived = names, derived
+        config.validate()
+        return config
+
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """Nested plain dict (what checkpoints store and YAML files can hold)."""
         return dataclasses.asdict(self)
@@ -229,10 +258,14 @@ class TrainConfig:
         return {name: getattr(getattr(self, section), name) for name, (section, _) in field_index().items()}
 
     def replace(self, **changes: Any) -> TrainConfig:
-        """A copy with some flat fields changed (validated like user input)."""
-        from memfit.config_loading import build_config
-
-        return build_config(self.flat() | changes)
+        """A copy with some flat fields changed, validated; derived defaults are derived again."""
+        values = {name: value for name, value in self.flat().items() if name not in self.derived}
+        if self.user_set is None:  # built in code: what differs from the defaults was chosen
+            defaults = TrainConfig().flat()
+            user_set = {name for name, value in values.items() if value != defaults[name]}
+        else:
+            user_set = set(self.user_set)
+        return TrainConfig.from_flat(values | changes, user_set | set(changes))
 
     @property
     def lora_enabled(self) -> bool:
@@ -303,7 +336,7 @@ class TrainConfig:
 
 
 # ---------------------------------------------------------------------------
-# Field index, docstrings, conversion
+# Field index, derived defaults
 # ---------------------------------------------------------------------------
 
 
@@ -316,6 +349,17 @@ def field_index() -> dict[str, tuple[str, dataclasses.Field]]:
     return index
 
 
-# Reading settings (YAML + flags) lives in memfit.config_loading; `load_config` is
-# re-exported here because it is what most callers want next to TrainConfig.
-from memfit.config_loading import load_config  # noqa: E402, F401
+def derive_defaults(values: dict[str, Any], user_set: frozenset[str]) -> tuple[dict[str, Any], dict[str, str]]:
+    """Defaults that depend on other settings, for the names the user did not give.
+
+    Returns the values with the derived ones added, and flat name -> why for each.
+    """
+    values, derived = dict(values), {}
+    if values.get("optimizer_in_backward") and "max_grad_norm" not in user_set:
+        # Each parameter is updated as its gradient arrives, before the global norm exists.
+        values["max_grad_norm"] = 0.0
+        derived["max_grad_norm"] = (
+            "gradient clipping is off: --optimizer-in-backward updates each parameter before the global gradient"
+            " norm is known (--max-grad-norm 0 says so explicitly)"
+        )
+    return values, derived

@@ -1,7 +1,8 @@
 """Reading a run's settings: YAML files and command-line values -> a validated `TrainConfig`.
 
-Names may use dashes or underscores and the aliases of the seeds and other trainers
-(`--window-size`, `per_device_train_batch_size`, `optim: adamw_8bit`); values are
+Names may use dashes or underscores and the names other trainers use (AI-OS's
+`--window-size`, the Hugging Face Trainer's `per_device_train_batch_size` and
+`optim: adamw_8bit`); values are
 converted by the type of the field they set; every problem is collected and raised
 once, naming the flag or key and, for unknown names, the closest valid one.
 """
@@ -23,7 +24,7 @@ from memfit.units import parse_size
 # Section names other tools use in their YAML files; their keys are read as flat keys.
 SECTION_ALIASES = ("training_args", "args", "train", "optim")
 
-# Names from the seeds and other trainers -> memfit name.
+# Names of the Hugging Face Trainer (and of DNALLM, which passes them on), AI-OS and Axolotl -> memfit name.
 ALIASES: dict[str, str] = {
     "per_device_train_batch_size": "batch_size",
     "micro_batch_size": "batch_size",
@@ -47,7 +48,7 @@ ALIASES: dict[str, str] = {
     "torch_dtype": "dtype",
 }
 
-# Boolean switches from the seeds that set a memfit field to a value.
+# Boolean switches of AI-OS (--amp, --use-8bit-optimizer) and the Hugging Face Trainer (bf16, fp16) -> a memfit value.
 SWITCHES: dict[str, tuple[str, Any, Any]] = {
     # name: (memfit field, value when true, value when false)
     "amp": ("precision", "amp", "fp32"),
@@ -233,14 +234,8 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
 
 
 def build_config(flat_values: dict[str, Any]) -> TrainConfig:
-    """TrainConfig from already-converted flat values."""
-    index = field_index()
-    sections: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
-    for name, value in flat_values.items():
-        sections[index[name][0]][name] = value
-    config = TrainConfig(**{name: SECTIONS[name](**values) for name, values in sections.items()})
-    config.validate()
-    return config
+    """TrainConfig from already-converted flat values, all of them given by the user."""
+    return TrainConfig.from_flat(flat_values)
 
 
 def load_config(
@@ -250,7 +245,7 @@ def load_config(
     """Build a TrainConfig from an optional YAML file and overrides (flags win).
 
     Overrides are (name, raw value) pairs as the command line gives them; names may
-    use dashes, underscores or the seeds' aliases. Every problem of both sources is
+    use dashes, underscores or other trainers' aliases. Every problem of both sources is
     reported at once in one UsageError.
     """
     problems: list[str] = []

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from memfit.config import load_config
+from memfit.config_loading import load_config
 from memfit.distributed.zero import deepspeed_config, read_deepspeed_file
 from memfit.errors import UsageError
 

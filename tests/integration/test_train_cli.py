@@ -98,7 +98,7 @@ def test_metrics_record_what_really_ran_when_8bit_is_missing(llama_dir, text_fil
     """Without bitsandbytes and torchao the 8-bit optimizer falls back visibly."""
     import sys
 
-    from memfit.config import load_config
+    from memfit.config_loading import load_config
     from memfit.train.loop import train
 
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)

@@ -1,11 +1,11 @@
-"""Configuration: YAML and flags, aliases from the seeds, sizes, and errors that say what to do."""
+"""Configuration: YAML and flags, aliases of other trainers (Hugging Face Trainer, AI-OS), sizes, and errors that say what to do."""
 
 from __future__ import annotations
 
 import pytest
 
 from memfit.cli.flags import parse_command_line
-from memfit.config import load_config
+from memfit.config_loading import load_config
 from memfit.errors import UsageError
 from memfit.units import format_bytes, parse_size
 
@@ -22,7 +22,7 @@ def test_sizes():
             parse_size(bad)
 
 
-def test_seed_flags_keep_their_meaning():
+def test_other_trainers_flags_keep_their_meaning():
     config, _ = parse_command_line([
         "--per-device-train-batch-size", "4", "--window-size", "128", "--amp", "--use-8bit-optimizer",
         "--gradient-checkpointing", "--gradient-accumulation-steps", "8", "--log-file", "m.jsonl",
@@ -113,3 +113,20 @@ def test_help_lists_every_field_with_its_docstring(capsys):
     out = capsys.readouterr().out
     assert "--gradient-checkpointing" in out and "Recompute activations" in out
     assert "--memory-cap" in out
+
+
+def test_optimizer_in_backward_switches_default_clipping_off():
+    """Clipping needs every gradient at once; the default gives way, an explicit value does not."""
+    config = load_config(overrides={"optimizer_in_backward": True})
+    assert config.optimizer.max_grad_norm == 0.0
+    assert "clipping is off" in config.derived["max_grad_norm"]
+    # A copy keeps the derived value, and derives again when its cause goes away.
+    assert config.replace(lr=0.01).optimizer.max_grad_norm == 0.0
+    restored = config.replace(optimizer_in_backward=False)
+    assert restored.optimizer.max_grad_norm == 1.0 and not restored.derived
+
+    explicit = load_config(overrides={"optimizer_in_backward": True, "max_grad_norm": "0.5"})
+    assert explicit.optimizer.max_grad_norm == 0.5 and not explicit.derived
+    assert load_config(overrides={"max_grad_norm": "0.5"}).replace(optimizer_in_backward=True).optimizer.max_grad_norm == 0.5
+    assert load_config().optimizer.max_grad_norm == 1.0
+

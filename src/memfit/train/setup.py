@@ -84,7 +84,9 @@ def build_session(config: TrainConfig) -> TrainingSession:
     config.validate(world_size=dist.world_size)
     if config.output.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise UsageError("--tensorboard needs the tensorboard package: pip install tensorboard (or drop --tensorboard)")
-    notes: dict[str, str] = {}
+    notes: dict[str, str] = dict(config.derived)  # defaults memfit chose from the other settings
+    for reason in config.derived.values():
+        log.warning("memfit: %s", reason)
     precision = resolve_precision(config.memory.precision, device)
     attention = choose_attention(config.model.attention, device, precision.autocast_dtype)
     if attention.fell_back:

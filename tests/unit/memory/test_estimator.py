@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from memfit.config import load_config
+from memfit.config_loading import load_config
 from memfit.memory.estimator import (
     BNB_8BIT_BLOCK,
     BNB_8BIT_MIN_SIZE,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from memfit.config import load_config
+from memfit.config_loading import load_config
 from memfit.errors import DoesNotFitError, UsageError
 from memfit.memory.estimator import estimate
 from memfit.memory.planner import MARGIN, plan, plan_to_overrides

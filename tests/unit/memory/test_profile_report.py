@@ -167,7 +167,7 @@ def test_report_without_closed_steps_uses_the_snapshot():
 
 
 def test_context_from_config_turns_off_advice_for_what_the_run_uses():
-    from memfit.config import load_config
+    from memfit.config_loading import load_config
 
     config = load_config(
         overrides={"gradient_checkpointing": "full", "optimizer": "adamw-8bit", "lora_r": 8, "loss_chunk_size": 0}

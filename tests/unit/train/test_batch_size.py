@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 
-from memfit.config import load_config
+from memfit.config_loading import load_config
 from memfit.train.batch_size import Probe, find_batch_size, search_batch_size
 from memfit.train.loop import train
 from memfit.train.metrics import read_metrics

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from memfit.config import load_config
+from memfit.config_loading import load_config
 from memfit.errors import UsageError
 from memfit.train.checkpoint import list_checkpoints
 from memfit.train.loop import train
