@@ -28,12 +28,12 @@ from memfit.config import TrainConfig
 from memfit.errors import UsageError
 from memfit.gpus import GpuSpec, get_gpu
 from memfit.memory.activations import Precision, activation_bytes, architecture_of, logits_bytes
-from memfit.memory.state_bytes import (  # noqa: F401  (re-exported: the estimator's public closed forms)
+from memfit.models.state_bytes import (  # noqa: F401  (re-exported: the estimator's public closed forms)
     BNB_8BIT_BLOCK,
     BNB_8BIT_MIN_SIZE,
     NF4_BYTES_PER_PARAM,
     ParameterInventory,
-    optimizer_state_bytes,
+    optimizer_state_bytes_for_shapes,
     optimizer_step_temporary_bytes,
     parameter_inventory,
 )
@@ -249,7 +249,7 @@ def _state_bytes(config: TrainConfig, run: RunShape, inventory: ParameterInvento
         parameters = inventory.total * wb
     trainable = sum(math.prod(s) for s in trainable_shapes)
     fused_step = run.optimizer == "adamw" and run.optimizer_impl in ("auto", "fused")
-    optimizer = optimizer_state_bytes(run.optimizer, trainable_shapes, trainable_bytes, config.optimizer.momentum, fused_step)
+    optimizer = optimizer_state_bytes_for_shapes(run.optimizer, trainable_shapes, trainable_bytes, config.optimizer.momentum, fused_step)
     if not fused_step and run.optimizer == "adamw" and run.device_type == "cpu":
         optimizer += 4 * len(trainable_shapes)  # the step counters live on the CPU
     return {

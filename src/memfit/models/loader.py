@@ -10,14 +10,27 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
 from memfit.config import TrainConfig
 from memfit.errors import UsageError
-from memfit.techniques.attention import AttentionChoice
 
 log = logging.getLogger("memfit")
+
+
+class AttentionChoice(Protocol):
+    """The attention kernel to ask of transformers (techniques.attention.AttentionChoice).
+
+    Declared here, not imported: models sit below techniques and only read these two names.
+    """
+
+    implementation: str
+    """memfit's name of the kernel: flash, sdpa or eager."""
+
+    @property
+    def hf_name(self) -> str: ...
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 PRESET_PREFIX = "preset:"

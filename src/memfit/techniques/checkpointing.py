@@ -4,8 +4,18 @@
 activation memory falls from every intermediate of every block to one tensor per block
 plus one block's intermediates, at the cost of about one extra forward (~20-30% slower).
 `--checkpoint-every N` checkpoints only every Nth block (less recompute, less saving).
-`selective` keeps matmul/attention outputs and recomputes the cheap ops; `auto` picks
-the blocks to checkpoint so the run fits a memory budget (techniques.selective_checkpointing).
+`selective` keeps matmul/attention outputs and recomputes the cheap ops: activation memory
+lands between off and full, for the recompute of the cheap ops only (a few percent of a
+step). `auto` picks the blocks to checkpoint so the run fits a memory budget
+(techniques.auto_checkpointing).
+
+Selective checkpointing goes through `torch.utils.checkpoint.checkpoint` (non-reentrant,
+with a selective-checkpoint `context_fn`). Hugging Face models take those keyword
+arguments as `gradient_checkpointing_kwargs`:
+`model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=...)` binds them with
+`functools.partial(checkpoint, **kwargs)` (transformers 5.23, where the method is a
+deprecated alias of `activation_checkpointing_enable`, which takes the same dict as
+`activation_checkpointing_kwargs`).
 
 Hugging Face models use their own switch, with non-reentrant checkpointing; any other
 model with a list of blocks is wrapped with torch.utils.checkpoint.
@@ -13,9 +23,41 @@ model with a list of blocks is wrapped with torch.utils.checkpoint.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+_aten = torch.ops.aten
+
+# Outputs worth keeping: they cost O(n^3)-like FLOPs to recompute, the rest is O(n^2).
+SAVED_OPS = {
+    _aten.mm.default,
+    _aten.addmm.default,
+    _aten.bmm.default,
+    _aten.baddbmm.default,
+    _aten._scaled_dot_product_flash_attention.default,
+    _aten._scaled_dot_product_efficient_attention.default,
+    _aten._scaled_dot_product_cudnn_attention.default,
+    _aten._scaled_dot_product_flash_attention_for_cpu.default,
+}
+
+
+def _keep_matmul_outputs(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def selective_checkpoint_kwargs() -> dict:
+    """Keyword arguments for `torch.utils.checkpoint.checkpoint` that keep matmul/attention outputs.
+
+    Pass them as Hugging Face `gradient_checkpointing_kwargs` (or to `checkpoint` directly).
+    Each checkpointed call gets fresh contexts from `context_fn`.
+    """
+    return {
+        "use_reentrant": False,
+        "context_fn": functools.partial(create_selective_checkpoint_contexts, _keep_matmul_outputs),
+    }
 
 
 def transformer_blocks(model: nn.Module) -> nn.ModuleList:
@@ -56,8 +98,6 @@ def apply_gradient_checkpointing(
         return "off"
     kwargs: dict = {"use_reentrant": False}
     if mode == "selective":
-        from memfit.techniques.selective_checkpointing import selective_checkpoint_kwargs
-
         kwargs = selective_checkpoint_kwargs()
     blocks = transformer_blocks(model)
     chosen = block_indices if block_indices is not None else checkpointed_block_indices(len(blocks), every)

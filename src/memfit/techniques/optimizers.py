@@ -52,12 +52,22 @@ def _impl_kwargs(impl: str, device: torch.device) -> tuple[dict, str]:
     }, impl
 
 
+def holds_sharded_parameters(groups: list[dict]) -> bool:
+    """True when FSDP2 has sharded the parameters (DTensors): some kernels have no DTensor version."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch built without distributed support shards nothing
+        return False
+    return any(isinstance(p, DTensor) for group in groups for p in group["params"])
+
+
 def build_optimizer(
     groups: list[dict], config: OptimizerConfig, device: torch.device, impl: str | None = None
 ) -> OptimizerChoice:
     """Create the configured optimizer over parameter `groups` (see parameter_groups)."""
     impl = impl or config.optimizer_impl
     name = config.optimizer
+    sharded = holds_sharded_parameters(groups)
     betas = (config.beta1, config.beta2)
     if name == "adamw":
         kwargs, impl_name = _impl_kwargs(impl, device)
@@ -65,20 +75,32 @@ def build_optimizer(
             torch.optim.AdamW(groups, lr=config.lr, betas=betas, eps=config.eps, **kwargs), f"adamw ({impl_name})", ""
         )
     if name == "sgd":
+        reason = ""
+        if sharded and impl in ("auto", "fused"):
+            # aten._fused_sgd_ has no DTensor sharding strategy; the foreach kernel runs on shards.
+            if impl == "fused":  # asked for by name: say what ran instead
+                reason = "fused SGD cannot update FSDP2-sharded parameters; foreach SGD ran"
+                log.warning("memfit: %s", reason)
+            impl = "foreach"
         kwargs, impl_name = _impl_kwargs(impl, device)
         return OptimizerChoice(
-            torch.optim.SGD(groups, lr=config.lr, momentum=config.momentum, **kwargs), f"sgd ({impl_name})", ""
+            torch.optim.SGD(groups, lr=config.lr, momentum=config.momentum, **kwargs), f"sgd ({impl_name})", reason
         )
     if name == "adafactor":
         optimizer = torch.optim.Adafactor(groups, lr=config.lr, eps=(None, 1e-3), beta2_decay=-0.8)
         return OptimizerChoice(optimizer, "adafactor", "")
-    return _build_8bit(groups, config, device, paged=name == "paged-adamw-8bit")
+    return _build_8bit(groups, config, device, paged=name == "paged-adamw-8bit", sharded=sharded)
 
 
-def _build_8bit(groups: list[dict], config: OptimizerConfig, device: torch.device, paged: bool) -> OptimizerChoice:
+def _build_8bit(
+    groups: list[dict], config: OptimizerConfig, device: torch.device, paged: bool, sharded: bool = False
+) -> OptimizerChoice:
     betas = (config.beta1, config.beta2)
     failures = []
     try:
+        if sharded:
+            # Its kernels take plain tensors; torchao's AdamW8bit updates DTensor shards.
+            raise RuntimeError("cannot update FSDP2-sharded (DTensor) parameters")
         import bitsandbytes as bnb
 
         cls = bnb.optim.PagedAdamW8bit if paged and device.type == "cuda" else bnb.optim.AdamW8bit
@@ -128,8 +150,8 @@ def build_scheduler(
     )
 
 
-def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes held in optimizer state tensors (each storage counted once)."""
+def measured_optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes held now in a live optimizer's state tensors (each storage counted once)."""
     seen, total = set(), 0
     for state in optimizer.state.values():
         for value in _tensors(state.values()):

@@ -214,7 +214,7 @@ def _note_offloads(config: TrainConfig, device: torch.device, notes: dict) -> No
 
 
 def _auto_checkpointing(config: TrainConfig, model: torch.nn.Module) -> str:
-    from memfit.techniques.selective_checkpointing import auto_checkpointing
+    from memfit.techniques.auto_checkpointing import auto_checkpointing
 
     budget = config.memory.memory_budget or config.memory.memory_cap
     if budget is None and config.memory.gpu:

@@ -15,7 +15,7 @@ from memfit.memory.estimator import (
     BNB_8BIT_MIN_SIZE,
     CUDA_CONTEXT_BYTES,
     estimate,
-    optimizer_state_bytes,
+    optimizer_state_bytes_for_shapes,
     resolve_run,
 )
 from memfit.memory.traced import StepSetup, measure_step_with_tracker
@@ -65,14 +65,14 @@ def test_8bit_closed_form_matches_bitsandbytes_state():
     bnb = pytest.importorskip("bitsandbytes")
     from transformers import AutoModelForCausalLM
 
-    from memfit.techniques.optimizers import optimizer_state_bytes as measured_state_bytes
+    from memfit.techniques.optimizers import measured_optimizer_state_bytes
 
     model = AutoModelForCausalLM.from_config(small_llama())
     optimizer = bnb.optim.AdamW8bit(model.parameters(), lr=1e-3)
     model(torch.randint(0, 256, (1, 8)), labels=torch.randint(0, 256, (1, 8))).loss.backward()
     optimizer.step()
     shapes = [tuple(p.shape) for p in model.parameters()]
-    assert optimizer_state_bytes("adamw-8bit", shapes, 4) == measured_state_bytes(optimizer)
+    assert optimizer_state_bytes_for_shapes("adamw-8bit", shapes, 4) == measured_optimizer_state_bytes(optimizer)
 
 
 def test_json_schema_and_breakdown_is_a_sum():

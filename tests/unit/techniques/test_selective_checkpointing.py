@@ -14,12 +14,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from memfit.techniques.selective_checkpointing import (
+from memfit.techniques.auto_checkpointing import (
     choose_blocks_to_checkpoint,
     measure_block_activation_bytes,
     predicted_peak_bytes,
-    selective_checkpoint_kwargs,
 )
+from memfit.techniques.checkpointing import selective_checkpoint_kwargs
 
 
 class LiveBytes(TorchDispatchMode):
@@ -220,7 +220,7 @@ def measured_training_peak(model, input_ids) -> int:
 
 def test_auto_checkpointing_fits_the_budget_with_the_fewest_blocks():
     from memfit.config import TrainConfig
-    from memfit.techniques.selective_checkpointing import (
+    from memfit.techniques.auto_checkpointing import (
         AUTO_BUDGET_SHARE,
         auto_checkpointing,
         measure_saved_bytes,

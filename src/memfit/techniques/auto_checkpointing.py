@@ -1,26 +1,13 @@
-"""Selective and automatic activation checkpointing.
+"""Automatic activation checkpointing: checkpoint the fewest blocks that fit a budget.
 
-Selective (`--gradient-checkpointing selective`)
-    Saves: inside each checkpointed block only the outputs of the expensive ops
-    (matmuls and attention) are kept; the cheap element-wise ops (norms, activations,
-    rotary embeddings, residual adds, casts) are recomputed in backward. Activation
-    memory lands between no checkpointing and full checkpointing.
-    Costs: recomputing the cheap ops only, a few percent of a step instead of the
-    ~20-30% of full checkpointing (which reruns the matmuls too).
-    How: `selective_checkpoint_kwargs()` gives the keyword arguments of
-    `torch.utils.checkpoint.checkpoint` (non-reentrant, with a selective-checkpoint
-    `context_fn`). Hugging Face models take them as `gradient_checkpointing_kwargs`:
-    `model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=...)` binds them
-    with `functools.partial(checkpoint, **kwargs)` (transformers 5.23, where the method is
-    a deprecated alias of `activation_checkpointing_enable`, which takes the same dict as
-    `activation_checkpointing_kwargs`).
-
-Automatic (`--gradient-checkpointing auto`, with `--memory-budget`)
-    `measure_block_activation_bytes` runs one forward and attributes the bytes saved for
-    backward to each transformer block; `choose_blocks_to_checkpoint` then checkpoints
-    the fewest blocks (so the least recompute) that bring the predicted peak under the
-    budget. Costs: one measuring forward before training, then the recompute of the
-    chosen blocks only.
+`--gradient-checkpointing auto` (with `--memory-budget`, `--gpu` or `--memory-cap`):
+`measure_block_activation_bytes` runs one forward and attributes the bytes saved for
+backward to each transformer block; `choose_blocks_to_checkpoint` then checkpoints the
+fewest blocks (so the least recompute) that bring the predicted peak under the budget.
+Weights, gradients and optimizer state in the prediction come from
+`memfit.models.state_bytes`, the model the estimator uses. Costs: one measuring forward
+before training, then the recompute of the chosen blocks only. How a block is
+checkpointed (full or selective) lives in `memfit.techniques.checkpointing`.
 """
 
 from __future__ import annotations
@@ -30,38 +17,11 @@ from collections.abc import Mapping
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-_aten = torch.ops.aten
-
-# Outputs worth keeping: they cost O(n^3)-like FLOPs to recompute, the rest is O(n^2).
-SAVED_OPS = {
-    _aten.mm.default,
-    _aten.addmm.default,
-    _aten.bmm.default,
-    _aten.baddbmm.default,
-    _aten._scaled_dot_product_flash_attention.default,
-    _aten._scaled_dot_product_efficient_attention.default,
-    _aten._scaled_dot_product_cudnn_attention.default,
-    _aten._scaled_dot_product_flash_attention_for_cpu.default,
-}
-
-
-def _keep_matmul_outputs(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def selective_checkpoint_kwargs() -> dict:
-    """Keyword arguments for `torch.utils.checkpoint.checkpoint` that keep matmul/attention outputs.
-
-    Pass them as Hugging Face `gradient_checkpointing_kwargs` (or to `checkpoint` directly).
-    Each checkpointed call gets fresh contexts from `context_fn`.
-    """
-    return {
-        "use_reentrant": False,
-        "context_fn": functools.partial(create_selective_checkpoint_contexts, _keep_matmul_outputs),
-    }
-
+from memfit.errors import UsageError
+from memfit.models.state_bytes import optimizer_state_bytes_for_shapes
+from memfit.techniques.checkpointing import apply_gradient_checkpointing, transformer_blocks
+from memfit.units import format_bytes
 
 # ---------------------------------------------------------------------------
 # Automatic choice of the blocks to checkpoint
@@ -173,8 +133,6 @@ def measure_saved_bytes(
 ) -> tuple[list[int], int]:
     """Bytes saved for backward per block, and outside the blocks (embeddings, head, loss)."""
     if blocks is None:
-        from memfit.techniques.checkpointing import transformer_blocks
-
         blocks = transformer_blocks(model)
     inputs = {"input_ids": batch} if isinstance(batch, torch.Tensor) else dict(batch)
     parameter_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -233,27 +191,25 @@ AUTO_BUDGET_SHARE = 0.9
 
 
 def static_training_bytes(model: nn.Module, config) -> int:
-    """Weights, gradients and optimizer state of a run, from its TrainConfig (before LoRA is applied)."""
+    """Weights, gradients and optimizer state of a run, from its TrainConfig (before LoRA is applied).
+
+    The optimizer state is `memfit.models.state_bytes`' closed form for the model's trainable tensors.
+    """
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     trainable = [p for p in model.parameters() if p.is_floating_point()]
     if config.lora_enabled or not trainable:
         return weights  # adapters' gradients and state are a rounding error at this scale
     trainable_bytes = sum(p.numel() * p.element_size() for p in trainable)
     if config.memory.optimizer_in_backward:
-        gradients = max(p.numel() * p.element_size() for p in trainable)
+        gradients = max(p.numel() * p.element_size() for p in trainable)  # one gradient alive at a time
     else:
         gradients = trainable_bytes
-    name = config.optimizer.optimizer
     if config.memory.optimizer_offload:
-        states = 0
-    elif name == "adamw":
-        states = 2 * trainable_bytes
-    elif name in ("adamw-8bit", "paged-adamw-8bit"):
-        states = 2 * sum(p.numel() for p in trainable)
-    elif name == "sgd":
-        states = trainable_bytes if config.optimizer.momentum else 0
-    else:  # adafactor: factored second moments, small
-        states = trainable_bytes // 100
+        return weights + gradients
+    element_size = trainable[0].element_size()
+    states = optimizer_state_bytes_for_shapes(
+        config.optimizer.optimizer, [tuple(p.shape) for p in trainable], element_size, config.optimizer.momentum
+    )
     return weights + gradients + states
 
 
@@ -266,10 +222,6 @@ def auto_checkpointing(model: nn.Module, config, budget_bytes: int | None) -> st
     in the model's dtype without autocast, so with mixed precision the estimate errs on
     the safe side. Returns a one-line description for the log.
     """
-    from memfit.errors import UsageError
-    from memfit.techniques.checkpointing import apply_gradient_checkpointing, transformer_blocks
-    from memfit.units import format_bytes
-
     if budget_bytes is None:
         raise UsageError("--gradient-checkpointing auto needs --memory-budget (or --gpu / --memory-cap) to aim at")
     blocks = transformer_blocks(model)

@@ -2,6 +2,8 @@
 
 Shapes come from a meta-device build of the model (cached per config), so the counts
 are those of the real module tree: tied weights once, fused projections as they are.
+The one model of optimizer-state bytes: the estimator (memfit.memory) and the automatic
+checkpointing choice (memfit.techniques) both use it, so it sits below both.
 """
 
 from __future__ import annotations
@@ -70,8 +72,8 @@ def _build_inventory(hf_config: Any, lora_r: int) -> ParameterInventory:
     return ParameterInventory(shapes, linear_params, adapters)
 
 
-def optimizer_state_bytes(optimizer: str, shapes: list[tuple[int, ...]], param_bytes: int, momentum: float = 0.0,
-                          fused_step: bool = True) -> int:
+def optimizer_state_bytes_for_shapes(optimizer: str, shapes: list[tuple[int, ...]], param_bytes: int,
+                                     momentum: float = 0.0, fused_step: bool = True) -> int:
     """Bytes of optimizer state for trainable tensors of `shapes` stored in `param_bytes` per element."""
     step = 4 if fused_step else 0  # one fp32 step counter per tensor, on the device for fused AdamW
     if optimizer == "adamw":
