@@ -107,16 +107,12 @@ def resolve_run(config: TrainConfig, hf_config: Any, gpu: GpuSpec | None) -> Run
     import torch
 
     from memfit.techniques.loss import default_loss_chunk_size
+    from memfit.techniques.precision import choose_precision
 
     device_type = "cuda" if gpu is not None or torch.cuda.is_available() else "cpu"
     bf16_ok = gpu.bf16 if gpu is not None else device_type == "cpu" or torch.cuda.is_bf16_supported()
-    precision = config.memory.precision
-    if precision == "auto":
-        autocast = ("bf16" if bf16_ok else "fp16") if device_type == "cuda" else None
-    elif precision == "amp":
-        autocast = "bf16" if bf16_ok else "fp16"
-    else:
-        autocast = None if precision == "fp32" else precision
+    precision = choose_precision(config.memory.precision, device_type, bf16_ok)  # the training loop's policy
+    autocast = precision.name if precision.autocast_dtype is not None else None
     attention = config.model.attention
     if attention == "auto":
         attention = "sdpa"  # flash-attn keeps the same tensors as SDPA's flash kernel

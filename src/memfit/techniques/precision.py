@@ -40,22 +40,34 @@ def resolve_precision(requested: str, device: torch.device) -> PrecisionChoice:
 
     Raises UsageError for a precision the device cannot run usefully.
     """
-    bf16_ok = supports_bf16(device)
-    on_cuda = device.type == "cuda"
+    return choose_precision(requested, device.type, supports_bf16(device))
+
+
+def choose_precision(requested: str, device_type: str, bf16_supported: bool) -> PrecisionChoice:
+    """The precision policy, for a device described rather than present (the estimator's GPU presets).
+
+    Args:
+        requested: --precision: auto, amp, fp32, bf16 or fp16.
+        device_type: "cuda" or "cpu".
+        bf16_supported: the device computes in bf16 (every CPU; CUDA compute capability 8.0+).
+    Raises:
+        UsageError for a precision the device cannot run usefully.
+    """
+    on_cuda = device_type == "cuda"
     if requested == "auto":
-        if on_cuda and bf16_ok:
+        if on_cuda and bf16_supported:
             return PrecisionChoice("bf16", torch.bfloat16, False, "auto: bf16 autocast (GPU supports bf16)")
         if on_cuda:
             return PrecisionChoice("fp16", torch.float16, True, "auto: fp16 autocast + GradScaler (GPU lacks bf16)")
         return PrecisionChoice("fp32", None, False, "auto: fp32 on CPU (use --precision bf16 for bf16 autocast)")
     if requested == "amp":
-        if bf16_ok:
-            return PrecisionChoice("bf16", torch.bfloat16, False, f"amp: bf16 autocast on {device.type}")
+        if bf16_supported:
+            return PrecisionChoice("bf16", torch.bfloat16, False, f"amp: bf16 autocast on {device_type}")
         return PrecisionChoice("fp16", torch.float16, True, "amp: fp16 autocast + GradScaler (no bf16 on this GPU)")
     if requested == "fp32":
         return PrecisionChoice("fp32", None, False, "requested fp32")
     if requested == "bf16":
-        if not bf16_ok:
+        if not bf16_supported:
             raise UsageError("--precision bf16 needs a GPU of compute capability 8.0 or newer; use --precision fp16")
         return PrecisionChoice("bf16", torch.bfloat16, False, "requested bf16 autocast")
     if requested == "fp16":

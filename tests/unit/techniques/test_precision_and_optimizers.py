@@ -57,6 +57,29 @@ def test_precision_choice_on_cpu():
         resolve_precision("fp16", cpu)
 
 
+@pytest.mark.parametrize("gpu", ["t4", "rtx-4090"])  # without and with bf16
+@pytest.mark.parametrize("requested", ["auto", "amp", "fp32", "bf16", "fp16"])
+def test_the_estimate_resolves_precision_with_the_training_policy(gpu, requested):
+    """One precision policy: the estimate of a GPU preset gets what training on that GPU would run."""
+    from transformers import LlamaConfig
+
+    from memfit.config_loading import load_config
+    from memfit.gpus import get_gpu
+    from memfit.memory.estimator import resolve_run
+    from memfit.techniques.precision import choose_precision
+
+    spec = get_gpu(gpu)
+    config = load_config(overrides={"precision": requested})
+    try:
+        expected = choose_precision(requested, "cuda", spec.bf16)
+    except UsageError as error:
+        with pytest.raises(UsageError, match=str(error)[:30]):
+            resolve_run(config, LlamaConfig(vocab_size=256), spec)
+        return
+    run = resolve_run(config, LlamaConfig(vocab_size=256), spec)
+    assert run.autocast == (expected.name if expected.autocast_dtype is not None else None)
+
+
 def _train(optimizer_name, steps=5):
     model = _model()
     choice = build_optimizer(parameter_groups(model, 0.0), OptimizerConfig(optimizer=optimizer_name, lr=1e-3), torch.device("cpu"))
