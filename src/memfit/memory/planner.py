@@ -150,7 +150,8 @@ def _search(config, hf_config, budget, gpu, modes, effective, world_size, shardi
             est = estimate(candidate_config, world_size=world_size, sharding=sharding, gpu=gpu,
                            budget_bytes=budget, hf_config=hf_config)
             seconds = estimated_step_seconds(changes, config, est, gpu, hf_config)
-            found.append(Candidate(changes, est, seconds, micro * config.data.seq_len * changes["gradient_accumulation_steps"] * world_size))
+            tokens_per_step = candidate_config.effective_batch_for(world_size) * config.data.seq_len
+            found.append(Candidate(changes, est, seconds, tokens_per_step))
     return found
 
 

@@ -224,8 +224,10 @@ def _logits_tensors(snapshot: PeakSnapshot, vocab_size: int | None) -> list[Tens
 
 
 def _suggested_chunk(tokens: int) -> int:
+    from memfit.techniques.loss import DEFAULT_LOSS_CHUNK_TOKENS
+
     if tokens > 4096:
-        return 1024
+        return DEFAULT_LOSS_CHUNK_TOKENS
     return max(16, 2 ** int(math.log2(max(tokens // 4, 1))))
 
 
