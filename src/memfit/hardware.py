@@ -19,17 +19,3 @@ def supports_bf16(device: torch.device) -> bool:
     if device.type == "cuda":
         return torch.cuda.get_device_capability(device)[0] >= 8
     return device.type == "cpu"
-
-
-def device_description(device: torch.device) -> str:
-    if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        return f"{props.name} ({props.total_memory / 1024**3:.1f} GiB)"
-    return f"CPU ({os.cpu_count()} cores)"
-
-
-def device_memory_bytes(device: torch.device) -> int | None:
-    """Total memory of a CUDA device; None for CPU (host memory is shared with everything else)."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory
-    return None

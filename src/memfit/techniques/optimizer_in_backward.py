@@ -123,11 +123,6 @@ class OptimizerInBackward(torch.optim.Optimizer):
         for optimizer, state in zip(self.optimizers.values(), states, strict=True):
             optimizer.load_state_dict(state)
 
-    def set_lr(self, lr: float) -> None:
-        """Set the learning rate of every parameter (for loops without a scheduler)."""
-        for group in self.param_groups:
-            group["lr"] = lr
-
     def remove(self) -> None:
         """Unhook the parameters: backward leaves gradients in `.grad` again."""
         for handle in self._handles:
