@@ -40,8 +40,8 @@ def test_train_cli_end_to_end(model_fixture, request, text_file, tmp_path):
     assert sum(p.numel() for p in model.parameters()) > 0
 
 
-def test_seed_style_command_line(llama_dir, text_file, tmp_path):
-    """The first seed's conservative profile, with its exact switches."""
+def test_ai_os_style_command_line(llama_dir, text_file, tmp_path):
+    """AI-OS's conservative VRAM profile (`aios hrm-hf train-actv1`), with its exact switches."""
     log_file = tmp_path / "run" / "metrics.jsonl"
     result = run_memfit(
         "train", "--model", llama_dir, "--dataset-file", text_file, "--steps", "3", "--batch-size", "1",

@@ -25,7 +25,7 @@ from memfit.config_loading import (
 )
 from memfit.errors import UsageError
 
-# Choice fields that may also be given bare, as the seeds do (`--gradient-checkpointing`).
+# Choice fields that may also be given bare, as AI-OS and DNALLM do (`--gradient-checkpointing`).
 BARE_VALUES = {"gradient_checkpointing": ("full", "off")}
 
 
