@@ -2,9 +2,11 @@
 
 On CUDA the caching allocator enforces the cap itself (`apply_memory_cap`), so the
 real out-of-memory error comes from PyTorch. On the CPU nothing stops an allocation
-short of the machine's RAM, so the `MemoryTracker` enforces the cap: it raises
-`torch.OutOfMemoryError` at the first operator whose outputs would take the live
-tensor bytes past the cap (`cap_exceeded_error`). Either way the caller sees the
+short of the machine's RAM, so the live-storage counter (`memfit.memory.live_storage`,
+under `MemoryTracker(cap_bytes=...)`) enforces the cap through `refuse_over_cap`, the one
+place the decision is made: it raises `torch.OutOfMemoryError` at the first operator (or
+storage resize) whose new bytes would take the live *device* bytes past the cap. Host
+copies made by offloading (`memfit.memory.host`) never count against it. Either way the caller sees the
 same exception type, and `is_out_of_memory` recognizes both.
 """
 
@@ -25,6 +27,17 @@ def cap_exceeded_error(requested_bytes: int, live_bytes: int, cap_bytes: int) ->
         f"memfit memory cap: tried to allocate {format_bytes(requested_bytes)} with "
         f"{format_bytes(live_bytes)} live; cap is {format_bytes(cap_bytes)} (--memory-cap)"
     )
+
+
+def refuse_over_cap(requested_bytes: int, live_bytes: int, cap_bytes: int | None) -> torch.OutOfMemoryError | None:
+    """The cap error if `requested_bytes` more device bytes would pass `cap_bytes`, else None.
+
+    Returns the error rather than raising it so the caller can drop what the refused
+    operator made before raising (nothing of a refused attempt stays counted).
+    """
+    if cap_bytes is None or requested_bytes <= 0 or live_bytes + requested_bytes <= cap_bytes:
+        return None
+    return cap_exceeded_error(requested_bytes, live_bytes, cap_bytes)
 
 
 def is_out_of_memory(exc: BaseException) -> bool:

@@ -1,16 +1,31 @@
 """The categories of training memory, and the records the memory tracker hands out
 (steps, phases, tensors, the peak snapshot, the timeline of a step).
 
-Every byte the tracker counts belongs to exactly one category:
+The one category set of memfit: the tracker (`memfit profile`), the traced estimate
+and the analytical estimate (`memfit estimate`) all report these. Every byte counted
+belongs to exactly one of them:
 
-- ``parameters``: storages of the model's parameters (trainable or frozen).
+- ``parameters``: storages of the model's parameters (trainable or frozen; under FSDP2
+  the gathered full parameters while a block has them).
 - ``gradients``: storages currently held in a parameter's ``.grad``.
 - ``optimizer_states``: tensors in ``optimizer.state`` (Adam moments, step counters, ...).
 - ``activations``: tensors autograd keeps for the backward pass, while it keeps them.
-- ``other``: everything else on the device: inputs, buffers, logits, temporaries.
+- ``recomputed_activations``: tensors a checkpointed block makes again in backward
+  (its recompute), until backward has used them.
+- ``activation_gradients``: what backward makes outside a recompute: the gradients of
+  activations flowing back and the temporaries of backward kernels.
+- ``logits``: tensors shaped [..., vocab]: the logits, their fp32 copies and softmax,
+  and their gradient.
+- ``other``: everything else: inputs, buffers, forward temporaries not saved, the
+  optimizer step's temporaries.
 
 A storage that is both a parameter and saved for backward (a weight saved by a matmul)
-counts as a parameter: the first role in `CATEGORIES` wins.
+counts as a parameter: a role (parameters, gradients, optimizer state) wins over what
+made the storage.
+
+Bytes are also either on the *device* (counted in every figure above and against the
+emulated cap) or in *host* memory on purpose (offloaded copies, see `memfit.memory.host`),
+reported beside them.
 """
 
 from __future__ import annotations
@@ -22,12 +37,33 @@ PARAMETERS = "parameters"
 GRADIENTS = "gradients"
 OPTIMIZER_STATES = "optimizer_states"
 ACTIVATIONS = "activations"
+RECOMPUTED_ACTIVATIONS = "recomputed_activations"
+ACTIVATION_GRADIENTS = "activation_gradients"
+LOGITS = "logits"
 OTHER = "other"
 
-CATEGORIES = (PARAMETERS, GRADIENTS, OPTIMIZER_STATES, ACTIVATIONS, OTHER)
+CATEGORIES = (
+    PARAMETERS,
+    GRADIENTS,
+    OPTIMIZER_STATES,
+    ACTIVATIONS,
+    RECOMPUTED_ACTIVATIONS,
+    ACTIVATION_GRADIENTS,
+    LOGITS,
+    OTHER,
+)
+
+# The categories that storages made by forward or backward compute fall in (not state).
+COMPUTE_CATEGORIES = (ACTIVATIONS, RECOMPUTED_ACTIVATIONS, ACTIVATION_GRADIENTS, LOGITS, OTHER)
+
+# Where a counted storage lives.
+DEVICE = "device"
+HOST = "host"
 
 # The phase name of what happens outside any `MemoryTracker.phase(...)` block.
 NO_PHASE = "(no phase)"
+# The module name of what is made outside any module's forward (and outside backward).
+NO_MODULE = "(outside modules)"
 
 
 def empty_breakdown() -> dict[str, int]:
@@ -63,6 +99,9 @@ class StepMemory:
         phases: per-phase peaks, in the order the phases were first entered.
         live_bytes_at_end: live bytes when the step ended (what stays between steps).
         live_breakdown_at_end: the same by category.
+        host_peak_bytes: most bytes held in host memory on purpose (offloaded copies)
+            at any moment of the step; not part of `peak_bytes`.
+        host_bytes_at_end: host bytes when the step ended.
     """
 
     step: int
@@ -71,6 +110,8 @@ class StepMemory:
     phases: list[PhaseMemory]
     live_bytes_at_end: int
     live_breakdown_at_end: dict[str, int] = field(default_factory=empty_breakdown)
+    host_peak_bytes: int = 0
+    host_bytes_at_end: int = 0
 
     def to_dict(self) -> dict:
         return {
@@ -80,6 +121,8 @@ class StepMemory:
             "phases": [phase.to_dict() for phase in self.phases],
             "live_bytes_at_end": self.live_bytes_at_end,
             "live_breakdown_at_end": dict(self.live_breakdown_at_end),
+            "host_peak_bytes": self.host_peak_bytes,
+            "host_bytes_at_end": self.host_bytes_at_end,
         }
 
 
@@ -129,6 +172,12 @@ class PeakSnapshot:
         module_input_bytes: bytes of the first tensor input of each module's last
             forward (a transformer block's hidden states), used to estimate what
             checkpointing would keep.
+        module_bytes: at the peak, bytes per module for each compute category
+            (`COMPUTE_CATEGORIES`): {category: {module: bytes}}. A recomputed
+            activation belongs to the module whose recompute made it, an activation
+            gradient to the module whose backward was running.
+        host_bytes: bytes in host memory (offloaded copies) at the peak.
+        host_peak_bytes: the most host bytes at any moment of the run.
     """
 
     peak_bytes: int
@@ -139,6 +188,9 @@ class PeakSnapshot:
     activation_peak_bytes: int = 0
     module_activation_bytes: dict[str, int] = field(default_factory=dict)
     module_input_bytes: dict[str, int] = field(default_factory=dict)
+    module_bytes: dict[str, dict[str, int]] = field(default_factory=dict)
+    host_bytes: int = 0
+    host_peak_bytes: int = 0
 
     def top_modules(self, count: int = 10) -> list[tuple[str, int]]:
         """The `count` modules holding the most activation bytes, largest first."""

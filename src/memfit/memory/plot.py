@@ -20,6 +20,9 @@ _COLORS = {
     "gradients": "#dd8452",
     "optimizer_states": "#55a868",
     "activations": "#c44e52",
+    "recomputed_activations": "#e8a0a2",
+    "activation_gradients": "#8172b3",
+    "logits": "#ccb974",
     "other": "#8c8c8c",
 }
 

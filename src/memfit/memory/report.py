@@ -17,11 +17,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from memfit.memory.categories import (
+    ACTIVATION_GRADIENTS,
     ACTIVATIONS,
     CATEGORIES,
     GRADIENTS,
+    LOGITS,
     OPTIMIZER_STATES,
     OTHER,
+    RECOMPUTED_ACTIVATIONS,
     PeakSnapshot,
     PhaseMemory,
     StepMemory,
@@ -36,6 +39,9 @@ if TYPE_CHECKING:
 # A path component that is a number marks a block of a stack: model.layers.3, transformer.h.3.
 _BLOCK_PATTERN = re.compile(r"^(.*?\.\d+)(\.|$)")
 _LOGITS_MODULES = ("lm_head", "embed_out", "output", "score")
+# Module-name parts of a block's MLP across the families transformers ships.
+_MLP_NAMES = ("mlp", "feed_forward", "ffn", "fc1", "fc2", "c_fc", "dense_h_to_4h", "dense_4h_to_h")
+DEFAULT_TILES = 4
 
 
 @dataclass
@@ -49,6 +55,8 @@ class ReportContext:
         loss_chunk_size: tokens per loss chunk (0 or None: not chunked).
         vocab_size: vocabulary size, to recognize logits (inferred when None).
         optimizer_in_backward: gradients are already freed as they are applied.
+        tiled_mlp: tiles of the tiled MLP in use (0 or None: off).
+        activation_offload: activation offload (or offloaded checkpoints) is on.
     """
 
     gradient_checkpointing: bool = False
@@ -57,6 +65,8 @@ class ReportContext:
     loss_chunk_size: int | None = 0
     vocab_size: int | None = None
     optimizer_in_backward: bool = False
+    tiled_mlp: int | None = 0
+    activation_offload: bool = False
 
     @classmethod
     def from_config(
@@ -75,6 +85,8 @@ class ReportContext:
             loss_chunk_size=1 if chunk is None else chunk,
             vocab_size=vocab_size,
             optimizer_in_backward=config.memory.optimizer_in_backward,
+            tiled_mlp=getattr(config.memory, "tiled_mlp", 0) or 0,
+            activation_offload=config.memory.activation_offload,
         )
 
 
@@ -97,6 +109,11 @@ class ProfileReport:
     step_peak_bytes: list[int] = field(default_factory=list)
     live_bytes_at_end: list[int] = field(default_factory=list)
     blocks: list[tuple[str, int]] = field(default_factory=list)
+    peak_modules: list[tuple[str, str, int]] = field(default_factory=list)
+    """(module, category, bytes) at the peak for what forward and backward made, largest first."""
+    host_bytes_at_peak: int = 0
+    host_peak_bytes: int = 0
+    """Host memory held on purpose (offloaded copies): at the device peak, and its own peak."""
 
     def to_dict(self) -> dict:
         """The JSON object of `memfit profile --json` (all sizes in bytes)."""
@@ -116,6 +133,11 @@ class ProfileReport:
             "step_peak_bytes": list(self.step_peak_bytes),
             "live_bytes_at_end": list(self.live_bytes_at_end),
             "blocks": [{"module": name, "activation_bytes": size} for name, size in self.blocks],
+            "peak_modules": [
+                {"module": name, "category": category, "bytes": size} for name, category, size in self.peak_modules
+            ],
+            "host_bytes_at_peak": self.host_bytes_at_peak,
+            "host_peak_bytes": self.host_peak_bytes,
         }
 
 
@@ -153,9 +175,25 @@ def build_report(
         step_peak_bytes=[step.peak_bytes for step in steps],
         live_bytes_at_end=[step.live_bytes_at_end for step in steps],
         blocks=list(block_activations(snapshot).items()),
+        peak_modules=peak_modules(snapshot, top),
+        host_bytes_at_peak=snapshot.host_bytes,
+        host_peak_bytes=max([snapshot.host_peak_bytes, *(step.host_peak_bytes for step in steps)]),
     )
     report.advice = advise(report.breakdown, peak_bytes, snapshot, context)
     return report
+
+
+def peak_modules(snapshot: PeakSnapshot, top: int = 10) -> list[tuple[str, str, int]]:
+    """The largest (module, category, bytes) at the peak among what forward and backward made."""
+    rows = [
+        (module, category, size)
+        for category, sizes in snapshot.module_bytes.items()
+        if category != OTHER
+        for module, size in sizes.items()
+        if size > 0
+    ]
+    rows.sort(key=lambda row: row[2], reverse=True)
+    return rows[:top]
 
 
 def _merge_phases(steps: Sequence[StepMemory]) -> list[PhaseMemory]:
@@ -219,7 +257,9 @@ def _logits_tensors(snapshot: PeakSnapshot, vocab_size: int | None) -> list[Tens
     return [
         tensor
         for tensor in snapshot.top_tensors
-        if tensor.category in (ACTIVATIONS, OTHER) and len(tensor.shape) >= 2 and tensor.shape[-1] == vocab_size
+        if tensor.category in (LOGITS, ACTIVATIONS, ACTIVATION_GRADIENTS, OTHER)
+        and len(tensor.shape) >= 2
+        and tensor.shape[-1] == vocab_size
     ]
 
 
@@ -297,9 +337,12 @@ def advise(breakdown: dict[str, int], peak_bytes: int, snapshot: PeakSnapshot, c
             )
         )
 
+    advice.extend(_long_context_advice(breakdown, peak_bytes, snapshot, context))
+
     if not context.loss_chunk_size:
         logits = _logits_tensors(snapshot, context.vocab_size)
-        logits_bytes = sum(tensor.bytes for tensor in logits)
+        # The tracker files logits-shaped tensors under "logits"; the top tensors may show only some.
+        logits_bytes = max(breakdown.get(LOGITS, 0), sum(tensor.bytes for tensor in logits))
         if logits and logits_bytes >= 0.1 * peak_bytes:
             tokens = math.prod(max(logits, key=lambda tensor: tensor.bytes).shape[:-1])
             chunk = _suggested_chunk(tokens)
@@ -317,6 +360,59 @@ def advise(breakdown: dict[str, int], peak_bytes: int, snapshot: PeakSnapshot, c
                 )
 
     advice.sort(key=lambda entry: entry["saves_bytes"], reverse=True)
+    return advice
+
+
+def _is_mlp(module: str) -> bool:
+    return any(part in _MLP_NAMES for part in module.split("."))
+
+
+def compute_bytes_by_module(snapshot: PeakSnapshot, categories: Sequence[str]) -> dict[str, int]:
+    """Bytes at the peak per module, summed over `categories` (from the snapshot's module table)."""
+    totals: dict[str, int] = {}
+    for category in categories:
+        for module, size in snapshot.module_bytes.get(category, {}).items():
+            totals[module] = totals.get(module, 0) + size
+    return totals
+
+
+def _long_context_advice(
+    breakdown: dict[str, int], peak_bytes: int, snapshot: PeakSnapshot, context: ReportContext
+) -> list[dict]:
+    """Levers for a peak held by backward's working set: tiled MLP and activation offload."""
+    advice = []
+    backward_set = compute_bytes_by_module(snapshot, (RECOMPUTED_ACTIVATIONS, ACTIVATION_GRADIENTS, ACTIVATIONS))
+    mlp_bytes = sum(size for module, size in backward_set.items() if _is_mlp(module))
+    if not context.tiled_mlp and mlp_bytes >= 0.1 * peak_bytes:
+        # One tile's working set stays instead of the whole sequence's.
+        saves = int(mlp_bytes * (1 - 1 / DEFAULT_TILES))
+        advice.append(
+            _entry(
+                "tiled MLP",
+                f"--tiled-mlp {DEFAULT_TILES}",
+                saves,
+                f"MLP tensors (recomputed, saved and their gradients) are {_percent(mlp_bytes, peak_bytes)} of the "
+                f"peak: --tiled-mlp {DEFAULT_TILES} computes the MLP over {DEFAULT_TILES} sequence tiles and "
+                f"would save about {format_bytes(saves)} (recomputes each tile in backward)",
+            )
+        )
+    kept = breakdown.get(ACTIVATIONS, 0)
+    if context.gradient_checkpointing and not context.activation_offload and kept >= 0.1 * peak_bytes:
+        # Offloaded checkpoints keep about two blocks' inputs on the device.
+        blocks = block_activations(snapshot)
+        resident = 2 * max(blocks.values()) if blocks else kept // 2
+        saves = max(0, kept - resident)
+        if saves > 0.05 * peak_bytes:
+            advice.append(
+                _entry(
+                    "activation offload",
+                    "--activation-offload",
+                    saves,
+                    f"checkpointed block inputs are {_percent(kept, peak_bytes)} of the peak: --activation-offload "
+                    f"keeps them in host memory and would save about {format_bytes(saves)} of device memory "
+                    f"(costs as much host memory and a copy each way per step)",
+                )
+            )
     return advice
 
 
@@ -374,7 +470,12 @@ def render(report: ProfileReport) -> str:
     ]
     for category in CATEGORIES:
         part = report.breakdown.get(category, 0)
-        lines.append(f"  {category:<18}{size(part)}  {_percent(part, peak).rjust(4)}")
+        lines.append(f"  {category:<24}{size(part)}  {_percent(part, peak).rjust(4)}")
+    if report.host_peak_bytes:
+        lines.append(
+            f"host memory (offloaded copies, not in the peak): {format_bytes(report.host_bytes_at_peak, unit)} "
+            f"at the peak, {format_bytes(report.host_peak_bytes, unit)} at most"
+        )
     if report.phases:
         lines.append("phases (peak of each):")
         for phase in report.phases:
@@ -394,12 +495,16 @@ def render(report: ProfileReport) -> str:
         )
         for name, num_bytes in report.top_modules:
             lines.append(f"  {name:<40}{size(num_bytes)}")
+    if report.peak_modules:
+        lines.append("what holds the peak, by module (a recompute or backward counts for the module that ran it):")
+        for name, category, num_bytes in report.peak_modules:
+            lines.append(f"  {name:<40}{size(num_bytes)}  {category}")
     if report.top_tensors:
         lines.append("largest tensors alive at the peak:")
         for tensor in report.top_tensors:
             shape = "x".join(str(dim) for dim in tensor.shape) or "scalar"
             lines.append(
-                f"  {shape:<16} {tensor.dtype:<9}{size(tensor.bytes)}  {tensor.category:<17} "
+                f"  {shape:<16} {tensor.dtype:<9}{size(tensor.bytes)}  {tensor.category:<22} "
                 f"{tensor.op:<32} {tensor.module}"
             )
     if report.advice:

@@ -1,7 +1,4 @@
-"""The records behind `MemoryTracker`: one per live storage, per saved tensor, per peak.
-
-Kept apart from the tracker so that its module holds the accounting logic alone.
-"""
+"""The records behind the live-storage counter: one per live storage, per saved tensor, per peak."""
 
 from __future__ import annotations
 
@@ -10,34 +7,62 @@ import weakref
 
 import torch
 
-from memfit.memory.categories import ACTIVATIONS, OTHER
+from memfit.memory.categories import (
+    ACTIVATION_GRADIENTS,
+    ACTIVATIONS,
+    DEVICE,
+    LOGITS,
+    OTHER,
+    RECOMPUTED_ACTIVATIONS,
+)
 
 
 class StorageRecord:
-    """What the tracker knows about one live storage."""
+    """What the counter knows about one live storage.
 
-    __slots__ = ("key", "born", "ref", "nbytes", "role", "saved", "shape", "dtype", "op", "module", "phase")
+    Its category follows from the fields: a role (parameters, gradients, optimizer
+    state) first, then logits-shaped, then saved for backward, then what made it
+    (a checkpoint's recompute, backward), else other.
+    """
+
+    __slots__ = (
+        "key", "born", "ref", "nbytes", "place", "role", "saved", "logits", "recomputed", "backward",
+        "shape", "dtype", "op", "module", "phase",
+    )  # fmt: skip
 
     def __init__(
-        self, key: int, born: int, nbytes: int, tensor: torch.Tensor, op: str, module: str, phase: str
+        self, key: int, born: int, nbytes: int, tensor: torch.Tensor | None, op: str, place: str = DEVICE
     ) -> None:
         self.key = key
         self.born = born  # order of first sight, to tell whether it was alive at a past peak
         self.ref: weakref.ref | None = None
         self.nbytes = nbytes
+        self.place = place  # device, or host (an offloaded copy)
         self.role = OTHER  # parameters / gradients / optimizer_states, or other
         self.saved = 0  # how many saved-for-backward references are alive
-        self.shape = tuple(tensor.shape)
-        self.dtype = str(tensor.dtype).removeprefix("torch.")
+        self.logits = False
+        self.recomputed = False  # made by a checkpointed block's recompute in backward
+        self.backward = False  # made by backward outside a recompute
+        # A storage first seen through a resize has no tensor: describe it as raw bytes.
+        self.shape = tuple(tensor.shape) if tensor is not None else (nbytes,)
+        self.dtype = str(tensor.dtype).removeprefix("torch.") if tensor is not None else "uint8"
         self.op = op
-        self.module = module
-        self.phase = phase
+        self.module = ""
+        self.phase = ""
 
     @property
     def category(self) -> str:
         if self.role != OTHER:
             return self.role
-        return ACTIVATIONS if self.saved > 0 else OTHER
+        if self.logits:
+            return LOGITS
+        if self.recomputed:
+            return RECOMPUTED_ACTIVATIONS
+        if self.saved > 0:
+            return ACTIVATIONS
+        if self.backward:
+            return ACTIVATION_GRADIENTS
+        return OTHER
 
 
 class SavedTensor:
@@ -51,7 +76,7 @@ class SavedTensor:
         self.events = events
 
     def __del__(self) -> None:
-        # Only queue: this can run in the middle of the tracker's own bookkeeping.
+        # Only queue: this can run in the middle of the counter's own bookkeeping.
         self.events.append(("unsave", self.record, None))
 
 

@@ -1,10 +1,12 @@
 """Exact live-tensor accounting on the training device, by category, phase and module.
 
-`MemoryTracker` watches every aten operator (a `TorchDispatchMode`) and every tensor
-autograd saves for backward (`saved_tensors_hooks`). It counts each storage once,
-at its real `nbytes()`, however many views point to it, and forgets it when the
-storage is freed (a weak reference on the storage). It works the same on CPU (where
-there are no allocator statistics) and CUDA.
+`MemoryTracker` counts through the live-storage core (`memfit.memory.live_storage`: a
+`TorchDispatchMode` that sees every aten operator, and a hook on
+`UntypedStorage.resize_`) and watches every tensor autograd saves for backward
+(`saved_tensors_hooks`). Each storage counts once, at its real `nbytes()`, however
+many views point to it, and is forgotten when it is freed (a weak reference). It
+works the same on CPU (where there are no allocator statistics), on CUDA, and on fake
+tensors (the traced estimate runs memfit's step under it).
 
     tracker = MemoryTracker(device)
     tracker.attach(model, optimizer)
@@ -18,7 +20,12 @@ there are no allocator statistics) and CUDA.
 
 What it counts: tensor storages on `device`, including those made before tracking
 started once it sees them (parameters, gradients and optimizer state are walked at
-`attach`, at phase ends and `end_step`; other tensors when an operator reads them).
+`attach`, at phase ends and `end_step`; other tensors when an operator reads them),
+filed under the categories of `memfit.memory.categories`. Tensors made by a
+checkpointed block's recompute and by backward get categories of their own and the
+module that made them: the recompute's module, or the module whose backward ran
+(the last module whose output's gradient arrived). Host copies made by offloading
+(`memfit.memory.host`) are counted apart: `host_bytes`, `host_peak_bytes`.
 What it does not count: the allocator's cache and fragmentation, the CUDA context,
 workspaces that kernels allocate internally, and non-tensor memory.
 
@@ -26,32 +33,29 @@ Cost: a Python call per operator, so a step runs a few times slower while tracki
 Nothing is installed when no tracker is entered.
 
 With `cap_bytes`, the tracker raises `torch.OutOfMemoryError` at the operator whose
-outputs would take live bytes past the cap (see `memfit.memory.cap`). The outputs of
-that operator are not counted; everything the failed attempt made is uncounted as
-soon as the caller drops it (let the exception go out of scope), so a caller can
-catch the error, free, and retry.
+outputs would take live device bytes past the cap (see `memfit.memory.cap`). The
+outputs of that operator are not counted; everything the failed attempt made is
+uncounted as soon as the caller drops it (let the exception go out of scope), so a
+caller can catch the error, free, and retry.
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
-import heapq
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from memfit.memory.cap import cap_exceeded_error
 from memfit.memory.categories import (
-    ACTIVATIONS,
     CATEGORIES,
+    DEVICE,
     GRADIENTS,
-    NO_PHASE,
+    HOST,
+    NO_MODULE,
     OPTIMIZER_STATES,
     OTHER,
     PARAMETERS,
@@ -59,47 +63,28 @@ from memfit.memory.categories import (
     PhaseMemory,
     StepMemory,
     TensorInfo,
-    Timeline,
-    empty_breakdown,
 )
-from memfit.memory.storage_records import PeakRecord, SavedTensor, StorageRecord, optimizers_within
+from memfit.memory.live_storage import EXISTING_OP, LiveStorages
+from memfit.memory.peaks import PeakBook
+from memfit.memory.storage_records import SavedTensor, StorageRecord, optimizers_within
 
 __all__ = ["CATEGORIES", "MemoryTracker", "PeakSnapshot", "PhaseMemory", "StepMemory", "TensorInfo"]
 
-NO_MODULE = "(outside modules)"
-EXISTING_OP = "(existing)"
+_ROLES = (PARAMETERS, GRADIENTS, OPTIMIZER_STATES)
 
 
-class _AccountingMode(TorchDispatchMode):
-    """Sees every aten operator: counts the storages it reads and allocates."""
-
-    def __init__(self, tracker: MemoryTracker) -> None:
-        super().__init__()
-        self.tracker = tracker
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        self.tracker._adopt_inputs(args, kwargs)
-        out = func(*args, **kwargs)
-        error = self.tracker._account_outputs(func, out)
-        if error is not None:
-            del out  # the traceback must not keep the refused outputs alive
-            try:
-                raise error
-            finally:
-                # A local naming the exception would make frame -> error -> traceback ->
-                # frame a cycle, keeping every tensor of the failed attempt until gc runs.
-                error = None
-        return out
+def _graph_task() -> int:
+    """The id of the backward pass running on this thread, or -1 outside backward."""
+    return torch._C._current_graph_task_id()
 
 
 class MemoryTracker:
     """Counts live tensor bytes on one device by category, per phase and per module.
 
     Args:
-        device: the training device; storages elsewhere are ignored.
-        cap_bytes: emulated memory cap; an operator whose outputs would pass it raises
-            `torch.OutOfMemoryError` (none by default).
+        device: the training device; storages elsewhere are ignored (host copies aside).
+        cap_bytes: emulated memory cap on device bytes; an operator whose outputs would
+            pass it raises `torch.OutOfMemoryError` (none by default).
         top_tensors: how many of the largest storages the peak snapshot keeps.
         max_timeline_samples: bound on the samples kept for one step's timeline
             (older samples are thinned, keeping the higher of each pair).
@@ -117,40 +102,28 @@ class MemoryTracker:
         self.cap_bytes = cap_bytes
         self.top_tensors = top_tensors
         self.max_timeline_samples = max_timeline_samples
-        self._records: dict[int, StorageRecord] = {}
-        # Frees and released saves, queued by callbacks and applied at safe points.
-        self._events: collections.deque = collections.deque()
-        self._by_category = empty_breakdown()
-        self._current = 0
-        # Run peak, and the snapshot taken at the first decrease after a new peak.
-        self._births = 0
-        self._run_peak = PeakRecord(0, empty_breakdown(), 0)
-        self._peak_phase = NO_PHASE
-        self._peak_step = 0
-        self._peak_dirty = False
-        self._snapshot: PeakSnapshot | None = None
-        self._snapshot_peak = PeakRecord(0, empty_breakdown(), 0)
-        self._snapshot_records: list[tuple[StorageRecord, str]] = []
-        self._activation_max = 0
-        self._activation_dirty = False
-        self._module_activations: dict[str, int] = {}
+        self.storages = LiveStorages(self.device, cap_bytes)
+        self._book = PeakBook(self.storages, top_tensors, max_timeline_samples)
+        self.storages.listener = self._book
+        self.storages.after_operator = self._book.sample
+        # Through a weak reference: tracker -> storages -> tracker would be a cycle that
+        # keeps the tracker (and what its hooks reach) alive until the garbage collector runs.
+        tracker_ref = weakref.ref(self)
+
+        def describe_birth(record: StorageRecord, tensor: torch.Tensor | None) -> None:
+            tracker = tracker_ref()
+            if tracker is not None:
+                tracker._describe_birth(record, tensor)
+
+        self.storages.describe_birth = describe_birth
         self._module_inputs: dict[str, int] = {}
-        # Current step.
-        self._step = 0
-        self._step_peak = PeakRecord(0, empty_breakdown(), 0)
-        self._phase_stack: list[str] = []
-        self._phase_stats: dict[str, PeakRecord] = {}
-        self._timeline = Timeline(max_timeline_samples)
-        self._late_roles: list[tuple[int, int, int, str, str]] = []  # for the timeline, at the next _classify
-        self._peak_timeline: Timeline | None = None
-        self._last_timeline: Timeline | None = None
-        # Model and optimizer.
         self._module_stack: list[str] = []
+        self._backward_module: tuple[int, str] = (-1, NO_MODULE)  # (backward pass id, module)
+        self._vocab_size: int | None = None
         self._model: nn.Module | None = None
         self._optimizer: torch.optim.Optimizer | None = None
         self._hook_handles: list = []
         self._depth = 0
-        self._mode: _AccountingMode | None = None
         self._saved_hooks: torch.autograd.graph.saved_tensors_hooks | None = None
 
     # ----------------------------------------------------------------- public API
@@ -164,6 +137,7 @@ class MemoryTracker:
         self.detach()
         self._model = model
         self._optimizer = optimizer
+        self._vocab_size = _vocab_size(model)
         root_name = type(model).__name__
         for name, module in model.named_modules():
             qualified = name or root_name
@@ -191,17 +165,15 @@ class MemoryTracker:
         if self._depth == 1:
             self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
             self._saved_hooks.__enter__()
-            self._mode = _AccountingMode(self)
-            self._mode.__enter__()
+            self.storages.__enter__()
             self._classify()
         return self
 
     def __exit__(self, *exc_info) -> None:
         self._depth -= 1
         if self._depth == 0:
-            self._mode.__exit__(*exc_info)
+            self.storages.__exit__(*exc_info)
             self._saved_hooks.__exit__(*exc_info)
-            self._mode = None
             self._saved_hooks = None
             self._module_stack.clear()
             self._classify()
@@ -209,77 +181,81 @@ class MemoryTracker:
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
         """Attribute what happens inside to phase `name` ("forward", "backward", ...)."""
-        self._flush()
-        self._phase_stack.append(name)
-        stats = self._phase_stats.get(name)
-        if stats is None:
-            self._phase_stats[name] = PeakRecord(self._current, dict(self._by_category), self._births)
-        else:  # entered again (next micro-batch), maybe higher than before
-            stats.raise_to(self._current, self._by_category, self._births)
+        self.storages.flush()
+        self._book.enter_phase(name)
         try:
             yield
         finally:
-            self._phase_stack.pop()
+            self._book.exit_phase()
+            self._backward_module = (-1, NO_MODULE)
             self._classify()
 
     def end_step(self) -> StepMemory:
         """Close the current step: return its memory and reset the per-step peak."""
         self._classify()
-        phases = [PhaseMemory(name, stats.peak, dict(stats.breakdown)) for name, stats in self._phase_stats.items()]
-        result = StepMemory(
-            step=self._step,
-            peak_bytes=self._step_peak.peak,
-            breakdown=dict(self._step_peak.breakdown),
-            phases=phases,
-            live_bytes_at_end=self._current,
-            live_breakdown_at_end=dict(self._by_category),
+        step = self._book.step
+        peak, phase_stats, host_peak = self._book.close_step()
+        return StepMemory(
+            step=step,
+            peak_bytes=peak.peak,
+            breakdown=dict(peak.breakdown),
+            phases=[PhaseMemory(name, stats.peak, dict(stats.breakdown)) for name, stats in phase_stats.items()],
+            live_bytes_at_end=self.storages.live[DEVICE],
+            live_breakdown_at_end=dict(self.storages.totals[DEVICE]),
+            host_peak_bytes=host_peak,
+            host_bytes_at_end=self.storages.live[HOST],
         )
-        if self._peak_step == self._step:
-            self._peak_timeline = self._timeline
-        self._last_timeline = self._timeline
-        self._timeline = Timeline(self.max_timeline_samples)
-        self._phase_stats = {}
-        self._step += 1
-        self._step_peak = PeakRecord(self._current, dict(self._by_category), self._births)
-        self._sample()
-        return result
 
     @property
     def current_bytes(self) -> int:
         """Live tensor bytes on the device now."""
-        self._flush()
-        return self._current
+        self.storages.flush()
+        return self.storages.live[DEVICE]
 
     @property
     def peak_bytes(self) -> int:
-        """The most live tensor bytes seen since tracking started."""
-        self._flush()
-        return self._run_peak.peak
+        """The most live tensor bytes on the device seen since tracking started."""
+        self.storages.flush()
+        return self._book.run_peak.peak
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes held in host memory on purpose (offloaded copies) now."""
+        self.storages.flush()
+        return self.storages.live[HOST]
+
+    @property
+    def host_peak_bytes(self) -> int:
+        """The most host bytes (offloaded copies) seen since tracking started."""
+        self.storages.flush()
+        return self._book.host_peak
 
     def breakdown(self) -> dict[str, int]:
-        """Live bytes now, by category."""
-        self._flush()
-        return dict(self._by_category)
+        """Live device bytes now, by category."""
+        self.storages.flush()
+        return dict(self.storages.totals[DEVICE])
 
     def peak_snapshot(self) -> PeakSnapshot:
-        """The largest live storages at the run's peak, and activation bytes by module."""
-        self._flush()
-        self._settle()
-        if self._snapshot is None:
-            self._capture_peak()
+        """The largest live storages at the run's peak, and compute bytes by module."""
+        self.storages.flush()
+        book = self._book
+        book.settle()
+        if book.snapshot is None:
+            book.capture_peak()
         top_tensors = []
-        for record, category in self._snapshot_records:
+        for record, category in book.snapshot_records:
             # A role found later (optimizer state, gradient) was already its role then.
-            info = self._describe(record)
+            info = _describe(record)
             info.category = record.role if record.role != OTHER else category
             top_tensors.append(info)
         return dataclasses.replace(
-            self._snapshot,
-            breakdown=dict(self._snapshot_peak.breakdown),
+            book.snapshot,
+            breakdown=dict(book.snapshot_peak.breakdown),
             top_tensors=top_tensors,
-            activation_peak_bytes=self._activation_max,
-            module_activation_bytes=dict(self._module_activations),
+            activation_peak_bytes=book.activation_max,
+            module_activation_bytes=dict(book.module_activations),
             module_input_bytes=dict(self._module_inputs),
+            host_peak_bytes=book.host_peak,
         )
 
     def timeline(self, which: str = "peak") -> list[tuple[int, str, dict[str, int]]]:
@@ -289,212 +265,41 @@ class MemoryTracker:
         completed step) or "current" (the step in progress). A sample is taken after
         every operator or free that changed the live bytes.
         """
-        self._flush()
-        if which == "peak":
-            timeline = self._peak_timeline or self._timeline
-        elif which == "last":
-            timeline = self._last_timeline or self._timeline
-        elif which == "current":
-            timeline = self._timeline
-        else:
-            raise ValueError(f"timeline(which=...) must be 'peak', 'last' or 'current', not {which!r}")
-        return timeline.samples()
+        self.storages.flush()
+        return self._book.timeline_of(which).samples()
 
     def live_tensors(self, count: int | None = None) -> list[TensorInfo]:
-        """The live storages now, largest first (all of them unless `count`)."""
-        self._flush()
-        records = list(self._records.values())
+        """The live device storages now, largest first (all of them unless `count`)."""
+        self.storages.flush()
+        records = [record for record in self.storages.records.values() if record.place == DEVICE]
         records.sort(key=lambda record: record.nbytes, reverse=True)
-        return [self._describe(record) for record in records[:count]]
+        return [_describe(record) for record in records[:count]]
 
-    # ------------------------------------------------------------ storage counting
+    # ------------------------------------------------------------ what made a storage
 
-    def _storage_of(self, tensor: torch.Tensor) -> torch.UntypedStorage | None:
-        try:
-            storage = tensor.untyped_storage()
-        except (RuntimeError, NotImplementedError, TypeError):
-            return None  # sparse, nested, or a subclass without a plain storage
-        device = storage.device
-        if device.type != self.device.type:
-            return None
-        if self.device.index is not None and device.index != self.device.index:
-            return None
-        return storage
+    def _describe_birth(self, record: StorageRecord, tensor: torch.Tensor | None) -> None:
+        record.phase = self._book.phase
+        task = _graph_task()
+        if self._module_stack:
+            record.module = self._module_stack[-1]
+            # A module's forward running inside backward is a checkpointed block's recompute.
+            record.recomputed = task != -1 and record.op != EXISTING_OP
+        elif task != -1 and record.op != EXISTING_OP:
+            record.backward = True
+            backward_task, module = self._backward_module
+            record.module = module if backward_task == task else NO_MODULE
+        else:
+            record.module = NO_MODULE
+        vocab = self._vocab_size
+        if vocab and tensor is not None and tensor.dim() >= 2 and tensor.shape[-1] == vocab:
+            record.logits = True
 
-    def _track(self, storage: torch.UntypedStorage, tensor: torch.Tensor, op: str) -> StorageRecord:
-        """The record of `storage`, counting it first if it is new (or was resized)."""
-        key = storage._cdata
-        record = self._records.get(key)
-        nbytes = storage.nbytes()
-        if record is not None:
-            if nbytes != record.nbytes:
-                self._apply(record.category, nbytes - record.nbytes)
-                record.nbytes = nbytes
-            return record
-        module = self._module_stack[-1] if self._module_stack else NO_MODULE
-        phase = self._phase_stack[-1] if self._phase_stack else NO_PHASE
-        record = StorageRecord(key, self._births, nbytes, tensor, op, module, phase)
-        self._births += 1
-        events = self._events
-        record.ref = weakref.ref(storage, lambda ref, key=key: events.append(("free", key, ref)))
-        self._records[key] = record
-        self._apply(OTHER, nbytes)
-        return record
-
-    def _adopt_inputs(self, args: tuple, kwargs: dict) -> None:
-        self._flush()
-        for leaf in tree_leaves((args, kwargs)):
-            if isinstance(leaf, torch.Tensor):
-                storage = self._storage_of(leaf)
-                if storage is not None and storage._cdata not in self._records:
-                    self._track(storage, leaf, EXISTING_OP)
-
-    def _account_outputs(self, func, out) -> torch.OutOfMemoryError | None:
-        """Count the outputs of `func`; return the cap error instead if they do not fit."""
-        self._flush()
-        new: dict[int, tuple[torch.UntypedStorage, torch.Tensor]] = {}
-        for leaf in tree_leaves(out):
-            if not isinstance(leaf, torch.Tensor):
-                continue
-            storage = self._storage_of(leaf)
-            if storage is None:
-                continue
-            key = storage._cdata
-            if key in self._records:
-                self._track(storage, leaf, "")  # in-place or view: only a resize counts
-            elif key not in new:
-                new[key] = (storage, leaf)
-        if not new:
-            self._sample()
-            return None
-        if self.cap_bytes is not None:
-            requested = sum(storage.nbytes() for storage, _ in new.values())
-            if self._current + requested > self.cap_bytes:
-                return cap_exceeded_error(requested, self._current, self.cap_bytes)
-        op = str(func.overloadpacket)
-        for storage, tensor in new.values():
-            self._track(storage, tensor, op)
-        self._sample()
-        return None
-
-    def _flush(self) -> None:
-        """Apply the frees and released saves that callbacks have queued."""
-        events = self._events
-        changed = False
-        while events:
-            kind, item, ref = events.popleft()
-            changed = True
-            if kind == "free":
-                record = self._records.get(item)
-                if record is None or record.ref is not ref:
-                    continue  # the address was reused by a storage counted since
-                self._apply(record.category, -record.nbytes)
-                del self._records[item]
-            else:
-                record = item
-                self._settle()
-                before = record.category
-                record.saved -= 1
-                # A storage already freed is no longer counted: nothing to move.
-                if self._records.get(record.key) is record:
-                    self._move(record.nbytes, before, record.category)
-        if changed:
-            self._sample()
-
-    def _apply(self, category: str, delta: int) -> None:
-        """Change the live bytes of `category`; keep peaks and snapshots up to date."""
-        if delta < 0:
-            # The live set is about to shrink: if it was a new peak, describe it now.
-            if self._peak_dirty:
-                self._capture_peak()
-            if self._activation_dirty and category == ACTIVATIONS:
-                self._capture_activations()
-        self._by_category[category] += delta
-        self._current += delta
-        if delta <= 0:
-            return
-        if category == ACTIVATIONS and self._by_category[ACTIVATIONS] > self._activation_max:
-            self._activation_max = self._by_category[ACTIVATIONS]
-            self._activation_dirty = True
-        self._step_peak.raise_to(self._current, self._by_category, self._births)
-        for name in self._phase_stack:
-            self._phase_stats[name].raise_to(self._current, self._by_category, self._births)
-        if self._run_peak.raise_to(self._current, self._by_category, self._births):
-            self._peak_phase = self._phase_stack[-1] if self._phase_stack else NO_PHASE
-            self._peak_step = self._step
-            self._peak_dirty = True
-
-    def _settle(self) -> None:
-        """Take pending snapshots now, before a record changes category under them."""
-        if self._peak_dirty:
-            self._capture_peak()
-        if self._activation_dirty:
-            self._capture_activations()
-
-    def _move(self, nbytes: int, source: str, target: str) -> None:
-        if nbytes and source != target:
-            self._apply(source, -nbytes)
-            self._apply(target, nbytes)
-
-    def _set_role(self, record: StorageRecord, role: str) -> None:
-        self._settle()
-        before = record.category
-        record.role = role
-        self._move(record.nbytes, before, record.category)
-        if role != OTHER and before in (ACTIVATIONS, OTHER):
-            # Optimizer state made lazily in the first step is only recognized after it:
-            # give past peaks it was part of the right breakdown.
-            for peak in (self._run_peak, self._step_peak, *self._phase_stats.values()):
-                peak.reclassify(record, before, role)
-            if self._snapshot is not None:
-                self._snapshot_peak.reclassify(record, before, role)
-            self._late_roles.append((record.born, self._timeline.next_index, record.nbytes, before, role))
-
-    def _sample(self) -> None:
-        phase = self._phase_stack[-1] if self._phase_stack else NO_PHASE
-        self._timeline.record(phase, tuple(self._by_category[category] for category in CATEGORIES), self._births)
-
-    # ---------------------------------------------------------------- snapshots
-
-    def _describe(self, record: StorageRecord) -> TensorInfo:
-        return TensorInfo(
-            shape=record.shape,
-            dtype=record.dtype,
-            bytes=record.nbytes,
-            category=record.category,
-            op=record.op,
-            module=record.module,
-            phase=record.phase,
-        )
-
-    def _capture_peak(self) -> None:
-        self._peak_dirty = False
-        records = list(self._records.values())
-        largest = heapq.nlargest(self.top_tensors, records, key=lambda record: record.nbytes)
-        peak = self._run_peak
-        self._snapshot_peak = PeakRecord(peak.peak, dict(peak.breakdown), peak.born)
-        self._snapshot_records = [(record, record.category) for record in largest]
-        self._snapshot = PeakSnapshot(
-            peak_bytes=peak.peak,
-            breakdown=self._snapshot_peak.breakdown,
-            phase=self._peak_phase,
-            step=self._peak_step,
-            top_tensors=[],
-        )
-
-    def _capture_activations(self) -> None:
-        self._activation_dirty = False
-        by_module: dict[str, int] = collections.defaultdict(int)
-        for record in list(self._records.values()):
-            if record.category == ACTIVATIONS:
-                by_module[record.module] += record.nbytes
-        self._module_activations = dict(by_module)
-
-    # ------------------------------------------------------------ classification
+    # ------------------------------------------------------------ roles
 
     def _classify(self) -> None:
         """Give parameters, gradients and optimizer state their roles (walks them all)."""
-        self._flush()
+        storages = self.storages
+        storages.flush()
         roles: dict[int, str] = {}
         if self._model is not None:
             for parameter in self._model.parameters():
@@ -507,57 +312,43 @@ class MemoryTracker:
                 for leaf in tree_leaves(state):
                     if isinstance(leaf, torch.Tensor):
                         self._claim(leaf, OPTIMIZER_STATES, roles)
-        for key, record in list(self._records.items()):
+        for key, record in list(storages.records.items()):
             role = roles.get(key, OTHER)
             if record.role != role:
-                self._set_role(record, role)
-        if self._late_roles:
-            self._timeline.reclassify(self._late_roles)
-            self._late_roles = []
-        self._sample()
+                storages.update(record, role=role)
+        self._book.apply_late_roles()
+        self._book.sample()
 
     def _claim(self, tensor: torch.Tensor, role: str, roles: dict[int, str]) -> None:
-        storage = self._storage_of(tensor)
-        if storage is None:
-            return
-        key = storage._cdata
-        if key not in self._records:
-            self._track(storage, tensor, EXISTING_OP)
-        if key not in roles:  # the first role claimed wins: parameters, gradients, optimizer state
-            roles[key] = role
+        record = self.storages.track(tensor)
+        if record is not None and record.key not in roles:  # first role claimed wins
+            roles[record.key] = role
 
-    def _on_grad_ready(self, parameter: torch.Tensor) -> None:
-        if self._depth == 0 or parameter.grad is None:
-            return
-        storage = self._storage_of(parameter.grad)
-        if storage is None:
-            return
-        self._flush()
-        record = self._track(storage, parameter.grad, EXISTING_OP)
-        if record.role == OTHER:
-            self._set_role(record, GRADIENTS)
-            self._sample()
+    def _give_role(self, tensor: torch.Tensor, role: str) -> None:
+        """File one storage under `role` now, unless it already has a role."""
+        self.storages.flush()
+        record = self.storages.track(tensor)
+        if record is not None and record.role == OTHER:
+            self.storages.update(record, role=role)
+            self._book.sample()
 
-    # ----------------------------------------------------- saved tensors, modules
+    # ----------------------------------------------------- saved tensors
 
     def _pack(self, tensor: torch.Tensor):
-        storage = self._storage_of(tensor)
-        if storage is None:
-            return tensor.detach()  # not on our device; detached for the reason below
-        self._flush()
-        record = self._track(storage, tensor, EXISTING_OP)
-        self._settle()
-        before = record.category
-        record.saved += 1
-        self._move(record.nbytes, before, record.category)
+        self.storages.flush()
+        record = self.storages.track(tensor)
+        if record is None:
+            return tensor.detach()  # not counted here; detached for the reason below
+        self.storages.update(record, saved=record.saved + 1)
         # Keep a detached alias: holding the tensor itself would hold its grad_fn,
         # which holds this object: a cycle through C++ that never gets collected.
-        return SavedTensor(tensor.detach(), record, self._events)
+        return SavedTensor(tensor.detach(), record, self.storages.events)
 
     @staticmethod
     def _unpack(packed):
         return packed.tensor if isinstance(packed, SavedTensor) else packed
 
+    # ----------------------------------------------------- module hooks
     # The hooks live on the model and reach the tracker through a weak reference:
     # model -> hook -> tracker -> model would be a cycle that keeps a whole model (and
     # its GPU memory) alive until the garbage collector happens to run.
@@ -574,6 +365,10 @@ class MemoryTracker:
                 if isinstance(value, torch.Tensor):
                     tracker._module_inputs[name] = value.nbytes
                     break
+            # FSDP2 swaps gathered full parameters in just before forward: file them now.
+            for parameter in module._parameters.values():
+                if parameter is not None:
+                    tracker._give_role(parameter, PARAMETERS)
 
         return pre_hook
 
@@ -582,19 +377,75 @@ class MemoryTracker:
 
         def post_hook(module: nn.Module, args: tuple, output) -> None:
             tracker = tracker_ref()
+            if tracker is None:
+                return
             # Pop down to this module: always_call runs this even when forward raised.
-            if tracker is not None and name in tracker._module_stack:
+            if name in tracker._module_stack:
                 while tracker._module_stack and tracker._module_stack.pop() != name:
                     pass
+            if tracker._depth and _graph_task() == -1 and torch.is_grad_enabled():
+                tracker._watch_backward(name, output)
 
         return post_hook
+
+    def _watch_backward(self, name: str, output) -> None:
+        """When the gradient of `output` arrives in backward, that is `name`'s backward running."""
+        tracker_ref = weakref.ref(self)
+
+        def entered(grad_outputs):
+            tracker = tracker_ref()
+            if tracker is not None:
+                tracker._backward_module = (_graph_task(), name)
+
+        seen: set[int] = set()
+        for leaf in _tensor_leaves(output):
+            grad_fn = leaf.grad_fn
+            if grad_fn is not None and id(grad_fn) not in seen:
+                seen.add(id(grad_fn))
+                grad_fn.register_prehook(entered)
 
     def _make_grad_hook(self):
         tracker_ref = weakref.ref(self)
 
         def grad_hook(parameter: torch.Tensor) -> None:
             tracker = tracker_ref()
-            if tracker is not None:
-                tracker._on_grad_ready(parameter)
+            if tracker is not None and tracker._depth and parameter.grad is not None:
+                tracker._give_role(parameter.grad, GRADIENTS)
 
         return grad_hook
+
+
+def _describe(record: StorageRecord) -> TensorInfo:
+    return TensorInfo(
+        shape=record.shape,
+        dtype=record.dtype,
+        bytes=record.nbytes,
+        category=record.category,
+        op=record.op,
+        module=record.module,
+        phase=record.phase,
+    )
+
+
+def _tensor_leaves(output) -> list[torch.Tensor]:
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, dict):
+        output = list(output.values())
+    if isinstance(output, (list, tuple)):
+        return [value for value in output if isinstance(value, torch.Tensor)]
+    return []
+
+
+def _vocab_size(model: nn.Module) -> int | None:
+    """The vocabulary size, to recognize logits by their last dimension; None if ambiguous."""
+    getter = getattr(model, "get_output_embeddings", None)
+    try:
+        head = getter() if getter is not None else None
+    except (AttributeError, NotImplementedError):
+        head = None
+    weight = getattr(head, "weight", None)
+    if weight is None or weight.dim() != 2:
+        return None
+    vocab, hidden = weight.shape
+    return vocab if vocab != hidden else None  # a square head would make every hidden state "logits"
