@@ -4,23 +4,28 @@ The loop divides the summed loss of each micro-batch by the number of target tok
 of the whole effective batch, so that accumulation gives exactly the big-batch loss.
 
 Chunked cross-entropy (`chunk_size > 0`, flag `--loss-chunk-size`)
-    Saves: the `[batch, seq, vocab]` logits are never built. The plain loss holds the
-    logits in the model dtype, their fp32 copy and the fp32 log-softmax saved for
-    backward (and as many bytes again for their gradients): with a 128k vocabulary
-    and 8k tokens that is 4 GiB per fp32 copy. Chunked, only `chunk_size x vocab`
-    logits are alive at any time, in forward and in backward; positions whose label
-    is -100 get no logits at all.
+    Saves: the `[batch, seq, vocab]` logits are never built, in forward or in backward.
+    The plain loss holds the logits in the model dtype, their fp32 copy and the fp32
+    log-softmax saved for backward (and as many bytes again for their gradients): with a
+    128k vocabulary and 8k tokens that is 4 GiB per fp32 copy. Chunked, each chunk's
+    head + loss runs under non-reentrant checkpointing, so only `chunk_size x vocab`
+    logits are alive at any time; backward rebuilds them one chunk at a time. What stays
+    is the final hidden states (one view, no copy).
     Costs: the output projection runs twice (once in forward, once again in backward
     for each chunk), about `2 x tokens x hidden x vocab` extra FLOPs, a few percent of
-    a step for most models.
+    a step for most models. Every position gets logits, padding and context included:
+    shapes never depend on the labels, so the loss traces under fake tensors (the
+    traced estimate) and needs no host synchronisation; ignored targets weigh zero.
     Supported heads: whatever `model.get_output_embeddings()` returns, called as a
     module (plain or tied `nn.Linear`, with bias, LoRA-wrapped or quantized), followed
     by the logit post-processing that Hugging Face models declare in their config:
     `logit_scale` (multiplied, Cohere), `logits_scaling` (divided, Granite) and
     `final_logit_softcapping` (tanh soft-capping, Gemma 2/3). A model whose forward
     changes the logits in any other way needs `--loss-chunk-size 0`.
-    Distributed: the backbone and the head are called directly, bypassing the forward
-    of a DDP/FSDP wrapper; turn chunking off under `--sharding`.
+    Wrappers: the model's own forward runs, with its head swapped for a probe that
+    records the final hidden states and returns empty logits, so the hooks of every
+    wrapper around it (FSDP2's parameter gathering, DeepSpeed's, PEFT's) run as usual;
+    the empty logits join the loss (adding exactly 0) so that their backward hooks run too.
 """
 
 from __future__ import annotations
@@ -96,34 +101,74 @@ def chunked_causal_lm_loss_sum(
 ) -> torch.Tensor:
     """`causal_lm_loss_sum` without the full logits: see the module docstring."""
     lm = unwrap_causal_lm(model)
-    backbone = find_backbone(lm)
     head = lm.get_output_embeddings()
     if head is None:
         raise ValueError(f"{type(lm).__name__} has no output embeddings; use --loss-chunk-size 0")
-    outputs = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-    hidden = outputs.last_hidden_state if hasattr(outputs, "last_hidden_state") else outputs[0]
-
-    # Only positions with a target get logits: padding and context cost nothing.
-    targets = labels[:, 1:].reshape(-1)
-    keep = targets != IGNORE_INDEX
-    hidden = hidden[:, :-1, :].reshape(-1, hidden.size(-1))[keep]
-    targets = targets[keep]
-    if targets.numel() == 0:
-        return hidden.sum().float() * 0.0  # keeps the graph so backward still runs
+    hidden, empty_logits = final_hidden_states(model, lm, head, input_ids, attention_mask)
+    # Shift the labels, not the hidden states (as the plain loss does): the flattened
+    # hidden states stay a view, and the last position of each row is simply ignored.
+    hidden = hidden.reshape(-1, hidden.size(-1))
+    targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).reshape(-1)
 
     postprocess = logit_postprocessing(lm.config)
-    total = None
+    total = empty_logits.float().sum()  # exactly 0; keeps the wrappers' backward hooks in the graph
     for hidden_chunk, target_chunk in zip(hidden.split(chunk_size), targets.split(chunk_size), strict=True):
         # Non-reentrant checkpoint keeps only the chunk's inputs; its logits are
         # rebuilt when backward reaches the chunk, so one chunk of logits is alive.
-        chunk_loss = checkpoint(_chunk_loss, head, postprocess, hidden_chunk, target_chunk, use_reentrant=False)
-        total = chunk_loss if total is None else total + chunk_loss
+        total = total + checkpoint(_chunk_loss, head, postprocess, hidden_chunk, target_chunk, use_reentrant=False)
     return total
 
 
 def _chunk_loss(head, postprocess, hidden_chunk: torch.Tensor, target_chunk: torch.Tensor) -> torch.Tensor:
     logits = postprocess(head(hidden_chunk).float())
-    return F.cross_entropy(logits, target_chunk, reduction="sum")
+    return F.cross_entropy(logits, target_chunk, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+class _HiddenStateProbe(torch.nn.Module):
+    """Stands in for the output head during one forward: keeps its input, returns no logits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hidden: torch.Tensor | None = None
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        self.hidden = hidden
+        return hidden[..., :0]
+
+
+def final_hidden_states(
+    model: torch.nn.Module,
+    lm: torch.nn.Module,
+    head: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The hidden states the head would receive, and the (empty) logits of the forward.
+
+    Runs `model` itself, so wrappers' forward hooks run, with `head` swapped for a
+    probe in its parent module for the duration of the call.
+    """
+    parent, name = _parent_of(lm, head)
+    probe = _HiddenStateProbe()
+    setattr(parent, name, probe)
+    try:
+        outputs = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    finally:
+        setattr(parent, name, head)
+    if probe.hidden is None:
+        raise ValueError(
+            f"{type(lm).__name__}'s forward does not call its output head as a module; use --loss-chunk-size 0"
+        )
+    logits = outputs.logits if hasattr(outputs, "logits") else outputs[0]
+    return probe.hidden, logits
+
+
+def _parent_of(root: torch.nn.Module, child: torch.nn.Module) -> tuple[torch.nn.Module, str]:
+    for parent in root.modules():
+        for name, module in parent.named_children():
+            if module is child:
+                return parent, name
+    raise ValueError(f"the output head of {type(root).__name__} is not one of its modules; use --loss-chunk-size 0")
 
 
 def unwrap_causal_lm(model: torch.nn.Module) -> torch.nn.Module:
@@ -135,22 +180,6 @@ def unwrap_causal_lm(model: torch.nn.Module) -> torch.nn.Module:
     if hasattr(model, "get_base_model"):
         model = model.get_base_model()
     return getattr(model, "_orig_mod", model)
-
-
-def find_backbone(lm: torch.nn.Module) -> torch.nn.Module:
-    """The module of a causal LM that returns the last hidden states (before the head)."""
-    if hasattr(lm, "get_decoder"):
-        decoder = lm.get_decoder()
-        if decoder is not None and decoder is not lm:
-            return decoder
-    for name in ("model", "transformer", "gpt_neox", "backbone"):
-        module = getattr(lm, name, None)
-        if isinstance(module, torch.nn.Module):
-            return module
-    base = getattr(lm, "base_model", None)
-    if isinstance(base, torch.nn.Module) and base is not lm:
-        return base
-    raise ValueError(f"cannot find the backbone of {type(lm).__name__}; use --loss-chunk-size 0")
 
 
 def logit_postprocessing(config) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -1,15 +1,21 @@
 """Offloading to host memory: activations saved for backward, and optimizer state.
 
-Activation offload (`--activation-offload`, CUDA only)
-    Saves: every tensor autograd saves for backward (above `min_bytes`, parameters
-    excluded) leaves GPU memory during forward and comes back for backward; the GPU
-    holds about one layer's activations instead of all of them.
+Activation offload (`--activation-offload`)
+    Saves: every tensor autograd saves for backward outside a checkpoint's recompute
+    (above `min_bytes`, parameters excluded) leaves device memory during forward and
+    comes back for backward. With gradient checkpointing (any mode) that is each
+    checkpointed block's input ("offloaded checkpoints"): the device holds the inputs
+    of about two blocks (the one being recomputed and the one fetched ahead) instead of
+    all of them. Without checkpointing it is every saved activation.
     Costs: a device-to-host copy in forward and a host-to-device copy in backward of
-    all saved bytes, pinned host memory of the same size, and PCIe bandwidth. The
-    forward copies run on a side stream and overlap with compute; the backward copies
-    are on the compute stream, so backward waits for them. Worth it at long sequences
-    when checkpointing's recompute is the alternative. With full checkpointing there is
-    little left to offload (checkpointed blocks save nothing but their inputs).
+    the offloaded bytes, as much pinned host memory, and host-link bandwidth. On CUDA
+    both copies run on a side stream: forward copies overlap the next operators, and
+    backward fetches the next tensor to be needed (one block ahead under checkpointing)
+    while the current one is used, so compute waits only when the link is slower than
+    the block. A tensor saved several times (the same storage, unchanged) is copied once.
+    CPU: the same code runs; the "host" copies are filed as host memory by memfit's
+    memory accounting (`memfit.memory.host`), so the tracker and `--memory-cap` show the
+    device saving at reduced shapes exactly as a GPU run would have it.
 
 Optimizer offload (`--optimizer-offload`, CUDA only, needs torchao)
     Saves: the optimizer state (8 bytes per parameter for AdamW) and the fp32 master
@@ -18,15 +24,15 @@ Optimizer offload (`--optimizer-offload`, CUDA only, needs torchao)
     after the step (2 x 4 bytes per parameter over PCIe per step), and the CPU AdamW
     step time. Gradient clipping cannot be used: the gradients are copied to the host
     as they are produced, before the loop could clip them (`check_optimizer_offload`).
-
-On CPU both do nothing (everything already lives in host memory): the functions return
-a no-op and the reason, which the loop logs.
+    With `--optimizer-in-backward` see `HostSteppedOptimizer` (any device).
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
+import weakref
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -35,9 +41,44 @@ from torch import nn
 from memfit.config import OptimizerConfig
 from memfit.errors import UsageError
 
-NO_EFFECT_ON_CPU = "activation offload has no effect on CPU: activations already live in host memory"
 OPTIMIZER_NO_EFFECT_ON_CPU = "optimizer offload has no effect on CPU: optimizer state already lives in host memory"
 DEFAULT_MIN_OFFLOAD_BYTES = 1 << 16  # smaller tensors cost more in copy latency than they free
+
+
+def _host_allocations() -> contextlib.AbstractContextManager:
+    """Where host copies are allocated: memfit's accounting then files them as host memory."""
+    try:
+        from memfit.memory.host import host_allocations
+    except ImportError:  # accounting without a host/device split: the copies count where they are
+        return contextlib.nullcontext()
+    return host_allocations()
+
+
+def _to_host(tensor: torch.Tensor, pin: bool) -> torch.Tensor:
+    """An empty host tensor shaped like `tensor` (contiguous), filed as host memory."""
+    with _host_allocations():
+        return torch.empty(tensor.size(), dtype=tensor.dtype, device="cpu", pin_memory=pin)
+
+
+@dataclass(eq=False)
+class _Offloaded:
+    """One saved tensor in host memory: what autograd holds instead of the tensor."""
+
+    host: torch.Tensor
+    device: torch.device
+    generation: int
+    index: int
+    copied: Any = None
+    """CUDA event: the device-to-host copy is complete."""
+    fetched: torch.Tensor | None = None
+    """The tensor brought back ahead of its use (CUDA: on the side stream)."""
+    fetched_ready: Any = None
+    returned: Any = None
+    """Weak reference to the device tensor last handed to autograd (shared by repeated saves)."""
+
+    @property
+    def nbytes(self) -> int:
+        return self.host.numel() * self.host.element_size()
 
 
 class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
@@ -46,27 +87,45 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
     Args:
         model: its parameters (and views of them) are never offloaded.
         min_bytes: tensors smaller than this stay where they are.
-        force: also copy CPU tensors into fresh host storage (no memory effect; lets
-            tests run the pack/unpack path without a GPU).
+        device: only tensors on this device are offloaded (default: any; on a CUDA run
+            a CPU tensor is already in host memory).
+        prefetch: when a tensor is unpacked, bring back the one saved just before it, so
+            that the next block's input arrives while the current block is recomputed
+            (False: fetch each tensor when it is needed).
 
-    `offloaded_tensors` and `offloaded_bytes` count what was moved.
+    Works on any device; on CUDA the copies use pinned memory and a side stream.
+    `offloaded_tensors` and `offloaded_bytes` count what was moved (repeated saves of
+    one tensor count once); `fetched_ahead` counts tensors brought back before their use.
     """
 
-    def __init__(self, model: nn.Module | None = None, min_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES, force: bool = False):
+    def __init__(
+        self,
+        model: nn.Module | None = None,
+        min_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES,
+        device: torch.device | str | None = None,
+        prefetch: bool = True,
+    ):
         self.min_bytes = min_bytes
-        self.force = force
+        self.device_type = torch.device(device).type if device is not None else None
+        self.prefetch = prefetch
         self.offloaded_tensors = 0
         self.offloaded_bytes = 0
+        self.fetched_ahead = 0
         self._parameter_storages = (
             {p.untyped_storage().data_ptr() for p in model.parameters()} if model is not None else set()
         )
-        self._stream = torch.cuda.Stream() if torch.cuda.is_available() else None
+        self._stream = None
+        self._generation = 0
+        self._records: list[weakref.ref] = []  # this forward's offloads, in the order they were saved
+        self._unpacked_since_pack = False
+        # (storage key, offset, shape, stride, dtype) -> (storage ref, version, record ref): repeated saves
+        self._seen: dict[tuple, tuple[weakref.ref, int, weakref.ref]] = {}
         super().__init__(self._pack, self._unpack)
 
     def _should_offload(self, tensor: torch.Tensor) -> bool:
-        if tensor.device.type == "cpu" and not self.force:
-            return False
-        if tensor.device.type not in ("cpu", "cuda") or tensor.layout != torch.strided:
+        if tensor.layout != torch.strided or type(tensor) not in (torch.Tensor, nn.Parameter):
+            return False  # fake, sparse and subclass tensors (DTensor, NF4) stay as they are
+        if self.device_type is not None and tensor.device.type != self.device_type:
             return False
         if (
             isinstance(tensor, nn.Parameter)
@@ -76,52 +135,117 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
             return False  # weights are needed on the device anyway
         return tensor.numel() * tensor.element_size() >= self.min_bytes
 
+    def _side_stream(self, device: torch.device):
+        if device.type != "cuda":
+            return None
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device)
+        return self._stream
+
     def _pack(self, tensor: torch.Tensor) -> Any:
         if not self._should_offload(tensor):
             return tensor
+        if self._unpacked_since_pack:  # a new forward: prefetching never crosses into an older graph
+            self._unpacked_since_pack = False
+            self._generation += 1
+            self._records = []
+            self._seen.clear()
+        storage = tensor.untyped_storage()
+        key = (storage._cdata, tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
+        seen = self._seen.get(key)
+        if seen is not None:
+            storage_ref, version, record_ref = seen
+            record = record_ref()
+            if record is not None and storage_ref() is storage and version == tensor._version:
+                return record  # the same bytes saved again (e.g. one input of three projections)
+        record = self._copy_out(tensor)
+        self._seen[key] = (weakref.ref(storage), tensor._version, weakref.ref(record))
+        self._records.append(weakref.ref(record))
         self.offloaded_tensors += 1
-        self.offloaded_bytes += tensor.numel() * tensor.element_size()
-        if tensor.device.type == "cpu":  # forced path: a copy in fresh storage
-            host = torch.empty(tensor.size(), dtype=tensor.dtype)
+        self.offloaded_bytes += record.nbytes
+        return record
+
+    def _copy_out(self, tensor: torch.Tensor) -> _Offloaded:
+        stream = self._side_stream(tensor.device)
+        host = _to_host(tensor, pin=stream is not None)
+        record = _Offloaded(host, tensor.device, self._generation, len(self._records))
+        if stream is None:
             host.copy_(tensor)
-            return (tensor.device, host, None)
-        host = torch.empty(tensor.size(), dtype=tensor.dtype, pin_memory=True)
+            return record
         # The copy runs beside compute; record_stream keeps the allocator from reusing
         # the device memory before the copy has read it.
-        self._stream.wait_stream(torch.cuda.current_stream(tensor.device))
-        with torch.cuda.stream(self._stream):
+        stream.wait_stream(torch.cuda.current_stream(tensor.device))
+        with torch.cuda.stream(stream):
             host.copy_(tensor, non_blocking=True)
-        tensor.record_stream(self._stream)
-        return (tensor.device, host, self._stream.record_event())
+            record.copied = stream.record_event()
+        tensor.record_stream(stream)
+        return record
 
     def _unpack(self, packed: Any) -> torch.Tensor:
         if isinstance(packed, torch.Tensor):
             return packed
-        device, host, copied = packed
-        if device.type == "cpu":
-            return host
-        stream = torch.cuda.current_stream(device)
-        stream.wait_event(copied)  # the forward copy must be complete before reading the host buffer
-        return host.to(device, non_blocking=True)
+        record: _Offloaded = packed
+        self._unpacked_since_pack = True
+        previous = record.returned() if record.returned is not None else None
+        if previous is not None:
+            return previous  # saved several times: every user gets the same device tensor
+        tensor = self._bring_back(record)
+        record.returned = weakref.ref(tensor)
+        if self.prefetch and record.generation == self._generation:
+            self._fetch_ahead(record)
+        return tensor
+
+    def _bring_back(self, record: _Offloaded) -> torch.Tensor:
+        stream = self._side_stream(record.device)
+        if record.fetched is not None:
+            tensor, record.fetched = record.fetched, None
+            if stream is not None:
+                compute = torch.cuda.current_stream(record.device)
+                compute.wait_event(record.fetched_ready)
+                tensor.record_stream(compute)  # allocated on the side stream, used and freed on compute
+            return tensor
+        if stream is None:
+            return torch.empty_like(record.host, device=record.device).copy_(record.host)
+        compute = torch.cuda.current_stream(record.device)
+        compute.wait_event(record.copied)  # the forward copy must be complete before reading the host buffer
+        return record.host.to(record.device, non_blocking=True)
+
+    def _fetch_ahead(self, current: _Offloaded) -> None:
+        """Start bringing back the tensor saved last before `current`: the next one backward needs.
+
+        One tensor ahead is one block ahead under checkpointing (a block saves only its
+        input); the device then holds two blocks' inputs, never more.
+        """
+        index = current.index - 1
+        while index >= 0:
+            record = self._records[index]()
+            index -= 1
+            if record is None or record.returned is not None:
+                continue  # freed with its graph, or already used
+            if record.fetched is not None:
+                return
+            stream = self._side_stream(record.device)
+            if stream is None:
+                record.fetched = torch.empty_like(record.host, device=record.device).copy_(record.host)
+            else:
+                with torch.cuda.stream(stream):  # after this record's forward copy: same stream
+                    record.fetched = record.host.to(record.device, non_blocking=True)
+                    record.fetched_ready = stream.record_event()
+            self.fetched_ahead += 1
+            return
 
 
 def activation_offload(
     device: torch.device | str,
     model: nn.Module | None = None,
     min_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES,
-    force: bool = False,
 ) -> tuple[contextlib.AbstractContextManager, str | None]:
     """The context to run forward and backward in, and why it does nothing (or None).
 
     Wrap the forward (the loss computation); backward may run inside or outside it.
-    On CPU, unless `force`, it is a no-op with a reason for the log.
+    It runs on every device: see the module docstring for what CPU runs show.
     """
-    device = torch.device(device)
-    if device.type == "cuda" or force:
-        return ActivationOffload(model, min_bytes=min_bytes, force=force), None
-    if device.type == "cpu":
-        return contextlib.nullcontext(), NO_EFFECT_ON_CPU
-    return contextlib.nullcontext(), f"activation offload supports CUDA only; it is off on {device.type}"
+    return ActivationOffload(model, min_bytes=min_bytes, device=device), None
 
 
 def check_optimizer_offload(device: torch.device | str, max_grad_norm: float) -> None:
