@@ -18,6 +18,8 @@ COMMANDS = {
     "profile": ("profile", "run a few steps and show where the memory goes"),
     "find-batch-size": ("find_batch_size", "the largest micro-batch that fits"),
     "presets": ("presets", "the models and GPUs the offline tables know"),
+    "report": ("report", "a run's HTML report: curves, memory at the peak, advice (offline)"),
+    "compare": ("compare", "several runs overlaid in one HTML page"),
 }
 
 USAGE = "usage: memfit {" + ",".join(COMMANDS) + "} [--FLAG VALUE ...]   (memfit COMMAND --help for its flags)"

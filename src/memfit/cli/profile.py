@@ -44,6 +44,11 @@ def run(argv: list[str]) -> int:
 
     with stdout_to_stderr(options.json):
         report, extra = profile_run(config.replace(max_steps=options.steps, epochs=None), options.top, options.plot, options.snapshot)
+        timeline = extra.pop("timeline", None)  # for the HTML report only, not the --json object
+        if config.output.report:
+            from memfit.reporting.run_end import report_after_profile
+
+            report_after_profile(config, report, extra, timeline)
     if options.json:
         print_json(report.to_dict() | extra)
         return 0

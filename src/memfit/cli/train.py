@@ -30,6 +30,10 @@ def run(argv: list[str]) -> int:
         summary = dict(result.summary)
         print(memory_report(summary), file=sys.stderr)
         print(f"memfit: final model in {result.final_dir}", file=sys.stderr)
+        if config.output.report:  # report.html beside the metrics (skipped with one line without plotly)
+            from memfit.reporting.run_end import report_after_run
+
+            report_after_run(result.output_dir, config.output.log_file)
     return 0
 
 

@@ -148,7 +148,11 @@ class _DevTools:
 
 
 def check_page(
-    path: str | Path, executable: str | None = None, width: int = 1280, height: int = 900, timeout: float = 90,
+    path: str | Path,
+    executable: str | None = None,
+    width: int = 1280,
+    height: int = 900,
+    timeout: float = 90,
     max_screenshot_height: int = 12000,
 ) -> PageCheck:
     """Load `path` in headless Chromium; return what it did (see `PageCheck`).
@@ -174,9 +178,12 @@ def check_page(
 
     process = subprocess.Popen(
         [executable, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", f"--window-size={width},{height}", "about:blank"],
-        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
         # close_fds stays off: the fds dup2'ed to 3 and 4 in the child must survive exec (the rest are close-on-exec).
-        preexec_fn=wire_pipes, close_fds=False,
+        preexec_fn=wire_pipes,
+        close_fds=False,
     )
     os.close(to_browser[0])
     os.close(from_browser[1])
@@ -190,22 +197,35 @@ def check_page(
             method, params = message["method"], message.get("params", {})
             if method == "Fetch.requestPaused":  # only non-local URLs are paused (see the patterns below)
                 result.blocked_requests.append(params["request"]["url"])
-                tools.post("Fetch.failRequest", {"requestId": params["requestId"], "errorReason": "BlockedByClient"}, session)
+                tools.post(
+                    "Fetch.failRequest", {"requestId": params["requestId"], "errorReason": "BlockedByClient"}, session
+                )
             elif method == "Network.requestWillBeSent":
                 result.requests.append(params["request"]["url"])
             elif method == "Runtime.consoleAPICalled" and params.get("type") in ("error", "assert"):
-                result.console_errors.append(" ".join(str(arg.get("value", arg.get("description", ""))) for arg in params.get("args", [])))
+                result.console_errors.append(
+                    " ".join(str(arg.get("value", arg.get("description", ""))) for arg in params.get("args", []))
+                )
             elif method == "Runtime.exceptionThrown":
                 details = params.get("exceptionDetails", {})
-                result.console_errors.append(details.get("exception", {}).get("description") or details.get("text", "exception"))
+                result.console_errors.append(
+                    details.get("exception", {}).get("description") or details.get("text", "exception")
+                )
             elif method == "Log.entryAdded" and params.get("entry", {}).get("level") == "error":
                 entry = params["entry"]
-                result.console_errors.append(f"{entry.get('source')}: {entry.get('text')} {entry.get('url', '')}".strip())
+                result.console_errors.append(
+                    f"{entry.get('source')}: {entry.get('text')} {entry.get('url', '')}".strip()
+                )
 
         tools.on_event = on_event
         for domain in ("Runtime", "Log", "Page", "Network"):
             tools.call(f"{domain}.enable", {}, session)
-        patterns = [{"urlPattern": "http://*"}, {"urlPattern": "https://*"}, {"urlPattern": "ws*://*"}, {"urlPattern": "ftp://*"}]
+        patterns = [
+            {"urlPattern": "http://*"},
+            {"urlPattern": "https://*"},
+            {"urlPattern": "ws*://*"},
+            {"urlPattern": "ftp://*"},
+        ]
         tools.call("Fetch.enable", {"patterns": patterns}, session)
         metrics = {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": False}
         tools.call("Emulation.setDeviceMetricsOverride", metrics, session)
@@ -225,7 +245,9 @@ def check_page(
         full_height = min(int(content.get("height", height)), max_screenshot_height)
         tools.call("Emulation.setDeviceMetricsOverride", {**metrics, "height": max(full_height, height)}, session)
         time.sleep(0.5)  # let plotly's responsive layout settle after the resize
-        shot = tools.call("Page.captureScreenshot", {"format": "png", "captureBeyondViewport": True}, session, timeout=timeout)
+        shot = tools.call(
+            "Page.captureScreenshot", {"format": "png", "captureBeyondViewport": True}, session, timeout=timeout
+        )
         result.screenshot = base64.b64decode(shot["data"])
         try:
             tools.call("Browser.close", {}, timeout=10)

@@ -103,7 +103,12 @@ def memory_series(run: RunData) -> list[tuple[str, list[int], list[float], bool]
 
 
 def _panels(run: RunData) -> list[tuple[str, str]]:
-    panels = [("loss", "loss"), ("lr", "learning rate"), ("grad_norm", "gradient norm"), ("tokens_per_second", "tokens/s")]
+    panels = [
+        ("loss", "loss"),
+        ("lr", "learning rate"),
+        ("grad_norm", "gradient norm"),
+        ("tokens_per_second", "tokens/s"),
+    ]
     if run.series("mfu")[0]:
         panels.append(("mfu", "MFU (% of device peak)"))
     panels.append(("memory", "peak memory"))
@@ -134,7 +139,9 @@ def curves_figure(run: RunData):
     panels = _panels(run)
     columns = 2
     rows = max(1, -(-len(panels) // columns))
-    figure = make_subplots(rows=rows, cols=columns, subplot_titles=[title for _, title in panels], vertical_spacing=0.12 / rows * 2)
+    figure = make_subplots(
+        rows=rows, cols=columns, subplot_titles=[title for _, title in panels], vertical_spacing=0.12 / rows * 2
+    )
     for position, (key, _) in enumerate(panels):
         row, col = position // columns + 1, position % columns + 1
         if key == "memory":
@@ -144,7 +151,11 @@ def curves_figure(run: RunData):
                 xs, ys = downsample(xs, ys, "max")
                 color = RUN_COLORS[(index + 2) % len(RUN_COLORS)]
                 figure.add_trace(
-                    _line(go, xs, [y / scale for y in ys], label, color, "dot" if host else None, hover_unit=f" {unit}"), row, col
+                    _line(
+                        go, xs, [y / scale for y in ys], label, color, "dot" if host else None, hover_unit=f" {unit}"
+                    ),
+                    row,
+                    col,
                 )
             figure.update_yaxes(title_text=unit, row=row, col=col, rangemode="tozero")
         else:
@@ -183,8 +194,20 @@ def _mark_events(go, figure, run: RunData) -> None:
     """Vertical lines on every panel at OOM recoveries and resumes, and hoverable markers on the loss panel."""
     loss_by_step = dict(zip(*run.series("loss"), strict=True))
     groups = (
-        ("OOM recovered", OOM_COLOR, "dot", "x", [(event.get("step"), _event_label(event)) for event in run.oom_events]),
-        ("resumed", RESUME_COLOR, "dash", "triangle-up", [(r["step"], f"resumed from {r['from']}") for r in run.resumes]),
+        (
+            "OOM recovered",
+            OOM_COLOR,
+            "dot",
+            "x",
+            [(event.get("step"), _event_label(event)) for event in run.oom_events],
+        ),
+        (
+            "resumed",
+            RESUME_COLOR,
+            "dash",
+            "triangle-up",
+            [(r["step"], f"resumed from {r['from']}") for r in run.resumes],
+        ),
     )
     for name, color, dash, symbol, marks in groups:
         marks = [(step, text) for step, text in marks if isinstance(step, int)]
@@ -217,7 +240,10 @@ def breakdown_figure(breakdown: dict[str, int], estimate: dict[str, Any] | None 
     figure = go.Figure()
     figure.add_trace(
         go.Bar(
-            y=labels, x=[rounded(breakdown.get(name, 0) / scale) for name in names], orientation="h", name="measured",
+            y=labels,
+            x=[rounded(breakdown.get(name, 0) / scale) for name in names],
+            orientation="h",
+            name="measured",
             marker={"color": [CATEGORY_COLORS.get(name, "#999999") for name in names]},
             hovertemplate=f"%{{x}} {unit}<extra>measured</extra>",
         )
@@ -225,15 +251,23 @@ def breakdown_figure(breakdown: dict[str, int], estimate: dict[str, Any] | None 
     if estimated:
         figure.add_trace(
             go.Bar(
-                y=labels, x=[rounded(estimated.get(name, 0) / scale) for name in names], orientation="h",
-                name=f"estimated ({estimate.get('method', 'analytical')})", marker={"color": "#bbbbbb"},
+                y=labels,
+                x=[rounded(estimated.get(name, 0) / scale) for name in names],
+                orientation="h",
+                name=f"estimated ({estimate.get('method', 'analytical')})",
+                marker={"color": "#bbbbbb"},
                 hovertemplate=f"%{{x}} {unit}<extra>estimated</extra>",
             )
         )
     figure.update_layout(
-        barmode="group", height=90 + 40 * len(names) * (2 if estimated else 1), template="plotly_white",
-        margin={"l": 150, "r": 20, "t": 20, "b": 40}, xaxis_title=unit, yaxis={"autorange": "reversed"},
-        legend={"orientation": "h", "y": 1.08}, showlegend=bool(estimated),
+        barmode="group",
+        height=90 + 40 * len(names) * (2 if estimated else 1),
+        template="plotly_white",
+        margin={"l": 150, "r": 20, "t": 20, "b": 40},
+        xaxis_title=unit,
+        yaxis={"autorange": "reversed"},
+        legend={"orientation": "h", "y": 1.08},
+        showlegend=bool(estimated),
     )
     return figure
 
@@ -255,25 +289,46 @@ def timeline_figure(timeline: dict[str, Any]):
     for name in names:
         figure.add_trace(
             go.Scatter(
-                x=index, y=[rounded(value / scale, 4) for value in sizes[name]], name=name.replace("_", " "),
-                mode="lines", stackgroup="memory", line={"width": 0.5, "shape": "hv", "color": CATEGORY_COLORS.get(name)},
+                x=index,
+                y=[rounded(value / scale, 4) for value in sizes[name]],
+                name=name.replace("_", " "),
+                mode="lines",
+                stackgroup="memory",
+                line={"width": 0.5, "shape": "hv", "color": CATEGORY_COLORS.get(name)},
                 hovertemplate=f"%{{y}} {unit}<extra>{name.replace('_', ' ')}</extra>",
             )
         )
     phases = timeline.get("phases") or []
+    span = max((index[-1] - index[0]) if index else 1, 1)
+    labelled_at = None
     for start, phase in phases:
         if phase.startswith("("):  # bookkeeping between phases gets no line of its own
             continue
         figure.add_vline(x=start, line={"color": "black", "dash": "dot", "width": 1})
-        figure.add_annotation(x=start, y=1.0, yref="paper", text=phase, showarrow=False, xanchor="left", yanchor="bottom")
+        # With many micro-batches the phases repeat: name them where the labels do not overlap.
+        if labelled_at is None or start - labelled_at > 0.06 * span:
+            figure.add_annotation(
+                x=start, y=1.0, yref="paper", text=phase, showarrow=False, xanchor="left", yanchor="bottom"
+            )
+            labelled_at = start
     if totals:
         peak = max(totals)
         figure.add_annotation(
-            x=index[totals.index(peak)], y=peak / scale, text=f"peak {peak / scale:.1f} {unit}", showarrow=True, arrowhead=2
+            x=index[totals.index(peak)],
+            y=peak / scale,
+            text=f"peak {peak / scale:.1f} {unit}",
+            showarrow=True,
+            arrowhead=2,
         )
     figure.update_layout(
-        height=420, template="plotly_white", hovermode="x unified", margin={"l": 60, "r": 20, "t": 40, "b": 40},
-        xaxis={"title": "tracker event (operators and frees that changed live memory)", "rangeslider": {"visible": True}},
+        height=420,
+        template="plotly_white",
+        hovermode="x unified",
+        margin={"l": 60, "r": 20, "t": 40, "b": 40},
+        xaxis={
+            "title": "tracker event (operators and frees that changed live memory)",
+            "rangeslider": {"visible": True},
+        },
         yaxis={"title": f"live tensor memory ({unit})", "rangemode": "tozero"},
     )
     return figure
@@ -302,19 +357,34 @@ def compare_figure(runs: Sequence[RunData]):
             label, xs, ys, host = series[0]
             xs, ys = downsample(xs, ys, "max")
             figure.add_trace(
-                _line(go, xs, [y / scale for y in ys], f"{run.name}: {label}", color, "dot" if host else None,
-                      legendgroup=run.name, showlegend=first, hover_unit=f" {unit}"), 3, 1,
+                _line(
+                    go,
+                    xs,
+                    [y / scale for y in ys],
+                    f"{run.name}: {label}",
+                    color,
+                    "dot" if host else None,
+                    legendgroup=run.name,
+                    showlegend=first,
+                    hover_unit=f" {unit}",
+                ),
+                3,
+                1,
             )
     figure.update_yaxes(title_text=unit, rangemode="tozero", row=3, col=1)
     figure.update_xaxes(title_text="step", row=3, col=1)
-    figure.update_layout(height=860, template="plotly_white", hovermode="x unified", margin={"l": 60, "r": 20, "t": 40, "b": 40})
+    figure.update_layout(
+        height=860, template="plotly_white", hovermode="x unified", margin={"l": 60, "r": 20, "t": 40, "b": 40}
+    )
     return figure
 
 
 def compare_breakdown_figure(runs: Sequence[RunData]):
     """The tracked breakdown at each run's peak, one stacked bar per run; None when no run was tracked."""
     go = require_plotly()
-    measured = [(run.name, run.memory["profile"]["breakdown"]) for run in runs if run.memory and run.memory.get("profile")]
+    measured = [
+        (run.name, run.memory["profile"]["breakdown"]) for run in runs if run.memory and run.memory.get("profile")
+    ]
     if not measured:
         return None
     names = [name for name in _ordered([n for _, b in measured for n in b]) if any(b.get(name) for _, b in measured)]
@@ -323,13 +393,21 @@ def compare_breakdown_figure(runs: Sequence[RunData]):
     for name in names:
         figure.add_trace(
             go.Bar(
-                y=[run for run, _ in measured], x=[rounded(b.get(name, 0) / scale) for _, b in measured], orientation="h",
-                name=name.replace("_", " "), marker={"color": CATEGORY_COLORS.get(name)},
+                y=[run for run, _ in measured],
+                x=[rounded(b.get(name, 0) / scale) for _, b in measured],
+                orientation="h",
+                name=name.replace("_", " "),
+                marker={"color": CATEGORY_COLORS.get(name)},
                 hovertemplate=f"%{{x}} {unit}<extra>{name.replace('_', ' ')}</extra>",
             )
         )
     figure.update_layout(
-        barmode="stack", height=140 + 45 * len(measured), template="plotly_white", xaxis_title=f"live tensors at the peak ({unit})",
-        margin={"l": 150, "r": 20, "t": 20, "b": 40}, legend={"orientation": "h", "y": 1.15}, yaxis={"autorange": "reversed"},
+        barmode="stack",
+        height=140 + 45 * len(measured),
+        template="plotly_white",
+        xaxis_title=f"live tensors at the peak ({unit})",
+        margin={"l": 150, "r": 20, "t": 20, "b": 40},
+        legend={"orientation": "h", "y": 1.15},
+        yaxis={"autorange": "reversed"},
     )
     return figure

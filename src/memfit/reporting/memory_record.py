@@ -72,23 +72,35 @@ def build_memory_record(
     report: ProfileReport,
     timeline: Sequence[tuple[int, str, dict[str, int]]],
     estimate: dict[str, Any] | None = None,
+    first_step: int = 1,
 ) -> dict[str, Any]:
-    """The JSON object of `memory_timeline.json`."""
+    """The JSON object of `memory_timeline.json`.
+
+    `first_step`: the run's number (1-based, as in the metrics) of the first tracked step;
+    the tracker counts the steps of one launch from 0, and a resumed launch starts later.
+    """
     raw_samples = len(timeline)
     thinned = thin_timeline(timeline)
+    peak_step = first_step + report.peak_step
     return {
         "version": RECORD_VERSION,
         "profile": report.to_dict(),
-        "timeline": {**timeline_to_dict(thinned), "step": report.peak_step, "samples_recorded": raw_samples},
+        "peak_step": peak_step,
+        "timeline": {**timeline_to_dict(thinned), "step": peak_step, "samples_recorded": raw_samples},
         "estimate": estimate,
     }
 
 
-def analytical_estimate(config: TrainConfig) -> dict[str, Any] | None:
-    """memfit's analytical estimate of `config`, or None where it cannot be made (an unknown model shape)."""
+def analytical_estimate(config: TrainConfig, micro_batch_size: int | None = None) -> dict[str, Any] | None:
+    """memfit's analytical estimate of `config`, or None where it cannot be made (an unknown model shape).
+
+    `micro_batch_size`: the micro-batch that really ran, when OOM recovery made it smaller than configured.
+    """
     try:
         from memfit.memory.estimator import estimate
 
+        if micro_batch_size and micro_batch_size != config.training.batch_size:
+            config = config.replace(batch_size=micro_batch_size)
         result = estimate(config, method="analytical")
     except Exception as error:  # the estimate is an extra: a model it cannot read must not fail the run
         log.debug("memfit: no estimate for the report: %s", error)
@@ -100,6 +112,7 @@ def analytical_estimate(config: TrainConfig) -> dict[str, Any] | None:
         "error_band": result.error_band,
         "peak_phase": result.details.get("peak_phase"),
         "device": result.details.get("device"),
+        "micro_batch_size": config.training.batch_size,
     }
 
 
@@ -116,13 +129,18 @@ def save_memory_record(
 ) -> Path | None:
     """Write `memory_timeline.json` for a run that ran the tracker; None when no step was tracked.
 
-    `tracker` is the run's `MemoryTracker`, `steps` the `StepMemory` of each step, `facts`
-    what really ran (precision, checkpointing, loss chunk size) as in the metrics' start line.
+    `tracker` is the run's `MemoryTracker`, `steps` the `StepMemory` of each step of this launch,
+    `facts` what really ran (precision, checkpointing, loss chunk size) as in the metrics' start
+    line, plus "last_step" (the run's step count at the end) and "micro_batch_size" (the one in use).
     """
     if not steps:
         return None
-    report = build_report(steps, tracker.peak_snapshot(), facts.get("device", str(tracker.device)), report_context(config, facts))
-    record = build_memory_record(report, tracker.timeline(), analytical_estimate(config))
+    report = build_report(
+        steps, tracker.peak_snapshot(), facts.get("device", str(tracker.device)), report_context(config, facts)
+    )
+    first_step = int(facts.get("last_step") or len(steps)) - len(steps) + 1
+    estimate = analytical_estimate(config, facts.get("micro_batch_size"))
+    record = build_memory_record(report, tracker.timeline(), estimate, first_step)
     path = Path(directory) / MEMORY_RECORD_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_suffix(".json.tmp")

@@ -56,22 +56,28 @@ def _number(value: float | None, digits: int = 4) -> str:
 
 def _card(label: str, value: str, note: str = "") -> str:
     note_html = f'<div class="note">{_e(note)}</div>' if note else ""
-    return f'<div class="card"><div class="label">{_e(label)}</div><div class="value">{_e(value)}</div>{note_html}</div>'
+    return (
+        f'<div class="card"><div class="label">{_e(label)}</div><div class="value">{_e(value)}</div>{note_html}</div>'
+    )
 
 
 def _table(header: Sequence[str], rows: Sequence[Sequence[Any]], numeric: Sequence[int] = ()) -> str:
     head = "".join(f"<th>{_e(cell)}</th>" for cell in header)
     body = "".join(
-        "<tr>" + "".join(f'<td{" class=num" if i in numeric else ""}>{_e(cell)}</td>' for i, cell in enumerate(row)) + "</tr>"
+        "<tr>"
+        + "".join(f"<td{' class=num' if i in numeric else ''}>{_e(cell)}</td>" for i, cell in enumerate(row))
+        + "</tr>"
         for row in rows
     )
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
 def _chart(figure, div_id: str) -> str:
-    return '<div class="chart">' + figure.to_html(
-        full_html=False, include_plotlyjs=False, div_id=div_id, config=figures.PLOTLY_CONFIG
-    ) + "</div>"
+    return (
+        '<div class="chart">'
+        + figure.to_html(full_html=False, include_plotlyjs=False, div_id=div_id, config=figures.PLOTLY_CONFIG)
+        + "</div>"
+    )
 
 
 def _page(title: str, subtitle: str, body: str) -> str:
@@ -86,11 +92,11 @@ def _page(title: str, subtitle: str, body: str) -> str:
         f"this file: {_SIZE_MARK}</footer>"
     )
     return (
-        "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
-        "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">"
+        '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
+        '<meta name="viewport" content="width=device-width, initial-scale=1">'
         f"<title>{_e(title)}</title><style>{_STYLE}</style>"
-        f"<script type=\"text/javascript\">{get_plotlyjs()}</script></head>"
-        f"<body><main><h1>{_e(title)}</h1><div class=\"sub\">{_e(subtitle)}</div>{body}{footer}</main></body></html>\n"
+        f'<script type="text/javascript">{get_plotlyjs()}</script></head>'
+        f'<body><main><h1>{_e(title)}</h1><div class="sub">{_e(subtitle)}</div>{body}{footer}</main></body></html>\n'
     )
 
 
@@ -111,9 +117,12 @@ def glance(run: RunData) -> list[tuple[str, str, str]]:
     facts = run.facts
     cards = [("model", str(facts.get("model", "?")), f"{facts.get('device', '?')} x {facts.get('world_size', 1)}")]
     steps = run.steps[-1]["step"] if run.steps else 0
-    cards.append(("steps", str(steps), "finished" if run.summary else "no summary: the run did not finish"))
+    finished = run.summary is not None or run.kind == "profile"
+    cards.append(("steps", str(steps), "finished" if finished else "no summary: the run did not finish"))
     if run.final_loss is not None:
-        cards.append(("final loss", _number(run.final_loss), f"from {_number(run.first_loss)} at step {run.steps[0]['step']}"))
+        cards.append(
+            ("final loss", _number(run.final_loss), f"from {_number(run.first_loss)} at step {run.steps[0]['step']}")
+        )
     speed = run.typical_tokens_per_second()
     if speed is not None:
         cards.append(("tokens/s", _number(speed, 4), "median over steps after the first"))
@@ -122,7 +131,8 @@ def glance(run: RunData) -> list[tuple[str, str, str]]:
         cards.append(("MFU", f"{_number(mfu, 3)}%", "median model FLOPs utilization"))
     for label, _, ys, host in figures.memory_series(run):
         if not label.startswith("device: peak reserved"):
-            cards.append(("peak " + label.split(": ")[-1], format_bytes(max(ys)), "host memory" if host else "device"))
+            name = "peak " + label.split(": ")[-1].replace("peak ", "")
+            cards.append((name, format_bytes(max(ys)), "host memory" if host else "device memory"))
     oom = len(run.oom_events)
     if oom or run.kind == "train":
         cards.append(("OOM recovered", str(oom), "micro-batch split, update unchanged" if oom else "none needed"))
@@ -150,16 +160,22 @@ def configuration_rows(run: RunData) -> list[tuple[str, str]]:
         ("loss chunk size", facts.get("loss_chunk_size") or "off" if "loss_chunk_size" in facts else None),
     ]
     if last.get("micro_batch_size"):
-        rows.append((
-            "batch",
-            f"micro-batch {last['micro_batch_size']} x {last.get('gradient_accumulation_steps', 1)} accumulation"
-            f" x {facts.get('world_size', 1)} rank(s) = {facts.get('effective_batch_size', '?')} samples of {facts.get('seq_len', '?')} tokens",
-        ))
+        rows.append(
+            (
+                "batch",
+                f"micro-batch {last['micro_batch_size']} x {last.get('gradient_accumulation_steps', 1)} accumulation"
+                f" x {facts.get('world_size', 1)} rank(s) = {facts.get('effective_batch_size', '?')} samples of {facts.get('seq_len', '?')} tokens",
+            )
+        )
     if config:
         lora = "off" if not config.get("lora_r") else f"rank {config['lora_r']}, alpha {config.get('lora_alpha')}"
         if config.get("quantize") not in (None, "none"):
             lora += f", base weights {config['quantize']}"
-        offload = [name for name in ("optimizer_offload", "activation_offload", "fsdp_offload", "zero_offload") if config.get(name)]
+        offload = [
+            name
+            for name in ("optimizer_offload", "activation_offload", "fsdp_offload", "zero_offload")
+            if config.get(name)
+        ]
         rows += [
             ("LoRA", lora),
             ("offload", ", ".join(name.replace("_", " ") for name in offload) or "off"),
@@ -190,38 +206,48 @@ def _memory_html(run: RunData) -> str:
     record = run.memory
     if not record or not record.get("profile"):
         breakdown = (run.summary or {}).get("tracked_breakdown")
-        hint = "" if run.kind != "train" else (
-            '<div class="sub">Run with --track-memory (or memfit profile) for the timeline of a step, the modules and '
-            "the largest tensors at the peak, and advice.</div>"
+        hint = (
+            ""
+            if run.kind != "train"
+            else (
+                '<div class="sub">Run with --track-memory (or memfit profile) for the timeline of a step, the modules and '
+                "the largest tensors at the peak, and advice.</div>"
+            )
         )
         if breakdown:
             return "<h2>Memory at the peak</h2>" + _chart(figures.breakdown_figure(breakdown), "breakdown") + hint
-        return "<h2>Memory at the peak</h2>" + (hint or "<div class=\"sub\">The tracker did not run.</div>")
+        return "<h2>Memory at the peak</h2>" + (hint or '<div class="sub">The tracker did not run.</div>')
     profile, estimate = record["profile"], record.get("estimate")
     peak = profile.get("peak_bytes") or 1
     parts = [
         "<h2>Memory at the peak</h2>",
         f'<div class="sub">Live tensor bytes counted by the tracker on {_e(profile.get("device"))}: peak '
-        f'{_e(format_bytes(peak))} in step {_e(profile.get("peak_step"))} ({_e(profile.get("peak_phase"))}).</div>',
+        f"{_e(format_bytes(peak))} in step {_e(record.get('peak_step', profile.get('peak_step')))} ({_e(profile.get('peak_phase'))}).</div>",
     ]
     breakdown = profile.get("breakdown") or {}
     estimated = (estimate or {}).get("breakdown") or {}
     rows = []
     for name in figures._ordered(list(breakdown) + list(estimated)):
         if breakdown.get(name) or estimated.get(name):
-            row = [name.replace("_", " "), _bytes(breakdown.get(name, 0)), f"{100 * breakdown.get(name, 0) / peak:.0f}%"]
+            row = [
+                name.replace("_", " "),
+                _bytes(breakdown.get(name, 0)),
+                f"{100 * breakdown.get(name, 0) / peak:.0f}%",
+            ]
             rows.append(row + ([_bytes(estimated.get(name, 0))] if estimate else []))
     total = ["peak", _bytes(peak), "100%"]
     if estimate:
         band = estimate.get("error_band") or 0
         total.append(f"{_bytes(estimate.get('peak_bytes'))} (+-{100 * band:.0f}%)")
-    header = ["category", "measured", "share"] + ([f"estimated ({estimate.get('method', 'analytical')})"] if estimate else [])
+    header = ["category", "measured", "share"] + (
+        [f"estimated ({estimate.get('method', 'analytical')})"] if estimate else []
+    )
     parts.append('<div class="twocol"><div>' + _table(header, rows + [total], numeric=[1, 2, 3]))
     if estimate:
         parts.append(
-            '<div class="sub">The estimate is memfit\'s prediction for this configuration '
-            f"(memfit estimate, {_e(estimate.get('method', 'analytical'))} method, peak in "
-            f"{_e(estimate.get('peak_phase') or '?')}), made without running it.</div>"
+            '<div class="sub">The estimate is memfit\'s prediction for this configuration at micro-batch '
+            f"{_e(estimate.get('micro_batch_size', '?'))} (memfit estimate, {_e(estimate.get('method', 'analytical'))} "
+            f"method, peak in {_e(estimate.get('peak_phase') or '?')}), made without running it.</div>"
         )
     parts.append("</div><div>" + _chart(figures.breakdown_figure(breakdown, estimate), "breakdown") + "</div></div>")
     timeline = record.get("timeline") or {}
@@ -229,7 +255,7 @@ def _memory_html(run: RunData) -> str:
         kept, recorded = len(timeline["event_index"]), timeline.get("samples_recorded", len(timeline["event_index"]))
         thinned = f" ({kept} of {recorded} samples kept, the highest of each stretch)" if recorded > kept else ""
         parts.append(
-            f"<h2>One step, stacked by category</h2><div class=\"sub\">Step {_e(timeline.get('step'))}, where the peak "
+            f'<h2>One step, stacked by category</h2><div class="sub">Step {_e(timeline.get("step"))}, where the peak '
             f"happened; dotted lines mark where each phase begins{_e(thinned)}. Drag to zoom, double-click to reset.</div>"
         )
         parts.append(_chart(figures.timeline_figure(timeline), "timeline"))
@@ -237,18 +263,38 @@ def _memory_html(run: RunData) -> str:
     tensors = profile.get("top_tensors") or []
     if modules or tensors:
         parts.append('<div class="twocol"><div><h2>Modules holding the most activations</h2>')
-        parts.append(_table(["module", "activation bytes"], [(m["module"], _bytes(m["activation_bytes"])) for m in modules], [1]))
+        parts.append(
+            _table(["module", "activation bytes"], [(m["module"], _bytes(m["activation_bytes"])) for m in modules], [1])
+        )
         parts.append("</div><div><h2>Largest tensors at the peak</h2>")
-        parts.append(_table(
-            ["shape", "dtype", "size", "category", "made by", "module"],
-            [("x".join(map(str, t["shape"])) or "scalar", t["dtype"], _bytes(t["bytes"]), t["category"], t["op"], t["module"]) for t in tensors],
-            [2],
-        ))
+        parts.append(
+            _table(
+                ["shape", "dtype", "size", "category", "made by", "module"],
+                [
+                    (
+                        "x".join(map(str, t["shape"])) or "scalar",
+                        t["dtype"],
+                        _bytes(t["bytes"]),
+                        t["category"],
+                        t["op"],
+                        t["module"],
+                    )
+                    for t in tensors
+                ],
+                [2],
+            )
+        )
         parts.append("</div></div>")
     parts.append("<h2>Advice</h2>")
     advice = profile.get("advice") or []
     if advice:
-        parts.append(_table(["technique", "flag", "saves about", "why"], [(a["technique"], a["flag"], _bytes(a["saves_bytes"]), a["message"]) for a in advice], [2]))
+        parts.append(
+            _table(
+                ["technique", "flag", "saves about", "why"],
+                [(a["technique"], a["flag"], _bytes(a["saves_bytes"]), a["message"]) for a in advice],
+                [2],
+            )
+        )
     else:
         parts.append('<div class="ok">Nothing large to cut: the peak is spread over the categories above.</div>')
     if profile.get("leak"):
@@ -266,8 +312,12 @@ def render_report(run: RunData) -> str:
     body.append(_table(["setting", "value"], configuration_rows(run)))
     body.append("<h2>Fallbacks</h2>" + _fallbacks_html(run))
     if run.steps:
-        marks = "; OOM recoveries (red, dotted) and resumes (green, dashed) are marked" if run.oom_events or run.resumes else ""
-        body.append(f"<h2>Over the steps</h2><div class=\"sub\">Hover for values, drag to zoom{_e(marks)}.</div>")
+        marks = (
+            "; OOM recoveries (red, dotted) and resumes (green, dashed) are marked"
+            if run.oom_events or run.resumes
+            else ""
+        )
+        body.append(f'<h2>Over the steps</h2><div class="sub">Hover for values, drag to zoom{_e(marks)}.</div>')
         body.append(_chart(figures.curves_figure(run), "curves"))
     body.append(_events_html(run))
     body.append(_memory_html(run))
@@ -280,22 +330,43 @@ def render_report(run: RunData) -> str:
 def render_compare(runs: Sequence[RunData]) -> str:
     """The HTML page of several runs overlaid: a table of what each ran and got, then the curves."""
     figures.require_plotly()
-    header = ["run", "precision", "optimizer", "checkpointing", "batch", "final loss", "tokens/s", "peak memory", "OOM", "fallbacks"]
+    header = [
+        "run",
+        "precision",
+        "optimizer",
+        "checkpointing",
+        "batch",
+        "final loss",
+        "tokens/s",
+        "peak memory",
+        "OOM",
+        "fallbacks",
+    ]
     rows = []
     for run in runs:
         facts = run.facts
         last = run.steps[-1] if run.steps else {}
         series = figures.memory_series(run)
         peak = f"{format_bytes(max(series[0][2]))} ({series[0][0]})" if series else "-"
-        rows.append((
-            run.name, facts.get("precision", "-"), facts.get("optimizer", "-"), facts.get("gradient_checkpointing", "-"),
-            f"{last.get('micro_batch_size', '?')} x {last.get('gradient_accumulation_steps', '?')}", _number(run.final_loss),
-            _number(run.typical_tokens_per_second()), peak, len(run.oom_events), "; ".join(f"{k}: {v}" for k, v in (facts.get("fallbacks") or {}).items()) or "none",
-        ))
+        rows.append(
+            (
+                run.name,
+                facts.get("precision", "-"),
+                facts.get("optimizer", "-"),
+                facts.get("gradient_checkpointing", "-"),
+                f"{last.get('micro_batch_size', '?')} x {last.get('gradient_accumulation_steps', '?')}",
+                _number(run.final_loss),
+                _number(run.typical_tokens_per_second()),
+                peak,
+                len(run.oom_events),
+                "; ".join(f"{k}: {v}" for k, v in (facts.get("fallbacks") or {}).items()) or "none",
+            )
+        )
     body = [
-        "<h2>Runs</h2>", _table(header, rows, numeric=[5, 6, 7, 8]),
-        "<div class=\"sub\">Sources: " + ", ".join(f"{_e(run.name)} = {_e(run.source)}" for run in runs) + "</div>",
-        "<h2>Over the steps</h2><div class=\"sub\">Click a run in the legend to hide it; hover for values, drag to zoom.</div>",
+        "<h2>Runs</h2>",
+        _table(header, rows, numeric=[5, 6, 7, 8]),
+        '<div class="sub">Sources: ' + ", ".join(f"{_e(run.name)} = {_e(run.source)}" for run in runs) + "</div>",
+        '<h2>Over the steps</h2><div class="sub">Click a run in the legend to hide it; hover for values, drag to zoom.</div>',
         _chart(figures.compare_figure(runs), "compare"),
     ]
     breakdown = figures.compare_breakdown_figure(runs)

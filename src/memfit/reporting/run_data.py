@@ -122,14 +122,21 @@ def metrics_path(run: str | Path) -> Path:
     return candidate
 
 
-def load_run(run: str | Path, name: str | None = None) -> RunData:
+def load_run(run: str | Path, name: str | None = None, metrics_file: str | Path | None = None) -> RunData:
     """Read a run directory (or its metrics file) into a `RunData`.
+
+    `metrics_file`: where the metrics are when --log-file put them outside the directory.
 
     Raises:
         UsageError: the directory does not exist, has no metrics file, or the file holds no record.
     """
-    path = metrics_path(run)
-    directory = path.parent
+    if metrics_file is not None:
+        path, directory = Path(metrics_file), Path(run)
+        if not path.is_file():
+            raise UsageError(f"{path} does not exist: the run wrote no metrics")
+    else:
+        path = metrics_path(run)
+        directory = path.parent
     records = read_jsonl(path)
     if not records:
         raise UsageError(f"{path} holds no metrics: the run stopped before its first step")
@@ -178,7 +185,9 @@ def _saved_config(directory: Path) -> dict[str, Any] | None:
         return None
     states = sorted(
         checkpoints.glob("step-*/trainer_state.json"),
-        key=lambda state: int(state.parent.name.split("-", 1)[1]) if state.parent.name.split("-", 1)[1].isdigit() else -1,
+        key=lambda state: (
+            int(state.parent.name.split("-", 1)[1]) if state.parent.name.split("-", 1)[1].isdigit() else -1
+        ),
     )
     for state in reversed(states):
         try:

@@ -46,6 +46,7 @@ def profile_run(
         optimizer_in_backward=config.memory.optimizer_in_backward,
     )
     report = build_report(result.memory_steps, tracker.peak_snapshot(), str(session.device), context, top)
+    extra["timeline"] = tracker.timeline()  # the peak step, for the HTML report
     if plot_path:
         from memfit.memory.plot import plot_timeline
 
