@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 
 @dataclass(frozen=True)
@@ -72,14 +72,20 @@ def architecture_of(hf_config: Any) -> Architecture:
     hidden = c.hidden_size
     heads = c.num_attention_heads
     head_dim = getattr(c, "head_dim", None) or hidden // heads
+    intermediate = getattr(c, "intermediate_size", None) or getattr(c, "ffn_hidden_size", None) or 4 * hidden
     return Architecture(
         c.model_type, hidden, c.num_hidden_layers, heads, getattr(c, "num_key_value_heads", None) or heads,
-        head_dim, c.intermediate_size, c.vocab_size, gated_mlp=True, rms_norm=True, gelu_intermediates=0,
+        head_dim, intermediate, c.vocab_size, gated_mlp=True, rms_norm=True, gelu_intermediates=0,
         dropout=float(getattr(c, "resid_pdrop", 0.0) or 0.0),
         attention_dropout=float(getattr(c, "attention_dropout", 0.0) or 0.0),
         tied_embeddings=bool(getattr(c, "tie_word_embeddings", False)), learned_positions=False,
         fused_qkv=c.model_type == "phi3",
     )
+
+
+CLOSED_FORM_FAMILIES = frozenset({"llama", "mistral", "qwen2", "phi3", "gpt2"})
+"""Model types whose blocks the closed forms describe (checked in docs/accuracy.md); other
+families' blocks are measured by `memfit.memory.layer_probe`."""
 
 
 @dataclass(frozen=True)
@@ -94,13 +100,30 @@ class Precision:
     """Q, K, V and output of attention; 0 means `compute`. CPU autocast runs SDPA on the fp32 RoPE output."""
     lora_rank: int = 0
     """With LoRA the frozen norms keep less and each adapted linear keeps its rank-r activation."""
+    adapter_input: int = 4
+    """Bytes per element of the copy of its input an adapter keeps on a 16-bit base: PEFT casts the
+    input to the fp32 adapter's dtype (4); under autocast the adapter's matmul saves its 16-bit cast (2)."""
 
 
-def layer_bytes_per_token(arch: Architecture, precision: Precision, attention: str, seq_len: int) -> float:
-    """Bytes one block keeps for backward, per token of the micro-batch."""
+def mlp_bytes_per_token(arch: Architecture, precision: Precision) -> float:
+    """What the MLP of one block keeps for backward beyond its input, per token (the part tiling divides)."""
+    c = precision.compute
+    mlp = 4 * c * arch.intermediate if arch.gated_mlp else c * arch.intermediate * (1 + arch.gelu_intermediates)
+    if precision.lora_rank and c == 2 and precision.residual == 2:
+        mlp += precision.adapter_input * arch.intermediate  # the adapter's copy of the down projection's input
+    return mlp
+
+
+def layer_bytes_per_token(arch: Architecture, precision: Precision, attention: str, seq_len: int,
+                          mlp_tiles: int = 0) -> float:
+    """Bytes one block keeps for backward, per token of the micro-batch.
+
+    `mlp_tiles` > 1: the MLP runs over that many sequence tiles and keeps only its input;
+    one tile's intermediates are alive at a time (in forward and in its backward).
+    """
     c, r = precision.compute, precision.residual
     a = precision.attention or c
-    h, i = arch.hidden, arch.intermediate
+    h = arch.hidden
     frozen = precision.lora_rank > 0
     if arch.rms_norm:
         # fp32 upcast of the input, the normalised tensor (residual dtype, only kept for the
@@ -125,15 +148,13 @@ def layer_bytes_per_token(arch: Architecture, precision: Precision, attention: s
         attention_bytes += probabilities * (4 + (c if c != 4 else 0))
         if arch.attention_dropout > 0:
             attention_bytes += probabilities * (1 + c)
-    if arch.gated_mlp:
-        mlp = 4 * c * i
-    else:
-        mlp = c * i * (1 + arch.gelu_intermediates)
+    mlp = mlp_bytes_per_token(arch, precision) / max(1, mlp_tiles)
     dropout = 2 * h if arch.dropout > 0 else 0  # masks after attention and after the MLP
     adapters = 7 * 4 * precision.lora_rank if frozen else 0  # lora_A outputs kept for lora_B
     if frozen and c == 2 and r == 2:
-        # 16-bit base without autocast: PEFT casts each adapted linear's input to the fp32 adapters
-        adapters += 4 * (3 * h + i)
+        # 16-bit base: each adapter keeps a copy of its input in its own dtype (the down
+        # projection's copy is counted with the MLP, which tiling divides)
+        adapters += precision.adapter_input * 3 * h
     return 2 * norm + attention_bytes + mlp + dropout + adapters
 
 
@@ -160,15 +181,39 @@ def model_edge_bytes_per_token(arch: Architecture, precision: Precision) -> floa
     return precision.compute * arch.hidden + dropout + 16
 
 
-def logits_bytes(arch: Architecture, tokens: int, chunk_tokens: int, compute_bytes: int = 4) -> float:
+def logits_bytes(arch: Architecture, tokens: int, chunk_tokens: int, compute_bytes: int = 4,
+                 fused: bool = False) -> float:
     """Peak bytes of the output projection + cross-entropy.
 
     Unchunked: the logits in the compute dtype, their flattened copy, the fp32 copy and
     the fp32 log-softmax kept for backward, then as much again for the gradients:
-    about 12 bytes per token and vocabulary entry at the peak. Chunked: one chunk's worth.
+    about 12 bytes per token and vocabulary entry at the peak. Chunked: one chunk's
+    logits in the compute dtype, their fp32 copy and log-softmax, and in backward the
+    chunk's fp32 logit gradient: (compute + 12) bytes per chunk token and vocabulary entry.
+    Fused (liger-kernel's linear cross-entropy): no logits kept; it computes the input's
+    gradient in forward (tokens x hidden x 4) and works on chunks of about
+    tokens x hidden / vocabulary tokens, one fp32 chunk of logits at a time.
     """
-    live_tokens = min(tokens, chunk_tokens) if chunk_tokens > 0 else tokens
-    return 12.0 * live_tokens * arch.vocab
+    if fused:
+        return 2.0 * 4 * tokens * arch.hidden
+    if chunk_tokens > 0 and chunk_tokens < tokens:
+        return (compute_bytes + 12.0) * chunk_tokens * arch.vocab
+    return 12.0 * tokens * arch.vocab
+
+
+class ActivationTerms(NamedTuple):
+    """Activation bytes of a micro-batch, split by where they live and when."""
+
+    kept: float
+    """On the device at the end of forward."""
+    recompute: float
+    """Extra device bytes while one block is recomputed (or brought back) in backward."""
+    per_layer: float
+    """Bytes one uncheckpointed block keeps."""
+    released_per_block: float
+    """Device bytes each block's backward frees (0 when they live in host memory)."""
+    host: float = 0.0
+    """Bytes kept in host memory (activation offload)."""
 
 
 def activation_bytes(
@@ -180,22 +225,49 @@ def activation_bytes(
     attention: str,
     checkpointing: str,
     checkpoint_every: int = 1,
-) -> tuple[float, float]:
+    mlp_tiles: int = 0,
+    offload: bool = False,
+    layer_per_token: float | None = None,
+) -> ActivationTerms:
     """Activation bytes of a micro-batch.
 
-    Returns (kept at the end of forward, extra bytes of the block recomputed in
-    backward, bytes of one uncheckpointed block, smallest bytes one block keeps).
+    Args:
+        mlp_tiles: the MLP runs over this many sequence tiles (tiled MLP): its
+            intermediates are one tile's worth, in forward and in its backward.
+        offload: activation offload. With checkpointing each checkpointed block's input
+            (and the saved tensors of blocks that are not checkpointed) live in host
+            memory; the device holds the block being worked on and the one being copied:
+            two blocks' inputs. Without checkpointing every saved tensor goes to host; the
+            device holds the two largest in flight, and in backward one block's worth.
+        layer_per_token: bytes one uncheckpointed block keeps per token, when measured
+            from the model itself (`memfit.memory.layer_probe`) instead of the closed form.
     """
     tokens = batch_size * seq_len
-    full_layer = layer_bytes_per_token(arch, precision, attention, seq_len) * tokens
+    per_token = layer_per_token if layer_per_token is not None else layer_bytes_per_token(
+        arch, precision, attention, seq_len)
+    if layer_per_token is not None and mlp_tiles > 1:
+        per_token -= mlp_bytes_per_token(arch, precision) * (1 - 1 / mlp_tiles)
+    elif layer_per_token is None and mlp_tiles > 1:
+        per_token = layer_bytes_per_token(arch, precision, attention, seq_len, mlp_tiles)
+    full_layer = max(per_token, 0.0) * tokens
     edges = model_edge_bytes_per_token(arch, precision) * tokens
     if checkpointing == "off":
-        return arch.layers * full_layer + edges, 0.0, full_layer, full_layer
-    if checkpointing == "selective":
-        kept = selective_layer_bytes_per_token(arch, precision) * tokens
-        return arch.layers * kept + edges, full_layer - kept, full_layer, kept
-    checkpointed = math.ceil(arch.layers / max(1, checkpoint_every))
-    kept = checkpointed_layer_bytes_per_token(arch, precision) * tokens
-    # One block is recomputed at a time in backward: its full activations come back.
-    total = checkpointed * kept + (arch.layers - checkpointed) * full_layer + edges
-    return total, full_layer, full_layer, kept
+        kept_one, recompute, blocks_kept = full_layer, 0.0, arch.layers * full_layer
+    elif checkpointing == "selective":
+        kept_one = selective_layer_bytes_per_token(arch, precision) * tokens
+        recompute, blocks_kept = full_layer - kept_one, arch.layers * kept_one
+    else:
+        checkpointed = math.ceil(arch.layers / max(1, checkpoint_every))
+        kept_one = checkpointed_layer_bytes_per_token(arch, precision) * tokens
+        # One block is recomputed at a time in backward: its full activations come back.
+        recompute = full_layer
+        blocks_kept = checkpointed * kept_one + (arch.layers - checkpointed) * full_layer
+    if not offload:
+        return ActivationTerms(blocks_kept + edges, recompute, full_layer, kept_one)
+    ids_and_labels = 16 * tokens
+    host = blocks_kept + edges - ids_and_labels
+    if checkpointing == "off":
+        largest = precision.compute * max(arch.intermediate / max(1, mlp_tiles), arch.q_width) * tokens
+        # in backward a block's saved tensors come back (one block prefetched ahead of use)
+        return ActivationTerms(2 * largest + ids_and_labels, full_layer, full_layer, 0.0, host)
+    return ActivationTerms(2 * kept_one + ids_and_labels, recompute, full_layer, 0.0, host)

@@ -27,7 +27,14 @@ from typing import Any
 from memfit.config import TrainConfig
 from memfit.errors import UsageError
 from memfit.gpus import GpuSpec, get_gpu
-from memfit.memory.activations import Precision, activation_bytes, architecture_of, logits_bytes
+from memfit.memory.activations import (
+    CLOSED_FORM_FAMILIES,
+    Precision,
+    activation_bytes,
+    architecture_of,
+    layer_bytes_per_token,
+    logits_bytes,
+)
 from memfit.models.state_bytes import (  # noqa: F401  (re-exported: the estimator's public closed forms)
     BNB_8BIT_BLOCK,
     BNB_8BIT_MIN_SIZE,
@@ -68,6 +75,17 @@ class Estimate:
     """Relative error of this method measured against real steps: the truth lies within peak x (1 +- band)."""
     per_layer_activation_bytes: int = 0
     details: dict[str, Any] = field(default_factory=dict)
+    host_bytes: int = 0
+    """Host (CPU) memory the techniques put there: offloaded activations, offloaded or paged optimizer state."""
+    host_breakdown: dict[str, int] = field(default_factory=dict)
+    host_available_bytes: int | None = None
+    """Memory this machine has available now (/proc/meminfo's MemAvailable via psutil)."""
+
+    @property
+    def host_fits(self) -> bool | None:
+        if self.host_available_bytes is None:
+            return None
+        return self.host_bytes <= self.host_available_bytes
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -80,8 +98,40 @@ class Estimate:
             "headroom_bytes": self.headroom_bytes,
             "error_band": self.error_band,
             "per_layer_activation_bytes": self.per_layer_activation_bytes,
+            "host_bytes": self.host_bytes,
+            "host_breakdown": dict(self.host_breakdown),
+            "host_available_bytes": self.host_available_bytes,
+            "host_fits": self.host_fits,
             "details": self.details,
         }
+
+
+def host_available_bytes() -> int | None:
+    """Memory available on this machine now, or None when it cannot be read."""
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except Exception:  # psutil missing or no /proc: the check is skipped, not guessed
+        try:
+            with open("/proc/meminfo") as handle:
+                for line in handle:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            return None
+    return None
+
+
+def host_breakdown(run: RunShape, parts: dict[str, Any], host_activations: float) -> dict[str, int]:
+    """Host bytes by part: offloaded activations, optimizer state (and fp32 master weights) off the device."""
+    optimizer = 0.0
+    if run.optimizer_offload:
+        # the CPU step keeps its state and an fp32 copy of every trainable weight
+        optimizer = parts["optimizer_states_full"] + 4 * parts["trainable_count"]
+    elif run.paged_optimizer:
+        optimizer = parts["optimizer_states_full"]
+    return {"activations": int(host_activations), "optimizer_states": int(optimizer)}
 
 
 @dataclass(frozen=True)
@@ -100,6 +150,39 @@ class RunShape:
     lora_r: int
     quantize: str
     optimizer_offload: bool
+    optimizer_in_backward: bool = False
+    activation_offload: bool = False
+    paged_optimizer: bool = False
+    """Paged 8-bit AdamW on CUDA: the state lives in unified memory that the driver pages to host."""
+    mlp_tiles: int = 0
+    fused_loss: bool = False
+    """liger-kernel's fused linear cross-entropy: the logits are never held."""
+
+
+TILED_MLP_AUTO_TOKENS = 8192
+"""`--tiled-mlp` left unset tiles the MLP past this sequence length, one tile per this many tokens."""
+
+
+def tiled_mlp_available() -> bool:
+    """Whether this memfit has the tiled MLP (memfit.techniques.tiled_mlp)."""
+    import importlib.util
+
+    return importlib.util.find_spec("memfit.techniques.tiled_mlp") is not None
+
+
+def liger_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("liger_kernel") is not None
+
+
+def resolve_mlp_tiles(tiled_mlp: int | None, seq_len: int) -> int:
+    """Tiles of the MLP: the setting, or automatic (one per 8192 tokens past 8192); 0 when unavailable."""
+    if not tiled_mlp_available():
+        return 0
+    if tiled_mlp is None:
+        return math.ceil(seq_len / TILED_MLP_AUTO_TOKENS) if seq_len > TILED_MLP_AUTO_TOKENS else 0
+    return tiled_mlp if tiled_mlp > 1 else 0
 
 
 def resolve_run(config: TrainConfig, hf_config: Any, gpu: GpuSpec | None) -> RunShape:
@@ -123,10 +206,17 @@ def resolve_run(config: TrainConfig, hf_config: Any, gpu: GpuSpec | None) -> Run
     if chunk is None:
         chunk = default_loss_chunk_size(hf_config.vocab_size, config.data.seq_len, config.training.batch_size)
     offload = config.memory.optimizer_offload or config.distributed.zero_offload or config.distributed.fsdp_offload
+    kernels = getattr(config.memory, "kernels", "none")
+    fused_loss = kernels == "liger" or (kernels == "auto" and device_type == "cuda" and liger_available())
     return RunShape(
         device_type, _BYTES[config.model.dtype], autocast, attention, checkpointing, config.memory.checkpoint_every,
         chunk, config.optimizer.optimizer, getattr(config.optimizer, "optimizer_impl", "auto"),
         config.lora.lora_r, config.lora.quantize, offload,
+        optimizer_in_backward=config.memory.optimizer_in_backward,
+        activation_offload=config.memory.activation_offload,
+        paged_optimizer=config.optimizer.optimizer == "paged-adamw-8bit" and device_type == "cuda",
+        mlp_tiles=resolve_mlp_tiles(getattr(config.memory, "tiled_mlp", 0), config.data.seq_len),
+        fused_loss=fused_loss,
     )
 
 
@@ -202,6 +292,12 @@ def estimate(
         moment["other"] += CUDA_CONTEXT_BYTES + int(FRAGMENTATION * allocated)
         notes["allocated_peak_bytes"] = allocated
     peak = int(sum(moment.values()))
+    host_activations = notes.pop("host_activation_bytes", None)
+    if host_activations is None:
+        host_activations = _host_activations(config, run, hf_config)
+    host = host_breakdown(run, parts, host_activations)
+    if run.activation_offload:
+        notes["pcie_bytes_per_micro_batch"] = 2 * host["activations"]  # out in forward, back in backward
     fits = headroom = None
     if budget_bytes is not None:
         headroom = int(budget_bytes - peak)
@@ -223,8 +319,19 @@ def estimate(
         model=config.model.model, method=method, peak_bytes=peak,
         breakdown={k: int(moment[k]) for k in BREAKDOWN_KEYS}, budget_bytes=budget_bytes, fits=fits,
         headroom_bytes=headroom, error_band=ERROR_BAND[method], per_layer_activation_bytes=int(per_layer),
-        details=details,
+        details=details, host_bytes=sum(host.values()), host_breakdown=host,
+        host_available_bytes=host_available_bytes() if sum(host.values()) else None,
     )
+
+
+def _host_activations(config: TrainConfig, run: RunShape, hf_config: Any) -> float:
+    if not run.activation_offload:
+        return 0.0
+    return activation_bytes(
+        architecture_of(hf_config), _precision(run), batch_size=config.training.batch_size,
+        seq_len=config.data.seq_len, attention=run.attention, checkpointing=run.checkpointing,
+        checkpoint_every=run.checkpoint_every, mlp_tiles=run.mlp_tiles, offload=True,
+    ).host
 
 
 def _state_bytes(config: TrainConfig, run: RunShape, inventory: ParameterInventory) -> dict[str, Any]:
@@ -248,10 +355,15 @@ def _state_bytes(config: TrainConfig, run: RunShape, inventory: ParameterInvento
     optimizer = optimizer_state_bytes_for_shapes(run.optimizer, trainable_shapes, trainable_bytes, config.optimizer.momentum, fused_step)
     if not fused_step and run.optimizer == "adamw" and run.device_type == "cpu":
         optimizer += 4 * len(trainable_shapes)  # the step counters live on the CPU
+    if run.optimizer_in_backward and run.optimizer in ("adamw-8bit", "paged-adamw-8bit"):
+        optimizer += 2 * BNB_8BIT_BLOCK * 4 * (len(trainable_shapes) - 1)  # one pair of quantization maps per optimizer
+    off_device = run.optimizer_offload or run.paged_optimizer
     return {
         "parameters": parameters,
         "gradients": trainable * trainable_bytes,
-        "optimizer_states": 0 if run.optimizer_offload else optimizer,
+        "optimizer_states": 0 if off_device else optimizer,
+        "optimizer_states_full": optimizer,
+        "largest_trainable": max((math.prod(s) for s in trainable_shapes), default=0),
         "optimizer_temporaries": optimizer_step_temporary_bytes(run, trainable_shapes, trainable_bytes),
         "trainable_count": trainable,
         "trainable_shapes": trainable_shapes,
@@ -263,55 +375,95 @@ def _precision(run: RunShape) -> Precision:
     compute = 2 if run.autocast or run.weight_bytes == 2 else 4
     # CPU autocast leaves SDPA out of its bf16 list: it runs on the fp32 output of RoPE.
     attention = 4 if run.autocast and run.device_type == "cpu" and run.weight_bytes == 4 else compute
-    return Precision(compute=compute, residual=run.weight_bytes, attention=attention, lora_rank=run.lora_r)
+    return Precision(compute=compute, residual=run.weight_bytes, attention=attention, lora_rank=run.lora_r,
+                     adapter_input=2 if run.autocast else 4)
+
+
+def _layer_per_token(run: RunShape, arch, hf_config, precision: Precision, seq_len: int) -> float | None:
+    """A block's bytes per token measured from the model's code, for families the closed forms do not describe."""
+    if arch.model_type in CLOSED_FORM_FAMILIES:
+        return None
+    from memfit.memory.layer_probe import probed_layer_bytes_per_token
+
+    attention = run.attention.replace("flash", "sdpa")
+    measured = probed_layer_bytes_per_token(hf_config, run.weight_bytes, bool(run.autocast), attention, seq_len)
+    if run.lora_r:
+        # The probe trains every weight; LoRA's difference (frozen norms keep less, adapters
+        # keep their rank-r activations) is the closed forms'.
+        full = Precision(precision.compute, precision.residual, precision.attention, 0)
+        measured += (layer_bytes_per_token(arch, precision, run.attention, seq_len)
+                     - layer_bytes_per_token(arch, full, run.attention, seq_len))
+    return measured
 
 
 def _analytical_peak(config, run: RunShape, hf_config, inventory, parts) -> tuple[dict, float, dict]:
     arch = architecture_of(hf_config)
     precision = _precision(run)
     b, s = config.training.batch_size, config.data.seq_len
-    activations, recompute, per_layer, kept_one = activation_bytes(
+    terms = activation_bytes(
         arch, precision, batch_size=b, seq_len=s, attention=run.attention,
-        checkpointing=run.checkpointing, checkpoint_every=run.checkpoint_every,
+        checkpointing=run.checkpointing, checkpoint_every=run.checkpoint_every, mlp_tiles=run.mlp_tiles,
+        offload=run.activation_offload, layer_per_token=_layer_per_token(run, arch, hf_config, precision, s),
     )
-    logits = logits_bytes(arch, b * (s - 1), run.loss_chunk_size, precision.compute)
+    activations, recompute, per_layer = terms.kept, terms.recompute, terms.per_layer
+    logits = logits_bytes(arch, b * (s - 1), run.loss_chunk_size, precision.compute, fused=run.fused_loss)
     # Backward frees a block's activations while its gradients appear: the peak is at the
     # first block (everything kept + the head's and one block's gradients) or the last
     # one (one block kept + every gradient), whichever is larger.
     head = arch.vocab * arch.hidden * parts["trainable_bytes"] if not run.lora_r else 0
     block_grads = (parts["gradients"] - head) / max(1, arch.layers)
+    largest_grad = parts["largest_trainable"] * parts["trainable_bytes"]
+    step_temporaries = parts["optimizer_temporaries"]
+    if run.optimizer_in_backward:
+        # Each gradient is applied and freed by its own hook: one tensor's gradient (and its
+        # optimizer step's temporaries) at a time, never a block's or the model's.
+        head, block_grads = 0, 0.0
+        step_temporaries = optimizer_step_temporary_bytes(run, [(parts["largest_trainable"],)], parts["trainable_bytes"])
     if run.checkpointing != "off" and run.lora_r and run.weight_bytes == 2:
         # A recomputed block's backward through fp32 adapters on a 16-bit base holds its
         # MLP activation gradients at once (measured: about 2 x intermediate x 2 bytes per token).
-        recompute += 2 * precision.compute * arch.intermediate * b * s
-    edges = activations - arch.layers * kept_one  # the embedding side, and uncheckpointed blocks
+        recompute += 2 * precision.compute * arch.intermediate * b * s / max(1, run.mlp_tiles)
+    released = terms.released_per_block
+    fixed = activations - arch.layers * released  # the embedding side, uncheckpointed or offloaded blocks
     # autocast caches a 16-bit copy of each weight from its first use until backward is past it
     cache = 2 * inventory.linear_params if run.autocast and run.weight_bytes == 4 and run.quantize == "none" else 0.0
     at_first_block = activations + cache + block_grads
-    at_last_block = max(0.0, edges) + kept_one + cache / max(1, arch.layers) + arch.layers * block_grads
+    at_last_block = max(0.0, fixed) + released + cache / max(1, arch.layers) + arch.layers * block_grads
     in_flight_grads = block_grads if at_first_block >= at_last_block else arch.layers * block_grads
     other = 0.0
     if run.quantize == "4bit":
-        other += 2 * max(math.prod(s) for s in inventory.shapes)  # one dequantized weight at a time
+        # one dequantized linear weight at a time (the embedding and head stay 16-bit)
+        other += 2 * max((math.prod(s) for s in inventory.shapes if len(s) == 2 and arch.vocab not in s), default=0)
+    if run.paged_optimizer:
+        # The driver brings the state of the tensor being stepped onto the device and pages the rest out.
+        other += parts["optimizer_states_full"] * parts["largest_trainable"] / max(1, parts["trainable_count"])
     resident = parts["parameters"] + parts["optimizer_states"] + other
     forward_end = resident + activations + cache + logits
     backward_activations = max(at_first_block, at_last_block) - in_flight_grads
     backward = resident + backward_activations + recompute + head + in_flight_grads
-    optimizer_step = parts["parameters"] + parts["gradients"] + parts["optimizer_states"] + parts["optimizer_temporaries"]
+    if run.optimizer_in_backward:
+        backward += largest_grad + step_temporaries
+        optimizer_step = 0.0  # the steps ran inside backward
+    else:
+        optimizer_step = (parts["parameters"] + parts["gradients"] + parts["optimizer_states"] + other
+                          + parts["optimizer_temporaries"])
     if max(forward_end, backward) >= optimizer_step:
         in_backward = backward > forward_end
-        moment = {"parameters": parts["parameters"], "gradients": head + in_flight_grads if in_backward else 0,
+        gradients = head + in_flight_grads + (largest_grad if run.optimizer_in_backward else 0)
+        moment = {"parameters": parts["parameters"], "gradients": gradients if in_backward else 0,
                   "optimizer_states": parts["optimizer_states"],
                   "activations": (backward_activations + recompute) if in_backward else activations + cache,
-                  "logits": 0 if in_backward else logits, "other": other}
+                  "logits": 0 if in_backward else logits,
+                  "other": other + (step_temporaries if in_backward and run.optimizer_in_backward else 0)}
         phase = "backward" if in_backward else "forward"
     else:
         moment = {"parameters": parts["parameters"], "gradients": parts["gradients"],
                   "optimizer_states": parts["optimizer_states"], "activations": 0, "logits": 0,
-                  "other": parts["optimizer_temporaries"]}
+                  "other": other + parts["optimizer_temporaries"]}
         phase = "optimizer step"
     notes = {"peak_phase": phase, "activation_bytes": int(activations), "logits_bytes": int(logits),
-             "autocast_weight_copies_bytes": int(cache)}
+             "autocast_weight_copies_bytes": int(cache), "host_activation_bytes": int(terms.host),
+             "activations_measured_from_model": arch.model_type not in CLOSED_FORM_FAMILIES}
     return moment, per_layer, notes
 
 
@@ -337,12 +489,18 @@ def _traced_peak(config, run: RunShape, hf_config, inventory, parts) -> tuple[di
     moment = {k: float(v) for k, v in step.breakdown.items()}
     if quantized:
         moment["parameters"] += parts["parameters"] - (inventory.total * 2 + 4 * parts["trainable_count"])
-    if run.optimizer_offload:
+    if run.optimizer_offload or run.paged_optimizer:
         moment["optimizer_states"] = 0
     arch = architecture_of(hf_config)
     per_layer = activation_bytes(arch, _precision(run), batch_size=config.training.batch_size,
                                  seq_len=config.data.seq_len, attention=run.attention, checkpointing="off")[2]
     notes = {"peak_phase": step.peak_phase, "phase_peaks": step.phase_peaks}
+    untraced = [name for name, on in (("optimizer in backward", run.optimizer_in_backward),
+                                      ("activation offload", run.activation_offload),
+                                      ("tiled MLP", run.mlp_tiles > 1), ("fused loss", run.fused_loss)) if on]
+    if untraced:
+        # the fake-tensor step runs the plain loop: an upper bound for these (use --method analytical)
+        notes["not_traced"] = untraced
     return moment, per_layer, notes
 
 
