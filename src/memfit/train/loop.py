@@ -22,6 +22,7 @@ import torch
 from memfit.config import TrainConfig
 from memfit.data import collate
 from memfit.memory.stats import memory_stats, reset_peaks
+from memfit.reporting.memory_record import save_memory_record
 from memfit.train.checkpoint import (
     TrainerState,
     load_checkpoint,
@@ -29,7 +30,7 @@ from memfit.train.checkpoint import (
     save_final_model,
     save_session_checkpoint,
 )
-from memfit.train.metrics import JsonlLogger, MultiLogger, NullLogger, TensorBoardLogger
+from memfit.train.metrics import NullLogger, build_loggers
 from memfit.train.progress import Progress
 from memfit.train.setup import TrainingSession, build_session
 from memfit.train.step import StepRunner
@@ -54,12 +55,7 @@ class TrainResult:
 def make_logger(session: TrainingSession):
     if not session.dist.is_main:
         return NullLogger()
-    output = session.config.output
-    path = Path(output.log_file) if output.log_file else session.output_dir / "metrics.jsonl"
-    loggers = [JsonlLogger(path)]
-    if output.tensorboard:
-        loggers.append(TensorBoardLogger(session.output_dir / "tensorboard"))
-    return MultiLogger(loggers)
+    return build_loggers(session.config, session.output_dir)  # metrics.jsonl and the --report-to trackers
 
 
 def make_tracker(session: TrainingSession, always: bool = False):
@@ -222,6 +218,9 @@ def train(
         summary.update(session.parallel.summary_metrics(session, summary))
     logger.log(summary)
     logger.close()
+    if tracker is not None and save_outputs and session.dist.is_main:  # what the HTML report draws of the tracker
+        facts = {**run_facts(session), "last_step": state.step, "micro_batch_size": runner.micro_batch_size}
+        save_memory_record(session.output_dir, tracker, memory_steps, config, facts)
     return TrainResult(
         state.step, summary["final_loss"], losses, session.output_dir, final_dir, summary["peak_memory_bytes"], tracked_peak,
         summary, memory_steps,

@@ -7,7 +7,6 @@ directory.
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +25,7 @@ from memfit.techniques.attention import AttentionChoice, attention_that_ran, cho
 from memfit.techniques.checkpointing import apply_gradient_checkpointing
 from memfit.techniques.optimizers import OptimizerChoice, build_optimizer, build_scheduler, parameter_groups
 from memfit.techniques.precision import PrecisionChoice, make_grad_scaler, resolve_precision
+from memfit.train.metrics import check_trackers
 
 log = logging.getLogger("memfit")
 
@@ -82,8 +82,7 @@ def build_session(config: TrainConfig) -> TrainingSession:
     device = training_device()
     dist = init_distributed(device)
     config.validate(world_size=dist.world_size)
-    if config.output.tensorboard and importlib.util.find_spec("tensorboard") is None:
-        raise UsageError("--tensorboard needs the tensorboard package: pip install tensorboard (or drop --tensorboard)")
+    check_trackers(config.output)  # --report-to / --tensorboard: a missing package stops the run before it writes
     notes: dict[str, str] = dict(config.derived)  # defaults memfit chose from the other settings
     for reason in config.derived.values():
         log.warning("memfit: %s", reason)
