@@ -40,7 +40,9 @@ __all__ = [
 ]
 
 
-def load_training_data(data_cfg: DataConfig, tokenizer: Any, *, max_positions: int | None = None) -> TokenizedDataset:
+def load_training_data(
+    data_cfg: DataConfig, tokenizer: Any, *, max_positions: int | None = None, min_samples: int = 1
+) -> TokenizedDataset:
     """Read, tokenize (once; cached on disk) and window the training text of `data_cfg`.
 
     Args:
@@ -48,10 +50,14 @@ def load_training_data(data_cfg: DataConfig, tokenizer: Any, *, max_positions: i
         tokenizer: has `encode(text, add_special_tokens=False)`, `eos_token_id` and
             `get_vocab()` (any Hugging Face tokenizer does).
         max_positions: the most positions the model handles; seq_len must not exceed it.
+        min_samples: the fewest windows a run can use (one effective batch).
+
+    The data is checked before the token cache is written: data a run cannot use leaves
+    no cache (and no cache directory) behind.
 
     Raises:
         UsageError: seq_len too long for the model, missing or unreadable data, no text,
-            or too little text for one window.
+            or too little text for one window or for `min_samples` windows.
     """
     seq_len, stride = data_cfg.seq_len, data_cfg.stride
     if max_positions is not None and seq_len > max_positions:
@@ -63,6 +69,16 @@ def load_training_data(data_cfg: DataConfig, tokenizer: Any, *, max_positions: i
     if not 0 <= stride < seq_len:
         raise UsageError(f"--stride must be between 0 and --seq-len - 1 ({seq_len - 1}), got {stride}")
     source = resolve_source(data_cfg.dataset, data_cfg.text_field)
-    store = load_or_tokenize(source, tokenizer, data_cfg.cache_dir)
-    windows = make_windows(store.doc_offsets, seq_len, stride, data_cfg.packing)
-    return TokenizedDataset(store, windows, seq_len, stride, data_cfg.packing, source.label)
+    windows: list[Windows] = []
+
+    def check(store: TokenStore) -> None:
+        found = make_windows(store.doc_offsets, seq_len, stride, data_cfg.packing)
+        if len(found) < min_samples:
+            raise UsageError(
+                f"the dataset has {len(found)} samples of {seq_len} tokens, fewer than one effective batch"
+                f" ({min_samples}); lower --batch-size/--gradient-accumulation-steps or --seq-len, or add data"
+            )
+        windows.append(found)
+
+    store = load_or_tokenize(source, tokenizer, data_cfg.cache_dir, check=check)
+    return TokenizedDataset(store, windows[-1], seq_len, stride, data_cfg.packing, source.label)

@@ -7,10 +7,14 @@ The cache holds, per (tokenizer, source content, format options), one directory:
     <cache_dir>/<key>/offsets.npy    int64 start of each document in tokens.bin, plus the end
     <cache_dir>/<key>/index.json     what was tokenized, with what, and the counts
 
-The directory is written under a temporary name and renamed when complete, so a run
-killed while tokenizing leaves no half cache behind, and two processes tokenizing the
-same data at once both end up reading one complete copy. Tokens are read back as a
-numpy memmap: opening a cache costs no memory and no time, whatever its size.
+Fresh tokens are written to a temporary directory first and checked (by the caller's
+`check`, e.g. "enough text for one batch") before the cache is created or touched, so
+bad data leaves no cache and no cache directory behind. The temporary directory lives
+inside the cache directory when that exists (one rename publishes it), else in the
+system's temporary directory (moved into place once). The final rename is atomic: a run
+killed while tokenizing leaves no half cache, and two processes tokenizing the same data
+at once both end up reading one complete copy. Tokens are read back as a numpy memmap:
+opening a cache costs no memory and no time, whatever its size.
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable, Iterator
+import time
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +40,8 @@ logger = logging.getLogger(__name__)
 
 CACHE_FORMAT = 1  # bump when the layout or the tokenization rules change
 ENCODE_BATCH = 256  # documents per tokenizer call: large enough for fast tokenizers to parallelize
+ANNOUNCE_AFTER_SECONDS = 2.0
+"""Tokenizing says so on the log only once it has taken this long (a quick one, or bad data, stays silent)."""
 
 
 @dataclass
@@ -114,12 +121,20 @@ def cache_key(source: TextSource, tokenizer: Any) -> tuple[str, dict[str, Any]]:
     return hashlib.sha256(blob).hexdigest()[:32], parts
 
 
-def load_or_tokenize(source: TextSource, tokenizer: Any, cache_dir: str | Path | None = None) -> TokenStore:
+def load_or_tokenize(
+    source: TextSource,
+    tokenizer: Any,
+    cache_dir: str | Path | None = None,
+    check: Callable[[TokenStore], None] | None = None,
+) -> TokenStore:
     """Tokens of `source`: from the cache when this exact data and tokenizer were seen before,
     else tokenized now (each document followed by EOS) and cached for the next run.
 
+    `check(store)` runs on the tokens (cached or fresh) before anything is written to the
+    cache directory; it raises to reject the data, and then nothing is left behind.
+
     Raises UsageError when the source holds no text, the tokenizer has no EOS token,
-    or the cache directory cannot be written.
+    the cache directory cannot be written, or `check` rejects the data.
     """
     eos = tokenizer.eos_token_id
     if eos is None:
@@ -130,22 +145,21 @@ def load_or_tokenize(source: TextSource, tokenizer: Any, cache_dir: str | Path |
     key, parts = cache_key(source, tokenizer)
     final = root / key
     if (final / "index.json").is_file():
-        return open_store(final, key)
+        store = open_store(final, key)
+        if check is not None:
+            check(store)
+        return store
 
+    _check_writable(root)
     try:
-        root.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{key}-", dir=root))
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{key}-", dir=root if root.is_dir() else None))
     except OSError as error:
         raise UsageError(f"cannot write the token cache in {root} ({error.strerror}); pass --cache-dir DIR") from None
     try:
-        logger.info("tokenizing %s once (cached in %s)", source.label, root)
-        write_tokens(tmp, source.documents(), tokenizer, source.label, parts)
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            # Another process finished the same cache first: keep theirs.
-            if not (final / "index.json").is_file():
-                raise
+        write_tokens(tmp, source.documents(), tokenizer, source.label, parts, announce=f"cache in {root}")
+        if check is not None:
+            check(open_store(tmp, key))
+        _publish(tmp, root, final, key)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
@@ -154,15 +168,57 @@ def load_or_tokenize(source: TextSource, tokenizer: Any, cache_dir: str | Path |
     return store
 
 
-def write_tokens(directory: Path, documents: Iterable[str], tokenizer: Any, label: str, parts: dict[str, Any]) -> None:
-    """Tokenize `documents` into `directory` (tokens.bin, offsets.npy, then index.json last)."""
+def _check_writable(root: Path) -> None:
+    """Fail before tokenizing when the cache could not be created: its nearest existing parent must be a writable directory."""
+    existing = root
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise UsageError(f"cannot write the token cache in {root} ({existing} is not a writable directory);"
+                         " pass --cache-dir DIR")
+
+
+def _publish(tmp: Path, root: Path, final: Path, key: str) -> None:
+    """Move checked tokens into the cache: one atomic rename into place."""
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        if tmp.parent != root:  # tokenized in the system's temporary directory: bring it beside its final name
+            staged = Path(tempfile.mkdtemp(prefix=f".tmp-{key}-", dir=root))
+            staged.rmdir()
+            shutil.move(str(tmp), str(staged))
+            tmp = staged
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            # Another process finished the same cache first: keep theirs.
+            if not (final / "index.json").is_file():
+                raise
+    except OSError as error:
+        raise UsageError(f"cannot write the token cache in {root} ({error.strerror}); pass --cache-dir DIR") from None
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def write_tokens(
+    directory: Path, documents: Iterable[str], tokenizer: Any, label: str, parts: dict[str, Any], announce: str = ""
+) -> None:
+    """Tokenize `documents` into `directory` (tokens.bin, offsets.npy, then index.json last).
+
+    Once tokenizing has taken ANNOUNCE_AFTER_SECONDS, one log line says what is being tokenized
+    (`announce` says where it goes).
+    """
     eos = int(tokenizer.eos_token_id)
     size = vocab_size(tokenizer)
     dtype = token_dtype(size)
     limit = np.iinfo(dtype).max
     offsets = [0]
+    started, announced = time.monotonic(), False
     with (directory / "tokens.bin").open("wb") as handle:
         for batch in _batches(documents, ENCODE_BATCH):
+            if not announced and time.monotonic() - started > ANNOUNCE_AFTER_SECONDS:
+                logger.info("tokenizing %s once (%s)", label, announce or f"in {directory}")
+                announced = True
             for ids in encode_batch(tokenizer, batch):
                 if not ids:
                     continue

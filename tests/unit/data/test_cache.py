@@ -97,6 +97,10 @@ def test_a_failed_run_leaves_no_cache(text_file, tmp_path, byte_tokenizer_class)
     cache = tmp_path / "cache"
     with pytest.raises(KeyboardInterrupt):
         load_or_tokenize(resolve_source(str(text_file)), Failing(), cache)
+    assert not cache.exists()
+    cache.mkdir()  # an existing cache directory is left as it was, too
+    with pytest.raises(KeyboardInterrupt):
+        load_or_tokenize(resolve_source(str(text_file)), Failing(), cache)
     assert list(cache.iterdir()) == []
     assert not load_or_tokenize(resolve_source(str(text_file)), ByteTokenizer(), cache).from_cache
 
@@ -106,7 +110,39 @@ def test_empty_dataset_is_a_usage_error_and_is_not_cached(tmp_path, byte_tokeniz
     path.write_text("\n\n   \n")
     with pytest.raises(UsageError, match="holds no text"):
         load_or_tokenize(resolve_source(str(path)), byte_tokenizer, tmp_path / "cache")
-    assert list((tmp_path / "cache").iterdir()) == []
+    assert not (tmp_path / "cache").exists()
+
+
+def test_data_the_check_rejects_leaves_no_cache(text_file, tmp_path, byte_tokenizer):
+    """The caller's check sees the tokens before the cache (or its directory) is written."""
+    cache = tmp_path / "out" / "cache"
+    seen = []
+
+    def reject(store):
+        seen.append(store.num_documents)
+        raise UsageError("not enough")
+
+    with pytest.raises(UsageError, match="not enough"):
+        load_or_tokenize(resolve_source(str(text_file)), byte_tokenizer, cache, check=reject)
+    assert seen == [3] and not (tmp_path / "out").exists()
+
+    store = load_or_tokenize(resolve_source(str(text_file)), byte_tokenizer, cache, check=seen.append)
+    assert not store.from_cache and [path.name for path in cache.iterdir()] == [store.key]
+    with pytest.raises(UsageError, match="not enough"):  # a cached copy is checked as well
+        load_or_tokenize(resolve_source(str(text_file)), byte_tokenizer, cache, check=reject)
+    assert [path.name for path in cache.iterdir()] == [store.key]
+
+
+def test_quick_tokenizing_logs_nothing(text_file, tmp_path, byte_tokenizer, caplog, monkeypatch):
+    """A bad-input run prints its one error line only; tokenizing speaks up once it takes a while."""
+    import memfit.data.cache as cache_module
+
+    with caplog.at_level("INFO", logger="memfit.data.cache"):
+        load_or_tokenize(resolve_source(str(text_file)), byte_tokenizer, tmp_path / "quick")
+        assert caplog.messages == []
+        monkeypatch.setattr(cache_module, "ANNOUNCE_AFTER_SECONDS", -1.0)
+        load_or_tokenize(resolve_source(str(text_file)), byte_tokenizer, tmp_path / "slow")
+    assert len(caplog.messages) == 1 and "tokenizing" in caplog.messages[0]
 
 
 def test_tokenizer_without_eos_is_a_usage_error(text_file, tmp_path, byte_tokenizer_class):

@@ -82,6 +82,17 @@ def test_too_little_text_for_one_window_is_refused(tmp_path, byte_tokenizer):
     cfg = DataConfig(dataset=str(path), seq_len=256, cache_dir=str(tmp_path / "cache"))
     with pytest.raises(UsageError, match="fewer than one window"):
         load_training_data(cfg, byte_tokenizer)
+    assert not (tmp_path / "cache").exists()
+
+
+def test_fewer_windows_than_one_effective_batch_is_refused_before_caching(long_text, tmp_path, byte_tokenizer):
+    cfg = DataConfig(dataset=str(long_text), seq_len=64, cache_dir=str(tmp_path / "cache"))
+    windows = len(load_training_data(cfg, byte_tokenizer, min_samples=1))
+    fresh = DataConfig(dataset=str(long_text), seq_len=64, cache_dir=str(tmp_path / "other"))
+    with pytest.raises(UsageError, match=f"has {windows} samples of 64 tokens, fewer than one effective batch"):
+        load_training_data(fresh, byte_tokenizer, min_samples=windows + 1)
+    assert not (tmp_path / "other").exists()
+    assert len(load_training_data(fresh, byte_tokenizer, min_samples=windows)) == windows
 
 
 def test_the_bundled_corpus_is_the_default(tmp_path, byte_tokenizer):
