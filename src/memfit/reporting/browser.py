@@ -14,6 +14,7 @@ import base64
 import fcntl
 import json
 import os
+import re
 import select
 import shutil
 import subprocess
@@ -263,3 +264,22 @@ def check_page(
             process.wait()
         shutil.rmtree(profile, ignore_errors=True)
     return result
+
+
+# A tag that loads something by URL (script, stylesheet, image, frame, media) or a CSS import/url() pointing off the machine.
+_REMOTE_TAG = re.compile(
+    r"<(?:script|link|img|iframe|frame|source|video|audio|embed|object)\b[^>]*?\b(?:src|href|data)\s*=\s*[\"']?\s*(?:https?:)?//",
+    re.IGNORECASE,
+)
+_REMOTE_CSS = re.compile(r"(?:@import\s+|url\(\s*)[\"']?\s*(?:https?:)?//", re.IGNORECASE)
+
+
+def remote_references(page: str) -> list[str]:
+    """The places where an HTML page would load something from the network (tags and CSS), empty when none.
+
+    URLs inside inline scripts' strings (plotly's bundle names a few) are not loads and are not reported.
+    """
+    found = [match.group(0) for match in _REMOTE_TAG.finditer(page)]
+    for style in re.findall(r"<style\b[^>]*>(.*?)</style>", page, flags=re.IGNORECASE | re.DOTALL):
+        found += [match.group(0) for match in _REMOTE_CSS.finditer(style)]
+    return found
