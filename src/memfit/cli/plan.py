@@ -20,6 +20,10 @@ class PlanOptions:
     """Print one JSON object on stdout and nothing else."""
     world_size: int = 1
     """Devices to plan for; above 1 the state is sharded (FSDP / ZeRO-3)."""
+    maximize: str | None = field(default=None, metadata={"choices": ("seq-len", "batch-size")})
+    """seq-len: the longest context that fits (micro-batch 1 unless --batch-size is given); batch-size: the largest micro-batch at --seq-len. Default: the fastest setup at --seq-len."""
+    host_memory: int | None = field(default=None, metadata={"size": True})
+    """Host memory of the training machine, for offloaded activations and optimizer state (e.g. 64GiB); default: this machine's."""
 
 
 def run(argv: list[str]) -> int:
@@ -31,7 +35,8 @@ def run(argv: list[str]) -> int:
     config, extras = parse_command_line(argv, extras=[PlanOptions])
     options: PlanOptions = extras[PlanOptions]
     sharding = "zero3" if config.distributed.zero_stage == 3 else config.distributed.sharding
-    result = plan(config, allow=options.allow, world_size=options.world_size, sharding=sharding)
+    result = plan(config, allow=options.allow, world_size=options.world_size, sharding=sharding,
+                  maximize=options.maximize, host_memory=options.host_memory)
     if options.json:
         sys.stdout.write(json.dumps(result.to_dict()) + "\n")
         return 0
@@ -42,22 +47,31 @@ def run(argv: list[str]) -> int:
 def _describe(changes: dict) -> str:
     mode = "full" if not changes.get("lora_r") else ("QLoRA" if changes.get("quantize") == "4bit" else "LoRA")
     parts = [
-        mode,
+        mode + (" (bf16 weights)" if mode == "full" and changes.get("dtype") == "bf16" else ""),
+        f"seq-len {changes['seq_len']:,}" if "seq_len" in changes else "",
         f"micro-batch {changes['batch_size']} x {changes['gradient_accumulation_steps']} accumulation",
         f"checkpointing {changes['gradient_checkpointing']}",
         changes["optimizer"],
         f"loss chunk {changes['loss_chunk_size'] or 'off'}",
     ]
-    if changes.get("optimizer_offload"):
-        parts.append("optimizer offload")
-    return ", ".join(parts)
+    for name, text in (("optimizer_offload", "optimizer offload"), ("optimizer_in_backward", "optimizer in backward"),
+                       ("activation_offload", "activation offload")):
+        if changes.get(name):
+            parts.append(text)
+    if changes.get("tiled_mlp"):
+        parts.append(f"tiled MLP x{changes['tiled_mlp']}")
+    return ", ".join(p for p in parts if p)
 
 
 def render(result) -> str:
-    lines = [f"fits in {format_bytes(result.budget_bytes)} (keeping 5% free):", ""]
+    goal = {"seq-len": "the longest context", "batch-size": "the largest micro-batch"}.get(result.maximize, "the fastest setup")
+    lines = [f"{goal} that fits in {format_bytes(result.budget_bytes)} (keeping 5% free):", ""]
     rows = [(_describe(result.plan), result.estimated_peak_bytes, 1.0)]
     rows += [(_describe(a["plan"]), a["estimated_peak_bytes"], a["relative_speed"]) for a in result.alternatives]
     for rank, (text, peak, speed) in enumerate(rows, 1):
-        lines.append(f"  {rank}. {text}\n     peak {format_bytes(peak)}, relative speed {speed:.2f}")
+        host = f", host memory {format_bytes(result.host_bytes)}" if rank == 1 and result.host_bytes else ""
+        lines.append(f"  {rank}. {text}\n     peak {format_bytes(peak)}{host}, relative speed {speed:.2f}")
+    if result.trades:
+        lines += ["", "what it trades:"] + [f"  - {line}" for line in result.trades]
     lines += ["", "run the best with:", f"  {result.command}"]
     return "\n".join(lines)

@@ -159,10 +159,6 @@ class RunShape:
     """liger-kernel's fused linear cross-entropy: the logits are never held."""
 
 
-TILED_MLP_AUTO_TOKENS = 8192
-"""`--tiled-mlp` left unset tiles the MLP past this sequence length, one tile per this many tokens."""
-
-
 def tiled_mlp_available() -> bool:
     """Whether this memfit has the tiled MLP (memfit.techniques.tiled_mlp)."""
     import importlib.util
@@ -177,12 +173,13 @@ def liger_available() -> bool:
 
 
 def resolve_mlp_tiles(tiled_mlp: int | None, seq_len: int) -> int:
-    """Tiles of the MLP: the setting, or automatic (one per 8192 tokens past 8192); 0 when unavailable."""
+    """Tiles of the MLP as the training run resolves them (None: automatic past a length); 0 when untiled."""
     if not tiled_mlp_available():
         return 0
-    if tiled_mlp is None:
-        return math.ceil(seq_len / TILED_MLP_AUTO_TOKENS) if seq_len > TILED_MLP_AUTO_TOKENS else 0
-    return tiled_mlp if tiled_mlp > 1 else 0
+    from memfit.techniques.tiled_mlp import tiles_for
+
+    tiles = tiles_for(seq_len, tiled_mlp)
+    return tiles if tiles > 1 else 0
 
 
 def resolve_run(config: TrainConfig, hf_config: Any, gpu: GpuSpec | None) -> RunShape:

@@ -59,6 +59,21 @@ class PlanResult:
     command: str
     alternatives: list[dict[str, Any]] = field(default_factory=list)
     tokens_per_second: float = 0.0
+    host_bytes: int = 0
+    """Host memory the plan needs (offloaded activations, optimizer state off the device)."""
+    host_available_bytes: int | None = None
+    """Memory available on the machine that planned (None when the plan needs none or it is unknown)."""
+    host_limit_bytes: int | None = None
+    """Host memory the plan was allowed (--host-memory, else this machine's total)."""
+    trades: list[str] = field(default_factory=list)
+    """What each chosen technique costs, in words."""
+    maximize: str | None = None
+
+    @property
+    def host_fits(self) -> bool | None:
+        if not self.host_bytes or self.host_available_bytes is None:
+            return None if self.host_bytes else True
+        return self.host_bytes <= self.host_available_bytes
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -70,6 +85,12 @@ class PlanResult:
             "command": self.command,
             "alternatives": list(self.alternatives),
             "tokens_per_second": self.tokens_per_second,
+            "host_bytes": self.host_bytes,
+            "host_available_bytes": self.host_available_bytes,
+            "host_fits": self.host_fits,
+            "host_limit_bytes": self.host_limit_bytes,
+            "trades": list(self.trades),
+            "maximize": self.maximize,
         }
 
 
@@ -80,27 +101,32 @@ def plan_to_overrides(result: PlanResult) -> dict[str, Any]:
 
 def estimated_step_seconds(changes: dict[str, Any], config: TrainConfig, est: Estimate, gpu: GpuSpec | None,
                            hf_config: Any) -> float:
-    """Seconds of one optimizer step: FLOPs over the GPU's rate, plus offload transfers.
+    """Seconds of one optimizer step: FLOPs over the GPU's rate, plus host transfers.
 
     Training FLOPs are 6 x parameters x tokens (4 x with LoRA: no weight-gradient
     matmuls) plus attention (12 x layers x hidden x seq per token, halved for causal
     masking), + 1/3 of the forward for full recompute, + 5 % for selective, + the
-    head projection again with chunked loss, QLoRA dequantization +25 %; small
-    micro-batches use the GPU less well.
+    head projection again with chunked loss, + one MLP forward per step with tiled MLP,
+    QLoRA dequantization +25 %; small micro-batches use the GPU less well. Host
+    transfers (activation offload, optimizer offload, paged state) are added in full
+    at the host link's rate: an upper bound, since their copies overlap compute.
     """
     from memfit.memory.activations import architecture_of
 
     arch = architecture_of(hf_config)
-    seq = config.data.seq_len
+    seq = changes.get("seq_len", config.data.seq_len)
     micro = changes.get("batch_size", config.training.batch_size)
-    tokens = micro * seq * changes.get("gradient_accumulation_steps", 1)
+    accumulation = changes.get("gradient_accumulation_steps", 1)
+    tokens = micro * seq * accumulation
     params = est.details["parameter_count"]
     lora = changes.get("lora_r", config.lora.lora_r) > 0
     per_token = (4 if lora else 6) * params + 6 * arch.layers * arch.hidden * seq
     forward = per_token / (2 if lora else 3)
     recompute = {"full": forward, "selective": 0.05 * forward}.get(changes.get("gradient_checkpointing", "off"), 0.0)
     chunked = 2 * arch.hidden * arch.vocab if changes.get("loss_chunk_size", 0) else 0
-    flops = tokens * (per_token + recompute + chunked)
+    mlp_forward = (3 if arch.gated_mlp else 2) * 2 * arch.hidden * arch.intermediate * arch.layers
+    tiled = mlp_forward if changes.get("tiled_mlp") else 0
+    flops = tokens * (per_token + recompute + chunked + tiled)
     if changes.get("quantize", "none") == "4bit":
         flops *= 1.25
     tflops = gpu.peak_tflops if gpu is not None else NOMINAL_TFLOPS
@@ -109,9 +135,14 @@ def estimated_step_seconds(changes: dict[str, Any], config: TrainConfig, est: Es
     trainable = est.details["trainable_parameter_count"]
     if changes.get("optimizer", "adamw").endswith("8bit"):
         seconds *= 1.01
+    link = (gpu.host_link_gbps if gpu is not None else 16.0) * 1e9
     if changes.get("optimizer_offload"):
-        link = (gpu.host_link_gbps if gpu is not None else 16.0) * 1e9
         seconds += 8 * trainable / link + trainable / 2e9  # gradients down, weights up, CPU AdamW
+    if changes.get("activation_offload"):
+        seconds += accumulation * est.details.get("pcie_bytes_per_micro_batch", 0) / link
+    if changes.get("optimizer") == "paged-adamw-8bit" and gpu is not None:
+        # the state pages come in for the step and go out again for the next forward
+        seconds += 2 * est.host_breakdown.get("optimizer_states", 0) / link
     return seconds
 
 
@@ -123,36 +154,172 @@ def _modes(allow: str) -> list[str]:
 def _mode_changes(mode: str, config: TrainConfig) -> dict[str, Any]:
     rank = config.lora.lora_r or DEFAULT_LORA_RANK
     if mode == "full":
-        return {"lora_r": 0, "quantize": "none", "dtype": config.model.dtype}
+        return {"lora_r": 0, "quantize": "none"}
     # A frozen base needs no fp32 master copy: store it in bf16.
-    return {"lora_r": rank, "quantize": "4bit" if mode == "qlora" else "none", "dtype": "bf16"}
+    return {"lora_r": rank, "quantize": "4bit" if mode == "qlora" else "none", "dtype": "bf16",
+            "lora_targets": config.lora.lora_targets}
 
 
-def _search(config, hf_config, budget, gpu, modes, effective, world_size, sharding) -> list[Candidate]:
+def _user_set(config: TrainConfig, name: str) -> bool:
+    """Whether the user gave `name` (configs built in code: whether it differs from the default)."""
+    names = getattr(config, "user_set", None)
+    if names is not None:
+        return name in names
+    return TrainConfig().flat().get(name) != config.flat()[name]
+
+
+def technique_grid(mode: str, config: TrainConfig, gpu: GpuSpec | None, seq_len: int, accumulation: int,
+                   long_context: bool = False) -> list[dict[str, Any]]:
+    """Every combination of memory techniques worth estimating for `mode` (flat config changes).
+
+    Offloading and paged state need a GPU (on a CPU everything is host memory already);
+    optimizer-in-backward needs one micro-batch per step and no fp16 loss scaling; tiled
+    MLP is tried where this memfit has it and the sequence is long.
+    """
+    from memfit.memory.estimator import resolve_mlp_tiles, tiled_mlp_available
     from memfit.techniques.loss import DEFAULT_LOSS_CHUNK_TOKENS
 
-    micro_sizes = [2**k for k in range(0, int(math.log2(max(1, effective // world_size))) + 1)]
-    precision = "auto" if gpu is not None else config.memory.precision
-    offloads = [False, True] if gpu is not None else [False]
+    cuda = gpu is not None
+    full = mode == "full"
+    dtypes = [config.model.dtype] if not full else (["fp32", "bf16"] if cuda and gpu.bf16 else [config.model.dtype])
+    optimizers = ["adamw", "adamw-8bit"] + (["paged-adamw-8bit"] if cuda and full else [])
+    in_backward = [False] + ([True] if accumulation == 1 and (gpu is None or gpu.bf16) else [])
+    offloads = [False, True] if cuda else [False]
+    tiles = [0]
+    if tiled_mlp_available() and (long_context or seq_len >= 4096):
+        tiles.append(max(2, resolve_mlp_tiles(None, seq_len) or 2))
+    grid = []
+    for dtype, optimizer, oib, checkpointing, act_offload, tile, chunk, opt_offload in itertools.product(
+        dtypes, optimizers, in_backward, ("off", "selective", "full"), offloads, tiles,
+        (0, DEFAULT_LOSS_CHUNK_TOKENS), offloads,
+    ):
+        if opt_offload and (oib or not full or optimizer != "adamw"):
+            continue  # CPU offload runs torch's AdamW, per optimizer step
+        if act_offload and checkpointing == "selective":
+            continue  # the kept matmul outputs would all cross the host link: full checkpointing does better
+        changes = {"gradient_checkpointing": checkpointing, "optimizer": optimizer, "loss_chunk_size": chunk,
+                   "optimizer_offload": opt_offload, "optimizer_in_backward": oib,
+                   "activation_offload": act_offload, "tiled_mlp": tile, **_mode_changes(mode, config)}
+        if full:
+            changes["dtype"] = dtype
+        if oib or opt_offload:
+            changes["max_grad_norm"] = 0.0  # neither sees all gradients before they are applied
+        grid.append(changes)
+    return grid
+
+
+@dataclass
+class _Search:
+    config: TrainConfig
+    hf_config: Any
+    budget: int
+    gpu: GpuSpec | None
+    world_size: int
+    sharding: str
+    precision: str
+    host_limit: int | None = None
+
+    def candidate(self, changes: dict[str, Any], micro: int, accumulation: int, seq_len: int) -> Candidate:
+        changes = {"batch_size": micro, "gradient_accumulation_steps": accumulation, "precision": self.precision,
+                   **changes}
+        if seq_len != self.config.data.seq_len:
+            changes["seq_len"] = seq_len
+        candidate_config = self.config.replace(effective_batch_size=None, memory_budget=None, gpu=None, **changes)
+        est = estimate(candidate_config, world_size=self.world_size, sharding=self.sharding, gpu=self.gpu,
+                       budget_bytes=self.budget, hf_config=self.hf_config)
+        seconds = estimated_step_seconds(changes, self.config, est, self.gpu, self.hf_config)
+        return Candidate(changes, est, seconds, micro * seq_len * accumulation * self.world_size)
+
+    def fits(self, candidate: Candidate) -> bool:
+        if self.host_limit is not None and candidate.estimate.host_bytes > self.host_limit * (1 - HOST_MARGIN):
+            return False
+        return candidate.estimate.peak_bytes <= self.budget * (1 - MARGIN)
+
+
+def _fastest(search: _Search, mode: str, effective: int) -> list[Candidate]:
+    """Every configuration of `mode` at the config's sequence length keeping the effective batch."""
+    per_rank = max(1, effective // search.world_size)
+    seq = search.config.data.seq_len
     found = []
-    for mode in modes:
-        for micro, checkpointing, optimizer, chunk, offload in itertools.product(
-            micro_sizes, ("off", "selective", "full"), ("adamw", "adamw-8bit"), (0, DEFAULT_LOSS_CHUNK_TOKENS), offloads
-        ):
-            if (effective // world_size) % micro:
-                continue
-            changes = {
-                "batch_size": micro, "gradient_accumulation_steps": effective // (micro * world_size),
-                "gradient_checkpointing": checkpointing, "precision": precision, "optimizer": optimizer,
-                "loss_chunk_size": chunk, "optimizer_offload": offload, **_mode_changes(mode, config),
-            }
-            candidate_config = config.replace(effective_batch_size=None, memory_budget=None, gpu=None, **changes)
-            est = estimate(candidate_config, world_size=world_size, sharding=sharding, gpu=gpu,
-                           budget_bytes=budget, hf_config=hf_config)
-            seconds = estimated_step_seconds(changes, config, est, gpu, hf_config)
-            tokens_per_step = candidate_config.effective_batch_for(world_size) * config.data.seq_len
-            found.append(Candidate(changes, est, seconds, tokens_per_step))
+    for micro in [2**k for k in range(0, int(math.log2(per_rank)) + 1)]:
+        if per_rank % micro:
+            continue
+        accumulation = per_rank // micro
+        for changes in technique_grid(mode, search.config, search.gpu, seq, accumulation):
+            found.append(search.candidate(changes, micro, accumulation, seq))
     return found
+
+
+SEQ_STEP = 256
+MAX_SEQ_LEN = 1 << 23
+
+
+def _longest(search: _Search, mode: str, micro: int, accumulation: int) -> list[Candidate]:
+    """For each technique combination, the longest sequence (a multiple of 256) that fits."""
+    best_seq, found = 0, []
+    grid = technique_grid(mode, search.config, search.gpu, 1 << 20, accumulation, long_context=True)
+    for changes in grid:
+        tiles = changes["tiled_mlp"]
+
+        def at(seq: int, changes=changes, tiles=tiles) -> Candidate:
+            # tiles follow the length: one per 8192 tokens (at least 2) when the grid turned tiling on
+            return search.candidate({**changes, "tiled_mlp": max(2, math.ceil(seq / 8192)) if tiles else 0},
+                                    micro, accumulation, seq)
+
+        floor = max(SEQ_STEP, best_seq)
+        if not search.fits(at(floor)):
+            continue  # cannot beat (or match) the best found so far
+        low, high = floor, floor * 2
+        while high <= MAX_SEQ_LEN and search.fits(at(high)):
+            low, high = high, high * 2
+        high = min(high, MAX_SEQ_LEN + SEQ_STEP)
+        while high - low > SEQ_STEP:
+            middle = (low + high) // 2 // SEQ_STEP * SEQ_STEP
+            low, high = (middle, high) if search.fits(at(middle)) else (low, middle)
+        best_seq = max(best_seq, low)
+        found.append(at(low))
+    return [c for c in found if c.changes.get("seq_len", search.config.data.seq_len) == best_seq]
+
+
+def _largest_batch(search: _Search, mode: str) -> list[Candidate]:
+    """For each technique combination, the largest micro-batch (one per step) that fits."""
+    best, found = 0, []
+    seq = search.config.data.seq_len
+    for changes in technique_grid(mode, search.config, search.gpu, seq, 1):
+        floor = max(1, best)
+        if not search.fits(search.candidate(changes, floor, 1, seq)):
+            continue
+        low, high = floor, floor * 2
+        while high <= 1 << 20 and search.fits(search.candidate(changes, high, 1, seq)):
+            low, high = high, high * 2
+        while high - low > 1:
+            middle = (low + high) // 2
+            low, high = (middle, high) if search.fits(search.candidate(changes, middle, 1, seq)) else (low, middle)
+        best = max(best, low)
+        found.append(search.candidate(changes, low, 1, seq))
+    return [c for c in found if c.changes["batch_size"] == best]
+
+
+MAXIMIZE = (None, "seq-len", "batch-size")
+HOST_MARGIN = 0.25
+"""Fraction of the host memory left to the process itself, the data and the OS (not modelled)."""
+
+
+def machine_memory_bytes() -> int | None:
+    """Total memory of this machine (psutil, else /proc/meminfo), or None."""
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().total)
+    except Exception:  # psutil missing: read the kernel's figure, else give up on the check
+        try:
+            with open("/proc/meminfo") as handle:
+                for line in handle:
+                    if line.startswith("MemTotal:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+    return None
 
 
 def plan(
@@ -165,6 +332,8 @@ def plan(
     sharding: str = "none",
     hf_config: Any = None,
     explain: bool = True,
+    maximize: str | None = None,
+    host_memory: int | None = None,
 ) -> PlanResult:
     """The fastest configuration of `config` whose estimated peak fits the budget.
 
@@ -175,15 +344,24 @@ def plan(
         effective_batch_size: samples per optimizer step; default: the config's.
         world_size, sharding: devices and how they share state (none/ddp/zero1-3/fsdp).
         explain: when nothing fits, work out what would (a wider --allow, more GPUs) for the message.
+        maximize: None (fastest at the config's sequence length and effective batch),
+            "seq-len" (the longest sequence that fits, at the given micro-batch, 1 unless
+            --batch-size is given) or "batch-size" (the largest micro-batch at --seq-len).
+            The fastest of the configurations that reach the maximum is chosen.
+        host_memory: host memory the plan may fill with offloaded activations and optimizer
+            state (75 % of it: the rest is left to the process and the OS); default: this
+            machine's total memory, so plan on the machine that trains or say how much it has.
 
     Raises:
         DoesNotFitError: nothing fits; the message says how much is needed and what to try.
-        UsageError: neither a budget nor a GPU, or a bad `allow`.
+        UsageError: neither a budget nor a GPU, or a bad `allow` / `maximize`.
     """
     from memfit.models.presets import resolve_model_config
 
     if allow not in ALLOW:
         raise UsageError(f"--allow must be one of {', '.join(ALLOW)}, got {allow!r}")
+    if maximize not in MAXIMIZE:
+        raise UsageError(f"--maximize must be seq-len or batch-size, got {maximize!r}")
     gpu_spec = get_gpu(gpu) if isinstance(gpu, str) else gpu
     if gpu_spec is None and config.memory.gpu:
         gpu_spec = get_gpu(config.memory.gpu)
@@ -195,13 +373,27 @@ def plan(
     effective = effective_batch_size or config.effective_batch_for(world_size)
     if world_size > 1 and sharding == "none":
         sharding = "fsdp"
-    usable = budget * (1 - MARGIN)
+    host_limit = host_memory if host_memory is not None else machine_memory_bytes()
+    search = _Search(config, hf_config, budget, gpu_spec, world_size, sharding,
+                     "auto" if gpu_spec is not None else config.memory.precision, host_limit)
     chosen: list[Candidate] = []
     everything: list[Candidate] = []
     for mode in _modes(allow):
-        found = _search(config, hf_config, budget, gpu_spec, [mode], effective, world_size, sharding)
+        if maximize == "seq-len":
+            micro = config.training.batch_size if _user_set(config, "batch_size") else 1
+            accumulation = config.training.gradient_accumulation_steps if _user_set(
+                config, "gradient_accumulation_steps") else 1
+            fitting = _longest(search, mode, micro, accumulation)
+            found = fitting or [search.candidate(technique_grid(mode, config, gpu_spec, SEQ_STEP, accumulation)[-1],
+                                                 micro, accumulation, SEQ_STEP)]
+        elif maximize == "batch-size":
+            fitting = _largest_batch(search, mode)
+            found = fitting or [search.candidate(technique_grid(mode, config, gpu_spec, config.data.seq_len, 1)[-1],
+                                                 1, 1, config.data.seq_len)]
+        else:
+            found = _fastest(search, mode, effective)
+            fitting = [c for c in found if search.fits(c)]
         everything += found
-        fitting = [c for c in found if c.estimate.peak_bytes <= usable]
         chosen += fitting
         if allow == "auto" and fitting:
             break  # the least lossy mode that fits wins
@@ -209,14 +401,81 @@ def plan(
         if not explain:
             raise DoesNotFitError("does not fit")
         raise DoesNotFitError(_does_not_fit_message(config, hf_config, budget, gpu_spec, allow, everything, effective))
-    chosen.sort(key=lambda c: (-c.tokens_per_second, c.estimate.peak_bytes))
+    if maximize == "seq-len":
+        chosen.sort(key=lambda c: (-c.changes.get("seq_len", config.data.seq_len), -c.tokens_per_second))
+    elif maximize == "batch-size":
+        chosen.sort(key=lambda c: (-c.changes["batch_size"], -c.tokens_per_second))
+    else:
+        # fp32 weights before pure bf16 ones (bf16 updates round away small steps), then speed
+        chosen.sort(key=lambda c: (c.changes.get("dtype") == "bf16" and not c.changes.get("lora_r"),
+                                   -c.tokens_per_second, c.estimate.peak_bytes))
     best = chosen[0]
     alternatives = [_describe(c, best) for c in _distinct(chosen)[1:3]]
+    est = best.estimate
+    seq_len = best.changes.get("seq_len", config.data.seq_len)
     return PlanResult(
-        fits=True, plan=dict(best.changes), estimated_peak_bytes=best.estimate.peak_bytes, budget_bytes=int(budget),
-        relative_speed=1.0, command=train_command(config, best.changes, gpu_spec, budget_bytes, world_size),
+        fits=True, plan={"seq_len": seq_len, **best.changes}, estimated_peak_bytes=est.peak_bytes,
+        budget_bytes=int(budget), relative_speed=1.0,
+        command=train_command(config, best.changes, gpu_spec, budget_bytes, world_size),
         alternatives=alternatives, tokens_per_second=best.tokens_per_second,
+        host_bytes=est.host_bytes, host_available_bytes=est.host_available_bytes, host_limit_bytes=host_limit,
+        trades=trade_offs(best, config, hf_config, gpu_spec, host_limit), maximize=maximize,
     )
+
+
+def trade_offs(candidate: Candidate, config: TrainConfig, hf_config: Any, gpu: GpuSpec | None,
+               host_limit: int | None = None) -> list[str]:
+    """What each technique of the plan costs, in plain words with the figures that matter."""
+    c, est = candidate.changes, candidate.estimate
+    link = (gpu.host_link_gbps if gpu is not None else 16.0) * 1e9
+    host_gib = est.host_bytes / GIB
+    lines = []
+    if c.get("lora_r"):
+        what = "QLoRA: the base weights are frozen in 4-bit nf4" if c.get("quantize") == "4bit" else "LoRA: the base weights are frozen"
+        lines.append(f"{what}; only rank-{c['lora_r']} adapters train")
+    elif c.get("dtype") == "bf16":
+        lines.append("pure bf16 weights (no fp32 master copy): updates smaller than about 1/256 of a weight round away;"
+                     " numerics differ from fp32 training")
+    if c.get("optimizer") in ("adamw-8bit", "paged-adamw-8bit"):
+        lines.append("8-bit AdamW: moments stored block-quantized (bitsandbytes), close to but not equal to AdamW")
+    if c.get("optimizer") == "paged-adamw-8bit" and gpu is not None:
+        state = est.host_breakdown.get("optimizer_states", 0)
+        lines.append(f"paged optimizer state: {state / GIB:.1f} GiB in CUDA unified memory, paged to host when the GPU"
+                     f" is full; up to {2 * state / link:.2f} s of host-link traffic per step")
+    if c.get("optimizer_in_backward"):
+        lines.append("optimizer in backward: each weight is updated as its gradient arrives; no gradient accumulation,"
+                     " no global gradient clipping (--max-grad-norm 0)")
+    if c.get("optimizer_offload"):
+        lines.append(f"optimizer offload: state and step on the CPU ({est.host_breakdown.get('optimizer_states', 0) / GIB:.1f}"
+                     " GiB of host memory); gradients and weights cross the host link every step; no clipping")
+    if c.get("activation_offload"):
+        moved = est.details.get("pcie_bytes_per_micro_batch", 0)
+        lines.append(f"activation offload: {est.host_breakdown.get('activations', 0) / GIB:.1f} GiB of pinned host memory;"
+                     f" {moved / GIB:.1f} GiB over the host link per micro-batch ({moved / link:.2f} s at"
+                     f" {link / 1e9:.0f} GB/s, overlapped with compute where the copies allow)")
+    if c.get("gradient_checkpointing") == "full":
+        lines.append("full checkpointing: each block's forward runs again in backward (about +33 % compute)")
+    elif c.get("gradient_checkpointing") == "selective":
+        lines.append("selective checkpointing: cheap operations are recomputed in backward (about +5 % compute)")
+    if c.get("tiled_mlp"):
+        lines.append(f"tiled MLP: {c['tiled_mlp']} sequence tiles, each recomputed in backward (one more MLP forward)")
+    if c.get("loss_chunk_size"):
+        lines.append(f"chunked loss ({c['loss_chunk_size']} tokens): the output projection runs again in backward")
+    if est.host_bytes:
+        available = est.host_available_bytes
+        limit = f" (planned within {host_limit / GIB:.0f} GiB of host memory)" if host_limit else ""
+        if available is None:
+            lines.append(f"needs {host_gib:.1f} GiB of host memory{limit}; this machine's could not be read")
+        else:
+            verdict = "enough" if est.host_bytes <= available else "NOT enough"
+            lines.append(f"needs {host_gib:.1f} GiB of host memory{limit}; this machine has {available / GIB:.1f} GiB"
+                         f" available now ({verdict} here)")
+    seq = c.get("seq_len", config.data.seq_len)
+    trained = getattr(hf_config, "max_position_embeddings", None) or getattr(hf_config, "n_positions", None)
+    if trained and seq > trained:
+        lines.append(f"{seq:,} tokens is beyond the model's trained context ({trained:,}): quality needs RoPE scaling"
+                     " or long-context training data")
+    return lines
 
 
 def _distinct(candidates: list[Candidate]) -> list[Candidate]:
@@ -264,13 +523,18 @@ def _does_not_fit_message(config, hf_config, budget, gpu, allow, everything, eff
 def train_command(config: TrainConfig, changes: dict[str, Any], gpu: GpuSpec | None, budget: int | None,
                   world_size: int = 1) -> str:
     """The `memfit train ...` command line that runs the plan."""
-    parts = ["memfit", "train", "--model", config.model.model, "--seq-len", str(config.data.seq_len)]
+    seq_len = changes.get("seq_len", config.data.seq_len)
+    parts = ["memfit", "train", "--model", config.model.model, "--seq-len", str(seq_len)]
     if config.data.dataset:
         parts += ["--dataset", config.data.dataset]
     defaults = TrainConfig().flat()
     for name, value in changes.items():
-        if name in ("lora_r", "quantize", "dtype") and value == defaults.get(name):
+        if name == "seq_len":
             continue
+        if name in ("lora_r", "quantize", "dtype", "lora_targets") and value == defaults.get(name):
+            continue
+        if name == "tiled_mlp" and not value and seq_len <= 8192:
+            continue  # the automatic setting does not tile at this length either
         flag = "--" + name.replace("_", "-")
         if isinstance(value, bool):
             if value:
