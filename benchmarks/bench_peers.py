@@ -1,0 +1,427 @@
+"""memfit against Hugging Face Trainer: the same config on a bigger model (P1), the same memory budget (P2), and a GPU run.
+
+    python benchmarks/bench_peers.py p1                        # Qwen2.5-0.5B shape, random init, seq 512, CPU
+    python benchmarks/bench_peers.py p1 --layers 6             # the same width and vocabulary, 6 of its 24 blocks
+    python benchmarks/bench_peers.py p2                        # 20M Llama (32000 vocabulary), seq 512, 8 samples per step
+    python benchmarks/bench_peers.py gpu                       # Llama-3.2-1B shape, bf16, seq 2048 (needs CUDA)
+    python benchmarks/bench_peers.py p1 --out docs/benchmarks.md
+
+P1, same config: both tools train the same randomly initialised model (saved once with a
+fixed seed, loaded by both) on the same samples in the same order, fp32, fused AdamW,
+clipping at 1, cosine schedule, SDPA attention; memfit with its defaults otherwise.
+Reported: tokens/s and peak RSS of memfit as ratios to the Trainer, in one run.
+
+P2, same memory budget: the budget is half of the Trainer's plain run's peak RSS. The
+Trainer gets the fastest of its own settings whose measured peak fits: micro-batch and
+accumulation (same samples per step), `gradient_checkpointing`, `optim="adamw_8bit"` and
+`bf16` (each setting is run and measured). memfit gets the budget as `--memory-budget`
+(its planner picks micro-batch, checkpointing, chunked loss, 8-bit AdamW) and
+`--memory-cap` (enforced by its tracker on CPU), both net of the process's resident
+memory before the model is built (Python, torch, transformers), which no plan can
+change; both run bf16 autocast. Reported: memfit's tokens/s over the Trainer's, and
+both peaks against the budget.
+
+GPU: memfit plain, `--compile`, `--kernels liger` against the Trainer and the Trainer
+with `use_liger_kernel=True`: tokens/s, MFU and peak allocated.
+
+Clocks: tokens/s is the median over the steps after warm-up of (tokens of the step) /
+(time from the end of the previous step to the end of this one), for both tools alike.
+Peaks: CPU: the process's peak resident memory (VmHWM) from the first step to the last,
+reset when training starts (so model loading is out of it for both); CUDA:
+`torch.cuda.max_memory_allocated` over the same span. Each run is a fresh process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from _common import (
+    default_label,
+    emit_result,
+    machine_description,
+    markdown_table,
+    median,
+    run_worker,
+    synchronize,
+    today,
+)
+
+SECTION = "Against Hugging Face Trainer: same config, same memory"
+MIB = 1024**2
+LR, BETAS, EPS, MAX_GRAD_NORM, SEED = 1e-3, (0.9, 0.95), 1e-8, 1.0, 0
+EOS = 256  # the byte tokenizer's end-of-text id
+
+
+# ---------------------------------------------------------------------------
+# Model
+# ---------------------------------------------------------------------------
+
+
+def save_preset_model(directory: Path, preset: str, layers: int | None) -> tuple[int, str]:
+    """A random-init model of a memfit preset's shape (optionally fewer blocks), saved with the byte tokenizer."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from memfit.models.presets import resolve_model_config
+    from memfit.models.tiny import byte_tokenizer
+
+    config = resolve_model_config(preset)
+    if layers:
+        config.num_hidden_layers = layers
+        if getattr(config, "layer_types", None):
+            config.layer_types = config.layer_types[:layers]
+    config.bos_token_id = config.eos_token_id = config.pad_token_id = EOS
+    config.max_position_embeddings = max(4096, config.max_position_embeddings)
+    torch.manual_seed(SEED)
+    model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(directory)
+    byte_tokenizer().save_pretrained(directory)
+    described = (f"{preset} shape ({config.num_hidden_layers} blocks of width {config.hidden_size},"
+                 f" {config.num_attention_heads} heads / {config.num_key_value_heads} KV, MLP {config.intermediate_size},"
+                 f" vocabulary {config.vocab_size}{', tied embeddings' if config.tie_word_embeddings else ''})")
+    return sum(p.numel() for p in model.parameters()), described
+
+
+# ---------------------------------------------------------------------------
+# Workers (each in a fresh process)
+# ---------------------------------------------------------------------------
+
+
+def _rates(stamps: list[float], tokens: list[int], warmup: int) -> list[float]:
+    return [tokens[k] / max(stamps[k + 1] - stamps[k], 1e-9) for k in range(warmup, len(tokens))]
+
+
+def _peak(device: str) -> int:
+    if device == "cuda":
+        import torch
+
+        return int(torch.cuda.max_memory_allocated())
+    from memfit.memory.stats import process_peak_rss_bytes
+
+    return int(process_peak_rss_bytes() or 0)
+
+
+def memfit_worker(spec: dict[str, Any]) -> dict[str, Any]:
+    import memfit.train.metrics as metrics
+    from memfit.config_loading import load_config
+    from memfit.memory.stats import process_rss_bytes
+    from memfit.train.loop import train
+
+    device = spec["device"]
+    base_rss = int(process_rss_bytes() or 0)
+    stamps: list[float] = []
+    tokens: list[int] = []
+    records: list[dict] = []
+    peaks: list[int] = []
+    original_log = metrics.JsonlLogger.log
+
+    def log(self, record: dict[str, Any]) -> None:  # instrumentation only: stamp each step's end
+        if record.get("event") == "start":
+            stamps.append(time.perf_counter())
+        elif "event" not in record and "step" in record:
+            synchronize(device)
+            stamps.append(time.perf_counter())
+            tokens.append(int(record["tokens"]))
+            records.append(record)
+            peaks.append(int(record.get("peak_memory_bytes") or 0))
+        original_log(self, record)
+
+    metrics.JsonlLogger.log = log
+    overrides = {
+        "model": spec["model_dir"], "seq_len": spec["seq_len"], "max_steps": spec["steps"], "seed": SEED,
+        "lr": LR, "max_grad_norm": MAX_GRAD_NORM, "output_dir": spec["output_dir"], "cache_dir": spec["cache_dir"],
+        "log_every": 10**6, "report": False, **spec["overrides"],
+    }
+    if spec.get("budget_bytes"):
+        # The budget counts the whole process; what the interpreter and libraries hold is not the plan's to spend.
+        net = spec["budget_bytes"] - base_rss
+        overrides.update(memory_budget=net, memory_cap=net)
+    result = train(load_config(overrides={k: str(v) for k, v in overrides.items()}))
+    warm = records[spec["warmup"]:]
+    summary = result.summary
+    return {
+        "tokens_per_second": median(_rates(stamps, tokens, spec["warmup"])),
+        "peak_bytes": max(peaks) if peaks else None,
+        "base_rss_bytes": base_rss,
+        "first_loss": result.losses[0],
+        "mfu": median([r["mfu"] for r in warm if r.get("mfu") is not None]),
+        "ran": {key: summary.get(key) for key in ("precision", "optimizer", "gradient_checkpointing", "loss_chunk_size",
+                                                  "micro_batch_size", "effective_batch_size", "kernels", "compile")},
+    }
+
+
+def hf_worker(spec: dict[str, Any]) -> dict[str, Any]:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainerCallback, TrainingArguments
+
+    from memfit.config import DataConfig
+    from memfit.data import BatchSchedule, collate, load_training_data
+    from memfit.memory.stats import reset_peaks
+
+    device = spec["device"]
+    knobs = spec["overrides"]
+    micro, accumulation = knobs.get("batch_size", spec["effective_batch"]), 1
+    accumulation = spec["effective_batch"] // micro
+    steps = spec["steps"]
+    tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"])
+    windows = load_training_data(DataConfig(seq_len=spec["seq_len"], cache_dir=spec["cache_dir"]), tokenizer)
+    schedule = BatchSchedule(len(windows), spec["effective_batch"], SEED)
+    order = [int(i) for step in range(steps) for i in schedule.batch_indices(step)]
+
+    class Samples(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return len(order)
+
+        def __getitem__(self, index: int):
+            return windows[order[index]]
+
+    per_step = spec["effective_batch"]
+    tokens = [sum(len(windows[i]["input_ids"]) for i in order[k * per_step:(k + 1) * per_step]) for k in range(steps)]
+    stamps: list[float] = []
+    peak = [0]
+    losses: list[float] = []
+
+    class Stamps(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            reset_peaks(torch.device(device))
+            stamps.append(time.perf_counter())
+
+        def on_step_end(self, args, state, control, **kwargs):
+            synchronize(device)
+            stamps.append(time.perf_counter())
+            peak[0] = max(peak[0], _peak(device))
+
+    class OrderedTrainer(Trainer):
+        def _get_train_sampler(self, *args, **kwargs):
+            return torch.utils.data.SequentialSampler(self.train_dataset)  # already memfit's order
+
+        def training_step(self, *args, **kwargs):
+            loss = super().training_step(*args, **kwargs)
+            losses.append(float(loss))
+            return loss
+
+    torch.manual_seed(SEED)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32, attn_implementation="sdpa")
+    model.config.use_cache = False
+    on_cuda = device == "cuda"
+    extra = {"use_liger_kernel": True} if knobs.get("liger") else {}
+    arguments = TrainingArguments(
+        output_dir=spec["output_dir"], per_device_train_batch_size=micro, gradient_accumulation_steps=accumulation,
+        max_steps=steps, learning_rate=LR, lr_scheduler_type="cosine", warmup_steps=0, weight_decay=0.0,
+        adam_beta1=BETAS[0], adam_beta2=BETAS[1], adam_epsilon=EPS, max_grad_norm=MAX_GRAD_NORM,
+        optim=knobs.get("optim", "adamw_torch_fused"), bf16=bool(knobs.get("bf16", on_cuda)), use_cpu=not on_cuda,
+        gradient_checkpointing=bool(knobs.get("gradient_checkpointing", False)),
+        logging_strategy="no", save_strategy="no", eval_strategy="no", report_to=[], disable_tqdm=True,
+        dataloader_num_workers=0, remove_unused_columns=False, seed=SEED, **extra,
+    )
+    del dtype
+    trainer = OrderedTrainer(model=model, args=arguments, train_dataset=Samples(),
+                             data_collator=lambda samples: collate(samples, tokenizer.pad_token_id), callbacks=[Stamps()])
+    trainer.train()
+    return {
+        "tokens_per_second": median(_rates(stamps, tokens, spec["warmup"])),
+        "peak_bytes": peak[0],
+        "first_loss": losses[0] if losses else None,
+        "ran": dict(knobs),
+    }
+
+
+# ---------------------------------------------------------------------------
+# Driver
+# ---------------------------------------------------------------------------
+
+
+class Runner:
+    def __init__(self, args: argparse.Namespace, device: str, workdir: Path, model_dir: Path):
+        self.args, self.device, self.workdir, self.model_dir = args, device, workdir, model_dir
+        self.count = 0
+        self.raw: list[dict] = []
+
+    def run(self, kind: str, label: str, overrides: dict[str, Any], budget: int | None = None) -> dict[str, Any]:
+        self.count += 1
+        spec = {
+            "kind": kind, "name": label, "model_dir": str(self.model_dir), "cache_dir": str(self.workdir / "cache"),
+            "output_dir": str(self.workdir / f"run-{self.count}"), "steps": self.args.steps, "warmup": self.args.warmup,
+            "seq_len": self.args.seq_len, "effective_batch": self.args.effective_batch, "device": self.device,
+            "overrides": overrides, "budget_bytes": budget,
+        }
+        if kind == "memfit":
+            spec["overrides"] = {"batch_size": self.args.effective_batch, **overrides}
+        env = {"CUDA_VISIBLE_DEVICES": ""} if self.device == "cpu" else {}
+        started = time.perf_counter()
+        result = run_worker(__file__, spec, timeout=3600, env=env)
+        result.update(label=label, kind=kind, seconds=round(time.perf_counter() - started, 1))
+        self.raw.append(result)
+        if self.args.json:
+            Path(self.args.json).write_text(json.dumps(self.raw, indent=1))
+        print(f"[{self.count}] {label}: {result['tokens_per_second']:.1f} tokens/s, peak"
+              f" {result['peak_bytes'] / MIB:.0f} MiB ({result['seconds']:.0f} s)", file=sys.stderr)
+        return result
+
+
+def p1(runner: Runner) -> tuple[str, list[list[str]]]:
+    same = {"precision": "fp32", "optimizer": "adamw"}
+    hf = runner.run("hf", "Hugging Face Trainer", {"batch_size": runner.args.effective_batch})
+    mf = runner.run("memfit", "memfit (defaults)", same)
+    rows = [[r["label"], f"{r['tokens_per_second']:.1f}", f"{r['peak_bytes'] / MIB:.0f}",
+             f"{r['tokens_per_second'] / hf['tokens_per_second']:.2f}", f"{r['peak_bytes'] / hf['peak_bytes']:.2f}",
+             f"{r['first_loss']:.4f}"] for r in (hf, mf)]
+    table = markdown_table(["run", "tokens/s", "peak RSS (MiB)", "tokens/s vs Trainer", "peak vs Trainer",
+                            "loss at step 1"], rows)
+    headline = (f"memfit: **{mf['tokens_per_second'] / hf['tokens_per_second']:.2f}x the Trainer's tokens/s at"
+                f" {mf['peak_bytes'] / hf['peak_bytes']:.2f}x its peak RSS** (what ran: {_ran(mf)}).")
+    return headline + "\n\n" + table, rows
+
+
+def trainer_settings(effective: int) -> list[tuple[str, dict[str, Any]]]:
+    """The Trainer's own knobs, from the fastest-looking to the leanest."""
+    settings = []
+    micro_sizes = [m for m in (effective, effective // 2, effective // 4, 1) if m >= 1 and effective % m == 0]
+    micro_sizes = list(dict.fromkeys(micro_sizes))
+    for checkpointing in (False, True):
+        for optim in ("adamw_torch_fused", "adamw_8bit"):
+            for micro in micro_sizes:
+                if optim == "adamw_8bit" and not checkpointing and micro != effective:
+                    continue  # keep the grid small: 8-bit alone only at the full micro-batch
+                settings.append((
+                    f"bs {micro} x {effective // micro}{', checkpointing' if checkpointing else ''}"
+                    f"{', adamw_8bit' if optim == 'adamw_8bit' else ''}, bf16",
+                    {"batch_size": micro, "gradient_checkpointing": checkpointing, "optim": optim, "bf16": True},
+                ))
+    return settings
+
+
+def p2(runner: Runner) -> tuple[str, list[list[str]]]:
+    effective = runner.args.effective_batch
+    plain = runner.run("hf", f"Trainer plain (bs {effective}, fp32)", {"batch_size": effective, "bf16": False})
+    budget = int(plain["peak_bytes"] * runner.args.budget_fraction)
+    tried = [runner.run("hf", f"Trainer {label}", knobs) for label, knobs in trainer_settings(effective)]
+    fitting = [r for r in tried if r["peak_bytes"] <= budget]
+    best_hf = max(fitting, key=lambda r: r["tokens_per_second"]) if fitting else None
+    mf = runner.run("memfit", "memfit, its planner's choice", {"precision": "amp"}, budget=budget)
+    rows = []
+    for r in [plain, *tried, mf]:
+        fits = "yes" if r["peak_bytes"] <= budget else "no"
+        chosen = " **(fastest that fits)**" if r is best_hf else ""
+        rows.append([r["label"] + chosen + (f" ({_ran(r)})" if r["kind"] == "memfit" else ""),
+                     f"{r['tokens_per_second']:.0f}", f"{r['peak_bytes'] / MIB:.0f}", fits])
+    table = markdown_table(["run", "tokens/s", "peak RSS (MiB)", f"fits {budget / MIB:.0f} MiB"], rows)
+    if best_hf is None:
+        headline = f"No Trainer setting fits {budget / MIB:.0f} MiB; memfit runs at {mf['tokens_per_second']:.0f} tokens/s."
+    else:
+        headline = (f"Budget {budget / MIB:.0f} MiB ({runner.args.budget_fraction:.0%} of the Trainer's plain peak):"
+                    f" **memfit {mf['tokens_per_second'] / best_hf['tokens_per_second']:.2f}x the tokens/s of the"
+                    f" Trainer's fastest fitting setting** ({best_hf['label']}); memfit's peak"
+                    f" {mf['peak_bytes'] / MIB:.0f} MiB {'fits' if mf['peak_bytes'] <= budget else 'does NOT fit'}.")
+    return headline + "\n\n" + table, rows
+
+
+def gpu(runner: Runner) -> tuple[str, list[list[str]]]:
+    runs = [
+        runner.run("hf", "Hugging Face Trainer, bf16", {"batch_size": runner.args.effective_batch}),
+        runner.run("hf", "Trainer, use_liger_kernel=True", {"batch_size": runner.args.effective_batch, "liger": True}),
+        runner.run("memfit", "memfit plain", {"kernels": "none"}),
+        runner.run("memfit", "memfit --compile", {"kernels": "none", "compile": True}),
+        runner.run("memfit", "memfit --kernels liger", {"kernels": "liger"}),
+        runner.run("memfit", "memfit --compile --kernels liger", {"kernels": "liger", "compile": True}),
+    ]
+    hf = runs[0]
+    rows = [[r["label"], f"{r['tokens_per_second']:.0f}", f"{r['mfu']:.3f}" if r.get("mfu") else "-",
+             f"{r['peak_bytes'] / MIB:.0f}", f"{r['tokens_per_second'] / hf['tokens_per_second']:.2f}",
+             f"{r['peak_bytes'] / hf['peak_bytes']:.2f}"] for r in runs]
+    return markdown_table(["run", "tokens/s", "MFU", "peak allocated (MiB)", "tokens/s vs Trainer",
+                           "peak vs Trainer"], rows), rows
+
+
+def _ran(result: dict[str, Any]) -> str:
+    ran = result.get("ran") or {}
+    return ", ".join(f"{k} {v}" for k, v in ran.items() if v not in (None, "", {}))
+
+
+DEFAULTS = {
+    "p1": {"preset": "qwen2.5-0.5b", "seq_len": 512, "effective_batch": 1, "steps": 3, "warmup": 1},
+    "p2": {"preset": None, "seq_len": 512, "effective_batch": 8, "steps": 4, "warmup": 1},
+    "gpu": {"preset": "llama-3.2-1b", "seq_len": 2048, "effective_batch": 4, "steps": 12, "warmup": 4},
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("benchmark", nargs="?", choices=("p1", "p2", "gpu"))
+    parser.add_argument("--preset", help="model shape (a memfit preset); p2's default is the 20M Llama of bench_engine")
+    parser.add_argument("--layers", type=int, help="keep only this many blocks of the preset (same width, vocabulary)")
+    parser.add_argument("--seq-len", type=int)
+    parser.add_argument("--effective-batch", type=int, help="samples per optimizer step")
+    parser.add_argument("--steps", type=int)
+    parser.add_argument("--warmup", type=int)
+    parser.add_argument("--budget-fraction", type=float, default=0.5, help="p2: budget / Trainer plain peak (0.5)")
+    parser.add_argument("--out", help="markdown file to write the results into (e.g. docs/benchmarks.md)")
+    parser.add_argument("--json", help="also write the raw results to this JSON file")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        spec = json.loads(args.worker)
+        emit_result((memfit_worker if spec["kind"] == "memfit" else hf_worker)(spec))
+        return 0
+    if args.benchmark is None:
+        parser.error("choose p1, p2 or gpu")
+    for key, value in DEFAULTS[args.benchmark].items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+    device = "cuda" if args.benchmark == "gpu" else "cpu"
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            print("bench_peers.py gpu: no CUDA device here", file=sys.stderr)
+            return 2
+    load_start = os.getloadavg()
+    with tempfile.TemporaryDirectory(prefix="memfit-peers-") as tmp:
+        workdir = Path(tmp)
+        model_dir = workdir / "model"
+        if args.preset:
+            parameters, described = save_preset_model(model_dir, args.preset, args.layers)
+        else:
+            from _common import MODEL_SHAPES, save_model
+
+            parameters = save_model(model_dir, "20m", SEED)
+            shape = MODEL_SHAPES["20m"]
+            described = (f"Llama shape ({shape['num_hidden_layers']} blocks of width {shape['hidden_size']},"
+                         f" vocabulary {shape['vocab_size']}, tied embeddings)")
+        runner = Runner(args, device, workdir, model_dir)
+        body, _ = {"p1": p1, "p2": p2, "gpu": gpu}[args.benchmark](runner)
+    load_end = os.getloadavg()
+    command = "python benchmarks/bench_peers.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    text = "\n".join([
+        f"Model: {parameters / 1e6:.0f}M parameters, {described}, random init with a fixed seed, saved once and"
+        f" loaded by every run. Data: the bundled corpus, windows of {args.seq_len} tokens, {args.effective_batch}"
+        f" samples per optimizer step, {args.steps} steps of which {args.warmup} warm-up; each run a fresh process.",
+        "",
+        body,
+        "",
+        f"Command: `{command.strip()}`",
+        "",
+        f"Machine: {machine_description(device)}; load average (1 min) {load_start[0]:.1f} at the start,"
+        f" {load_end[0]:.1f} at the end",
+        "",
+        f"Date: {today()}",
+    ])
+    print(text)
+    if args.out:
+        from _common import write_section
+
+        titles = {"p1": "P1, same config, bigger model", "p2": "P2, same memory budget", "gpu": "GPU"}
+        write_section(args.out, SECTION, text, subheading=f"{titles[args.benchmark]} ({default_label(device)})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,143 @@
+"""Speed facts of a run: MFU per step, and the planner's predicted step time beside the measured one.
+
+    speed = SpeedMeter.from_session(session)
+    logger.log({"event": "start", ..., **speed.start_facts()})
+    record.update(speed.step(tokens, seconds))          # mfu, hfu of this step
+    summary.update(speed.summary())                      # medians, measured vs predicted step time
+
+MFU is model FLOPs per second over the device's peak (models.flops: vendor figures for
+GPU presets, a matmul probe on CPU); HFU adds what checkpointing and the chunked loss
+recompute. The predicted step time is the planner's own speed model
+(`memory.planner.estimated_step_seconds`) run against this device's peak instead of its
+nominal rate, so the ratio measured / predicted checks that model on every run.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from memfit.models.flops import DevicePeak, FlopsPerToken, device_peak, flops_per_token, utilisation
+
+log = logging.getLogger("memfit")
+
+
+@dataclass
+class SpeedMeter:
+    flops: FlopsPerToken | None
+    peak: DevicePeak | None
+    world_size: int = 1
+    predicted_step_seconds: float | None = None
+    note: str = ""
+    """Why MFU or the prediction is missing (an architecture the formula does not read)."""
+    _mfu: list[float] = field(default_factory=list)
+    _hfu: list[float] = field(default_factory=list)
+    _seconds: list[float] = field(default_factory=list)
+
+    @classmethod
+    def from_session(cls, session: Any) -> SpeedMeter:
+        """Everything from a TrainingSession: model config, techniques that ran, device, precision."""
+        config = session.config
+        model = session.model
+        lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+        hf_config = getattr(lm, "config", None)
+        checkpointing = str(getattr(session, "checkpointing", "off"))
+        loss_chunk = int(getattr(session, "loss_chunk_size", 0) or 0)
+        kernels = getattr(session, "kernels", None)
+        fused_loss = kernels is not None and not getattr(kernels, "holds_logits", True)
+        compute_dtype = getattr(session.precision, "autocast_dtype", None)
+        if compute_dtype is None:
+            compute_dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+        world_size = session.dist.world_size
+        return cls.for_run(
+            hf_config, config, session.device, compute_dtype, checkpointing, loss_chunk > 0 and not fused_loss,
+            int(getattr(session, "accumulation_steps", 1)), world_size,
+        )
+
+    @classmethod
+    def for_run(cls, hf_config: Any, config: Any, device: torch.device, compute_dtype: torch.dtype | None,
+                checkpointing: str, chunked_loss: bool, accumulation_steps: int = 1, world_size: int = 1) -> SpeedMeter:
+        try:
+            flops = flops_per_token(hf_config, config.data.seq_len, lora_rank=config.lora.lora_r,
+                                    checkpointing=checkpointing, chunked_loss=chunked_loss)
+        except (AttributeError, TypeError) as error:
+            return cls(None, None, world_size, note=f"no FLOPs formula for this model ({error})")
+        peak = device_peak(device, compute_dtype)
+        meter = cls(flops, peak, world_size)
+        try:
+            meter.predicted_step_seconds = _planner_step_seconds(
+                hf_config, config, peak, checkpointing, chunked_loss, accumulation_steps, compute_dtype
+            )
+        except Exception as error:  # the speed model is a check, never a reason to stop training
+            meter.note = f"no predicted step time: {type(error).__name__}: {str(error)[:120]}"
+        return meter
+
+    def start_facts(self) -> dict[str, Any]:
+        if self.flops is None:
+            return {"mfu_note": self.note}
+        facts = {
+            "model_flops_per_token": self.flops.model,
+            "hardware_flops_per_token": self.flops.hardware,
+            "peak_flops_per_second": self.peak.flops_per_second,
+            "peak_flops_source": self.peak.source,
+            "predicted_step_seconds": self.predicted_step_seconds,
+        }
+        if self.note:
+            facts["speed_model_note"] = self.note
+        return facts
+
+    def step(self, tokens: int, seconds: float) -> dict[str, float]:
+        """MFU and HFU of one optimizer step that trained `tokens` (all ranks) in `seconds`."""
+        self._seconds.append(seconds)
+        if self.flops is None:
+            return {}
+        figures = utilisation(tokens / self.world_size, seconds, self.flops, self.peak)
+        self._mfu.append(figures["mfu"])
+        self._hfu.append(figures["hfu"])
+        return {"mfu": round(figures["mfu"], 5), "hfu": round(figures["hfu"], 5)}
+
+    def summary(self) -> dict[str, Any]:
+        """Medians over the steps after the first (which carries compile and allocator warm-up)."""
+        def typical(values: list[float]) -> float | None:
+            values = values[1:] if len(values) > 1 else values
+            return statistics.median(values) if values else None
+
+        measured = typical(self._seconds)
+        facts: dict[str, Any] = {
+            "mfu": typical(self._mfu),
+            "hfu": typical(self._hfu),
+            "measured_step_seconds": measured,
+            "predicted_step_seconds": self.predicted_step_seconds,
+        }
+        if measured and self.predicted_step_seconds:
+            facts["measured_over_predicted"] = round(measured / self.predicted_step_seconds, 3)
+        return facts
+
+
+def _planner_step_seconds(hf_config, config, peak: DevicePeak, checkpointing: str, chunked_loss: bool,
+                          accumulation_steps: int, compute_dtype) -> float:
+    """The planner's step time for this run's settings, on a device of this run's peak."""
+    from memfit.gpus import GpuSpec
+    from memfit.memory.estimator import estimate
+    from memfit.memory.planner import estimated_step_seconds
+
+    tflops = peak.flops_per_second / 1e12
+    # The planner rates a GPU by its 16-bit peak; give it this device's peak in the dtype that runs.
+    device_spec = GpuSpec("this device", 0, True, tflops, tflops, 16.0, tflops)
+    mode = next((m for m in ("full", "selective") if checkpointing.startswith(m)), "off")
+    changes = {
+        "batch_size": config.training.batch_size,
+        "gradient_accumulation_steps": accumulation_steps,
+        "gradient_checkpointing": mode,
+        "loss_chunk_size": 1 if chunked_loss else 0,
+        "lora_r": config.lora.lora_r,
+        "quantize": config.lora.quantize,
+        "optimizer": config.optimizer.optimizer,
+        "optimizer_offload": config.memory.optimizer_offload,
+    }
+    est = estimate(config, hf_config=hf_config)
+    return float(estimated_step_seconds(changes, config, est, device_spec, hf_config))

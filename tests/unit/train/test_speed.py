@@ -1,0 +1,42 @@
+"""Speed facts: MFU is a fraction of the probed peak, and the planner's step time is logged beside the measured one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from memfit.config import TrainConfig
+from memfit.models.tiny import tiny_config
+from memfit.train.speed import SpeedMeter
+
+
+def _meter(**changes) -> SpeedMeter:
+    config = TrainConfig().replace(seq_len=128, batch_size=4, **changes)
+    return SpeedMeter.for_run(tiny_config(), config, torch.device("cpu"), None, config.memory.gradient_checkpointing,
+                              chunked_loss=False)
+
+
+def test_start_facts_name_the_flops_the_peak_and_the_prediction():
+    facts = _meter().start_facts()
+    assert facts["model_flops_per_token"] > 0
+    assert facts["peak_flops_source"] == "matmul probe fp32 on cpu"
+    assert facts["predicted_step_seconds"] > 0
+
+
+def test_step_mfu_is_model_flops_over_the_peak():
+    meter = _meter()
+    tokens = 512
+    seconds = tokens * meter.flops.model / (0.25 * meter.peak.flops_per_second)
+    assert meter.step(tokens, seconds)["mfu"] == pytest.approx(0.25, rel=1e-3)
+    meter.step(tokens, seconds / 2)
+    meter.step(tokens, seconds / 2)
+    summary = meter.summary()
+    assert summary["mfu"] == pytest.approx(0.5, rel=1e-3)  # the first (warm-up) step is left out
+    assert summary["measured_over_predicted"] == pytest.approx(summary["measured_step_seconds"]
+                                                               / summary["predicted_step_seconds"], rel=1e-2)
+
+
+def test_full_checkpointing_predicts_a_longer_step_and_counts_hardware_flops():
+    plain, full = _meter(), _meter(gradient_checkpointing="full")
+    assert full.predicted_step_seconds > plain.predicted_step_seconds
+    assert full.flops.hardware > full.flops.model == plain.flops.model
