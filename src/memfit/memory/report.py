@@ -38,7 +38,6 @@ if TYPE_CHECKING:
 
 # A path component that is a number marks a block of a stack: model.layers.3, transformer.h.3.
 _BLOCK_PATTERN = re.compile(r"^(.*?\.\d+)(\.|$)")
-_LOGITS_MODULES = ("lm_head", "embed_out", "output", "score")
 # Module-name parts of a block's MLP across the families transformers ships.
 _MLP_NAMES = ("mlp", "feed_forward", "ffn", "fc1", "fc2", "c_fc", "dense_h_to_4h", "dense_4h_to_h")
 DEFAULT_TILES = 4
@@ -246,23 +245,6 @@ def estimate_checkpointing_savings(snapshot: PeakSnapshot, activation_bytes: int
     return max(0, int(saves))
 
 
-def _logits_tensors(snapshot: PeakSnapshot, vocab_size: int | None) -> list[TensorInfo]:
-    if vocab_size is None:
-        for tensor in snapshot.top_tensors:
-            if tensor.shape and tensor.module.rsplit(".", 1)[-1] in _LOGITS_MODULES:
-                vocab_size = tensor.shape[-1]
-                break
-    if vocab_size is None:
-        return []
-    return [
-        tensor
-        for tensor in snapshot.top_tensors
-        if tensor.category in (LOGITS, ACTIVATIONS, ACTIVATION_GRADIENTS, OTHER)
-        and len(tensor.shape) >= 2
-        and tensor.shape[-1] == vocab_size
-    ]
-
-
 def _suggested_chunk(tokens: int) -> int:
     from memfit.techniques.loss import DEFAULT_LOSS_CHUNK_TOKENS
 
@@ -340,9 +322,9 @@ def advise(breakdown: dict[str, int], peak_bytes: int, snapshot: PeakSnapshot, c
     advice.extend(_long_context_advice(breakdown, peak_bytes, snapshot, context))
 
     if not context.loss_chunk_size:
-        logits = _logits_tensors(snapshot, context.vocab_size)
-        # The tracker files logits-shaped tensors under "logits"; the top tensors may show only some.
-        logits_bytes = max(breakdown.get(LOGITS, 0), sum(tensor.bytes for tensor in logits))
+        # The tracker files logits, their fp32 copies and their gradient under "logits".
+        logits = [tensor for tensor in snapshot.top_tensors if tensor.category == LOGITS]
+        logits_bytes = breakdown.get(LOGITS, 0)
         if logits and logits_bytes >= 0.1 * peak_bytes:
             tokens = math.prod(max(logits, key=lambda tensor: tensor.bytes).shape[:-1])
             chunk = _suggested_chunk(tokens)

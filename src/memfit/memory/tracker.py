@@ -42,6 +42,7 @@ caller can catch the error, free, and retry.
 from __future__ import annotations
 
 import dataclasses
+import re
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -70,7 +71,8 @@ from memfit.memory.storage_records import SavedTensor, StorageRecord, optimizers
 
 __all__ = ["CATEGORIES", "MemoryTracker", "PeakSnapshot", "PhaseMemory", "StepMemory", "TensorInfo"]
 
-_ROLES = (PARAMETERS, GRADIENTS, OPTIMIZER_STATES)
+# A numbered path component marks a block of a stack: model.layers.3, transformer.h.3.
+_IN_BLOCK = re.compile(r"\.\d+(\.|$)")
 
 
 def _graph_task() -> int:
@@ -292,7 +294,8 @@ class MemoryTracker:
             record.module = NO_MODULE
         vocab = self._vocab_size
         if vocab and tensor is not None and tensor.dim() >= 2 and tensor.shape[-1] == vocab:
-            record.logits = True
+            # Inside a block (model.layers.3...) a [..., vocab] tensor is an MLP width that happens to match.
+            record.logits = not _IN_BLOCK.search(record.module)
 
     # ------------------------------------------------------------ roles
 
