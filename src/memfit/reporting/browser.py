@@ -46,7 +46,8 @@ CHROMIUM_FLAGS = (
 # Per chart: the series plotly was given and the series groups it drew with a non-empty SVG path.
 _CHARTS_SCRIPT = """
 (() => Array.from(document.querySelectorAll('.plotly-graph-div')).map(gd => {
-  const drawn = Array.from(gd.querySelectorAll('g.trace')).filter(group =>
+  // The range slider under a chart draws its series a second time: count the main plot only.
+  const drawn = Array.from(gd.querySelectorAll('g.trace')).filter(group => !group.closest('.rangeslider-container') &&
     Array.from(group.querySelectorAll('path')).some(path => {
       const d = path.getAttribute('d');
       return d && d.length > 4 && d !== 'M0,0Z';
