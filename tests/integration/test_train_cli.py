@@ -57,36 +57,62 @@ def test_ai_os_style_command_line(llama_dir, text_file, tmp_path):
     assert start["gradient_checkpointing"].startswith("full")
 
 
-@pytest.mark.parametrize(
-    "args, expected",
-    [
-        (["--batch-size", "0"], "--batch-size must be at least 1"),
-        (["--seq-lenn", "64"], "did you mean --seq-len"),
-        (["--memory-cap", "lots"], "is not a size"),
-        (["--precision", "fp16"], "25x slower"),
-        (["--model", "./no/such/model"], "does not exist"),
-        (["--dataset", "missing.txt"], "missing.txt"),
-        (["--seq-len", "100000"], "lower --seq-len"),
-    ],
-)
-def test_bad_input_is_one_line_exit_2_nothing_written(args, expected, tmp_path, llama_dir):
+def _tree(directory) -> dict:
+    """Every file under `directory` with its bytes (what a run must leave unchanged)."""
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+BAD_INPUT = [
+    (["--batch-size", "0"], "--batch-size must be at least 1"),
+    (["--seq-lenn", "64"], "did you mean --seq-len"),
+    (["--memory-cap", "lots"], "is not a size"),
+    (["--precision", "fp16"], "25x slower"),
+    (["--model", "./no/such/model"], "does not exist"),
+    (["--dataset", "missing.txt"], "missing.txt"),
+    (["--config", "missing.yaml"], "missing.yaml does not exist"),
+    (["--seq-len", "100000"], "lower --seq-len"),
+    (["--dataset", "{empty}"], "holds no text"),
+    (["--dataset", "{short}", "--seq-len", "64"], "fewer than one window"),
+    (["--dataset", "{text}", "--seq-len", "256", "--batch-size", "512"], "fewer than one effective batch"),
+    (["--optimizer-in-backward", "--max-grad-norm", "1.0"], "set --max-grad-norm 0"),
+]
+
+
+@pytest.mark.parametrize("existing", [False, True], ids=["new-output-dir", "existing-output-dir"])
+@pytest.mark.parametrize("args, expected", BAD_INPUT, ids=[" ".join(a) for a, _ in BAD_INPUT])
+def test_bad_input_is_one_line_exit_2_nothing_written(args, expected, existing, tmp_path, llama_dir, text_file):
+    """Exactly one line on stderr, exit 2, and the output directory not created (or left as it was)."""
+    (tmp_path / "empty.txt").write_text("\n\n")
+    (tmp_path / "short.txt").write_text("a few words only")
+    values = {"empty": tmp_path / "empty.txt", "short": tmp_path / "short.txt", "text": text_file}
+    args = [arg.format(**values) for arg in args]
     out = tmp_path / "out"
+    if existing:  # a previous run's directory, which a refused run must not touch
+        (out / "checkpoints").mkdir(parents=True)
+        (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    before = _tree(out) if existing else None
     base = ["train", "--output-dir", out, "--max-steps", "1"]
     if "--model" not in args:
         base += ["--model", llama_dir]
     result = run_memfit(*base, *args)
     assert result.returncode == 2, result.stderr
-    assert "Traceback" not in result.stderr
-    error_lines = [line for line in result.stderr.splitlines() if "error:" in line]
-    assert len(error_lines) == 1 and expected in error_lines[0], result.stderr
-    assert not out.exists() or not any(out.iterdir())
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and "error:" in lines[0] and expected in lines[0], result.stderr
+    if existing:
+        assert _tree(out) == before and sorted(p.name for p in out.iterdir()) == ["checkpoints", "metrics.jsonl"]
+    else:
+        assert not out.exists()
 
 
-def test_empty_dataset_is_a_clear_error(tmp_path, llama_dir):
-    empty = tmp_path / "empty.txt"
-    empty.write_text("\n\n")
-    result = run_memfit("train", "--model", llama_dir, "--dataset", empty, "--output-dir", tmp_path / "out")
-    assert result.returncode == 2 and "Traceback" not in result.stderr
+def test_optimizer_in_backward_switches_default_clipping_off_visibly(llama_dir, text_file, tmp_path):
+    """Clipping is on by default, and --optimizer-in-backward cannot clip: it trains, and says it did not clip."""
+    result = run_memfit("train", "--model", llama_dir, "--dataset", text_file, "--seq-len", "32", "--max-steps", "2",
+                        "--batch-size", "2", "--optimizer-in-backward", "--output-dir", tmp_path)
+    assert result.returncode == 0, result.stderr
+    said = [line for line in result.stderr.splitlines() if line.startswith("memfit:") and "clipping is off" in line]
+    assert len(said) == 1 and "--optimizer-in-backward" in said[0], result.stderr
+    start = read_metrics(tmp_path / "metrics.jsonl")[0]
+    assert "gradient clipping is off" in start["fallbacks"]["max_grad_norm"]
 
 
 def test_unknown_command_suggests():

@@ -83,9 +83,8 @@ def build_session(config: TrainConfig) -> TrainingSession:
     dist = init_distributed(device)
     config.validate(world_size=dist.world_size)
     check_trackers(config.output)  # --report-to / --tensorboard: a missing package stops the run before it writes
-    notes: dict[str, str] = dict(config.derived)  # defaults memfit chose from the other settings
-    for reason in config.derived.values():
-        log.warning("memfit: %s", reason)
+    # Defaults memfit chose from the other settings; the loop logs each entry once.
+    notes: dict[str, str] = dict(config.derived)
     precision = resolve_precision(config.memory.precision, device)
     attention = choose_attention(config.model.attention, device, precision.autocast_dtype)
     if attention.fell_back:
@@ -119,16 +118,14 @@ def build_session(config: TrainConfig) -> TrainingSession:
 
     if not dist.is_main:
         dist.barrier()  # rank 0 tokenizes into the shared cache first; the others then read it
-    dataset = load_training_data(_data_config(config), loaded.tokenizer, max_positions=loaded.max_positions)
+    accumulation = config.accumulation_for(dist.world_size)
+    effective_batch = config.effective_batch_for(dist.world_size)
+    # Data too short for one effective batch is refused before its token cache is written.
+    dataset = load_training_data(
+        _data_config(config), loaded.tokenizer, max_positions=loaded.max_positions, min_samples=effective_batch
+    )
     if dist.is_main:
         dist.barrier()
-    accumulation = config.accumulation_for(dist.world_size)
-    effective_batch = config.training.batch_size * accumulation * dist.world_size
-    if len(dataset) < effective_batch:
-        raise UsageError(
-            f"the dataset has {len(dataset)} samples of {config.data.seq_len} tokens, fewer than one effective batch"
-            f" ({effective_batch}); lower --batch-size/--gradient-accumulation-steps or --seq-len, or add data"
-        )
     schedule = BatchSchedule(len(dataset), effective_batch, config.training.seed, dist.rank, dist.world_size)
     total_steps = (
         schedule.steps_for_epochs(config.training.epochs) if config.training.epochs is not None else config.training.max_steps
