@@ -61,6 +61,16 @@ def holds_sharded_parameters(groups: list[dict]) -> bool:
     return any(isinstance(p, DTensor) for group in groups for p in group["params"])
 
 
+def refusal_under_fsdp(optimizer: str) -> str | None:
+    """Why `optimizer` cannot update FSDP2-sharded parameters, checked before anything runs (None: it can)."""
+    if optimizer == "adafactor":
+        return (
+            "--optimizer adafactor cannot run under --sharding fsdp (torch's Adafactor has no DTensor version of its"
+            " factored second moment); use --optimizer adamw-8bit for small optimizer state, or --sharding ddp"
+        )
+    return None
+
+
 def build_optimizer(
     groups: list[dict], config: OptimizerConfig, device: torch.device, impl: str | None = None
 ) -> OptimizerChoice:
