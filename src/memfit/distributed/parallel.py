@@ -32,6 +32,7 @@ from memfit.config import TrainConfig
 from memfit.distributed.context import DistContext
 from memfit.distributed.memory import gradient_bytes, optimizer_state_bytes, parameter_bytes
 from memfit.errors import UsageError
+from memfit.techniques.optimizers import refusal_under_fsdp
 from memfit.train.checkpoint import TrainerState, load_checkpoint, save_final_model, save_session_checkpoint
 from memfit.train.step import StepResult, StepRunner
 
@@ -204,6 +205,8 @@ def _check_supported(config: TrainConfig, engine: str) -> None:
         problems.append(f"--quantize {config.lora.quantize} cannot be sharded by {engine}: use --sharding ddp")
     if engine != "--sharding ddp" and config.lora.merge_adapter:
         problems.append(f"--merge-adapter is not supported with {engine}: merge the saved adapter afterwards")
+    if "fsdp" in engine and refusal_under_fsdp(config.optimizer.optimizer):
+        problems.append(refusal_under_fsdp(config.optimizer.optimizer))
     if problems:
         raise UsageError("; ".join(problems))
 
