@@ -197,7 +197,11 @@ class TensorBoardLogger(TrackerLogger):
 
 
 class WandbLogger(TrackerLogger):
-    """A Weights & Biases run in offline mode, written under `directory`/wandb (upload it later with `wandb sync`)."""
+    """A Weights & Biases run in offline mode, written under `directory`/wandb (upload it later with `wandb sync`).
+
+    wandb's service finishes writing the run file in the background; it is complete when the
+    process exits (or after `wandb.teardown()` for a library user who reads it in the same process).
+    """
 
     def __init__(self, directory: str | Path, config: dict[str, Any] | None = None, name: str | None = None):
         super().__init__(config or {})
