@@ -104,6 +104,27 @@ def test_bad_input_is_one_line_exit_2_nothing_written(args, expected, existing, 
         assert not out.exists()
 
 
+OTHER_COMMANDS_BAD_INPUT = [
+    (["estimate", "--model", "tiny", "--gpu", "rtx-9999", "--json"], "did you mean rtx-4090"),
+    (["estimate", "--model", "no-such-model"], "unknown model"),
+    (["plan", "--model", "tiny"], "needs --gpu NAME or --memory-budget SIZE"),
+    (["profile", "--model", "tiny", "--steps", "0", "--output-dir", "{out}"], "--steps must be at least 1"),
+    (["profile", "--model", "tiny", "--dataset", "{empty}", "--output-dir", "{out}"], "holds no text"),
+    (["find-batch-size", "--model", "tiny", "--seq-lenn", "64", "--output-dir", "{out}"], "did you mean --seq-len"),
+]
+
+
+@pytest.mark.parametrize("args, expected", OTHER_COMMANDS_BAD_INPUT, ids=[a[0] + ":" + e for a, e in OTHER_COMMANDS_BAD_INPUT])
+def test_other_commands_bad_input_is_one_line_exit_2_nothing_written(args, expected, tmp_path):
+    (tmp_path / "empty.txt").write_text("\n\n")
+    out = tmp_path / "out"
+    result = run_memfit(*[arg.format(out=out, empty=tmp_path / "empty.txt") for arg in args])
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and "error:" in lines[0] and expected in lines[0], result.stderr
+    assert result.stdout == "" and not out.exists()
+
+
 def test_optimizer_in_backward_switches_default_clipping_off_visibly(llama_dir, text_file, tmp_path):
     """Clipping is on by default, and --optimizer-in-backward cannot clip: it trains, and says it did not clip."""
     result = run_memfit("train", "--model", llama_dir, "--dataset", text_file, "--seq-len", "32", "--max-steps", "2",
