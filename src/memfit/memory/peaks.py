@@ -172,7 +172,9 @@ class PeakBook:
         self._peak_dirty = False
         records = [record for record in self.storages.records.values() if record.place == DEVICE]
         largest = heapq.nlargest(self.top_tensors, records, key=lambda record: record.nbytes)
-        module_bytes: dict[str, dict[str, int]] = {category: collections.defaultdict(int) for category in COMPUTE_CATEGORIES}
+        module_bytes: dict[str, dict[str, int]] = {
+            category: collections.defaultdict(int) for category in COMPUTE_CATEGORIES
+        }
         for record in records:
             by_module = module_bytes.get(record.category)
             if by_module is not None:
