@@ -40,10 +40,13 @@ class BatchPrefetcher:
         device: where the batch goes.
         pin: pin the host tensors before the copy (default: on CUDA), which lets the copy
             run asynchronously.
+        drop_full_attention_mask: leave out an attention mask without padding, checked on
+            the host before the copy (no device sync), so SDPA takes its causal fast path.
     """
 
-    def __init__(self, collate: Callable[[Sequence[dict]], Batch], device: torch.device, pin: bool | None = None):
-        self.collate = collate
+    def __init__(self, collate: Callable[[Sequence[dict]], Batch], device: torch.device, pin: bool | None = None,
+                 drop_full_attention_mask: bool = False):
+        self.collate = _without_full_mask(collate) if drop_full_attention_mask else collate
         self.device = torch.device(device)
         self.on_cuda = self.device.type == "cuda"
         self.pin = self.on_cuda if pin is None else pin
@@ -84,3 +87,14 @@ class BatchPrefetcher:
             return {name: tensor.to(self.device) for name, tensor in host.items()}
         with torch.cuda.stream(self.stream):
             return {name: tensor.to(self.device, non_blocking=True) for name, tensor in host.items()}
+
+
+def _without_full_mask(collate: Callable[[Sequence[dict]], Batch]) -> Callable[[Sequence[dict]], Batch]:
+    def collate_without_full_mask(samples: Sequence[dict]) -> Batch:
+        batch = collate(samples)
+        mask = batch.get("attention_mask")
+        if mask is not None and bool(mask.all()):
+            batch = {name: tensor for name, tensor in batch.items() if name != "attention_mask"}
+        return batch
+
+    return collate_without_full_mask

@@ -10,7 +10,7 @@ family liger patches (Llama, Mistral, Qwen2/3, Gemma, Phi-3, ...).
 
 How: `apply_kernels` calls liger's `_apply_liger_kernel_to_instance` on the loaded model
 with `rms_norm`, `swiglu` and `rope` (module-level functions and the instance's norm and
-MLP modules), before LoRA wraps it. The fused loss does not go through the model's
+MLP modules). The fused loss does not go through the model's
 forward (memfit computes its own summed loss for exact accumulation): `fused_loss_sum`
 runs the model with its head swapped out and hands the last hidden states and the head's weight to liger's
 `LigerFusedLinearCrossEntropyLoss(reduction="sum")`.
@@ -75,7 +75,7 @@ def liger_unavailable_reason(device: torch.device, model_type: str) -> str:
 def apply_kernels(model: torch.nn.Module, requested: str, device: torch.device) -> KernelChoice:
     """Patch liger's kernels into `model` (in place) as `requested` (auto, liger, none) allows.
 
-    Call it on the loaded Hugging Face model, before LoRA and checkpointing wrap it.
+    Call it on the loaded Hugging Face model, with or without LoRA (a PEFT wrapper is looked through).
     `liger` that cannot run logs one warning; `auto` falls back silently; the returned
     choice says what runs either way.
     """
@@ -91,8 +91,10 @@ def apply_kernels(model: torch.nn.Module, requested: str, device: torch.device) 
 
     # memfit takes the loss itself (summed, for exact accumulation): liger must not replace the
     # model's forward or the cross-entropy function, only the blocks' kernels.
+    # The Hugging Face model itself: liger finds the blocks through its base_model_prefix, which a
+    # PEFT wrapper would answer with the wrong module. LoRA's injected layers are called as before.
     _apply_liger_kernel_to_instance(
-        model=model, rms_norm=True, swiglu=True, rope=True, cross_entropy=False, fused_linear_cross_entropy=False
+        model=unwrap_causal_lm(model), rms_norm=True, swiglu=True, rope=True, cross_entropy=False, fused_linear_cross_entropy=False
     )
     kernels = BLOCK_KERNELS
     head_problem = fused_loss_problem(model)

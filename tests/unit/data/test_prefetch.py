@@ -64,6 +64,16 @@ def test_same_values_in_a_copy_of_the_list_still_count_as_another_piece():
     assert prefetcher.prefetched == 0
 
 
+def test_a_mask_without_padding_is_dropped_on_the_host_when_asked():
+    full = _samples(2)
+    ragged = full[:1] + _samples(1, length=3)
+    prefetcher = BatchPrefetcher(lambda s: collate(s, 0), torch.device("cpu"), drop_full_attention_mask=True)
+    assert "attention_mask" not in prefetcher.take(full)
+    prefetcher.prepare(ragged)
+    assert prefetcher.take(ragged)["attention_mask"].tolist() == [[1] * 6, [1] * 3 + [0] * 3]
+    assert "attention_mask" in BatchPrefetcher(lambda s: collate(s, 0), torch.device("cpu")).take(full)
+
+
 @pytest.mark.gpu
 def test_cuda_copy_is_pinned_and_on_a_side_stream():
     device = torch.device("cuda")

@@ -103,6 +103,18 @@ def test_liger_patches_the_blocks_but_not_the_models_forward_or_loss(fake_liger)
                        "fused_linear_cross_entropy": False}
 
 
+def test_a_lora_model_is_patched_through_its_peft_wrapper(fake_liger):
+    pytest.importorskip("peft")
+    from memfit.config import LoraConfig
+    from memfit.techniques.lora import apply_lora
+
+    lm = _model()
+    wrapped, _ = apply_lora(lm, LoraConfig(lora_r=2), gradient_checkpointing=False)
+    apply_kernels(wrapped, "liger", torch.device("cuda"))
+    (patched, _), = fake_liger
+    assert patched is lm
+
+
 @pytest.mark.parametrize("softcap", [None, 5.0])
 def test_fused_loss_equals_the_plain_loss_and_gradients(fake_liger, softcap):
     model = _model(final_logit_softcapping=softcap) if softcap else _model()
