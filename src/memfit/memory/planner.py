@@ -228,7 +228,7 @@ class _Search:
         est = estimate(candidate_config, world_size=self.world_size, sharding=self.sharding, gpu=self.gpu,
                        budget_bytes=self.budget, hf_config=self.hf_config)
         seconds = estimated_step_seconds(changes, self.config, est, self.gpu, self.hf_config)
-        return Candidate(changes, est, seconds, micro * seq_len * accumulation * self.world_size)
+        return Candidate(changes, est, seconds, candidate_config.effective_batch_for(self.world_size) * seq_len)
 
     def fits(self, candidate: Candidate) -> bool:
         if self.host_limit is not None and candidate.estimate.host_bytes > self.host_limit * (1 - HOST_MARGIN):
