@@ -117,7 +117,7 @@ def _panels(run: RunData) -> list[tuple[str, str]]:
     return [(key, title) for key, title in panels if (memory_series(run) if key == "memory" else run.series(key)[0])]
 
 
-def _line(go, xs, ys, name, color=None, dash=None, legendgroup=None, showlegend=True, hover_unit=""):
+def line_trace(go, xs, ys, name, color=None, dash=None, legendgroup=None, showlegend=True, hover_unit=""):
     return go.Scatter(
         x=list(xs),
         y=[rounded(y) for y in ys],
@@ -151,7 +151,7 @@ def curves_figure(run: RunData):
                 xs, ys = downsample(xs, ys, "max")
                 color = RUN_COLORS[(index + 2) % len(RUN_COLORS)]
                 figure.add_trace(
-                    _line(
+                    line_trace(
                         go, xs, [y / scale for y in ys], label, color, "dot" if host else None, hover_unit=f" {unit}"
                     ),
                     row,
@@ -163,7 +163,7 @@ def curves_figure(run: RunData):
             xs, ys = downsample(xs, ys, "min" if key == "micro_batch_size" else "mean")
             if key == "micro_batch_size":
                 ys = [float(y) for y in ys]
-            figure.add_trace(_line(go, xs, ys, key.replace("_", " "), RUN_COLORS[0], showlegend=False), row, col)
+            figure.add_trace(line_trace(go, xs, ys, key.replace("_", " "), RUN_COLORS[0], showlegend=False), row, col)
             if key == "lr":
                 figure.update_yaxes(exponentformat="e", row=row, col=col)
         figure.update_xaxes(title_text="step" if position >= len(panels) - columns else None, row=row, col=col)
@@ -178,7 +178,7 @@ def curves_figure(run: RunData):
     return figure
 
 
-def _event_label(event: dict[str, Any]) -> str:
+def event_label(event: dict[str, Any]) -> str:
     message = event.get("message")
     if message:
         return str(message)
@@ -199,7 +199,7 @@ def _mark_events(go, figure, run: RunData) -> None:
             OOM_COLOR,
             "dot",
             "x",
-            [(event.get("step"), _event_label(event)) for event in run.oom_events],
+            [(event.get("step"), event_label(event)) for event in run.oom_events],
         ),
         (
             "resumed",
@@ -234,7 +234,11 @@ def breakdown_figure(breakdown: dict[str, int], estimate: dict[str, Any] | None 
     """Bytes per category at the peak, measured, with the estimate beside it when there is one."""
     go = require_plotly()
     estimated = (estimate or {}).get("breakdown") or {}
-    names = [name for name in _ordered(list(breakdown) + list(estimated)) if breakdown.get(name) or estimated.get(name)]
+    names = [
+        name
+        for name in ordered_categories(list(breakdown) + list(estimated))
+        if breakdown.get(name) or estimated.get(name)
+    ]
     unit, scale = byte_unit(max([*breakdown.values(), *estimated.values(), 1]))
     labels = [name.replace("_", " ") for name in names]
     figure = go.Figure()
@@ -272,7 +276,7 @@ def breakdown_figure(breakdown: dict[str, int], estimate: dict[str, Any] | None 
     return figure
 
 
-def _ordered(names: list[str]) -> list[str]:
+def ordered_categories(names: list[str]) -> list[str]:
     known = [name for name in CATEGORIES if name in names]
     return known + [name for name in dict.fromkeys(names) if name not in known]
 
@@ -282,7 +286,7 @@ def timeline_figure(timeline: dict[str, Any]):
     go = require_plotly()
     index = timeline.get("event_index") or []
     sizes = timeline.get("bytes") or {}
-    names = [name for name in _ordered(list(sizes)) if any(sizes[name])]
+    names = [name for name in ordered_categories(list(sizes)) if any(sizes[name])]
     totals = [sum(sizes[name][i] for name in names) for i in range(len(index))]
     unit, scale = byte_unit(max(totals, default=1))
     figure = go.Figure()
@@ -330,84 +334,5 @@ def timeline_figure(timeline: dict[str, Any]):
             "rangeslider": {"visible": True},
         },
         yaxis={"title": f"live tensor memory ({unit})", "rangemode": "tozero"},
-    )
-    return figure
-
-
-def compare_figure(runs: Sequence[RunData]):
-    """Loss, tokens/s and peak memory of several runs, overlaid (one colour per run)."""
-    go = require_plotly()
-    from plotly.subplots import make_subplots
-
-    titles = ("loss", "tokens/s", "peak memory")
-    figure = make_subplots(rows=3, cols=1, shared_xaxes=True, subplot_titles=titles, vertical_spacing=0.08)
-    peak_all = max([max(ys) for run in runs for _, _, ys, _ in memory_series(run)] or [1])
-    unit, scale = byte_unit(peak_all)
-    for number, run in enumerate(runs):
-        color = RUN_COLORS[number % len(RUN_COLORS)]
-        first = True
-        for row, key in ((1, "loss"), (2, "tokens_per_second")):
-            xs, ys = downsample(*run.series(key))
-            if xs:
-                figure.add_trace(_line(go, xs, ys, run.name, color, legendgroup=run.name, showlegend=first), row, 1)
-                first = False
-        series = memory_series(run)
-        # The device peak when there is one, else what the tracker or the process measured.
-        if series:
-            label, xs, ys, host = series[0]
-            xs, ys = downsample(xs, ys, "max")
-            figure.add_trace(
-                _line(
-                    go,
-                    xs,
-                    [y / scale for y in ys],
-                    f"{run.name}: {label}",
-                    color,
-                    "dot" if host else None,
-                    legendgroup=run.name,
-                    showlegend=first,
-                    hover_unit=f" {unit}",
-                ),
-                3,
-                1,
-            )
-    figure.update_yaxes(title_text=unit, rangemode="tozero", row=3, col=1)
-    figure.update_xaxes(title_text="step", row=3, col=1)
-    figure.update_layout(
-        height=860, template="plotly_white", hovermode="x unified", margin={"l": 60, "r": 20, "t": 40, "b": 40}
-    )
-    return figure
-
-
-def compare_breakdown_figure(runs: Sequence[RunData]):
-    """The tracked breakdown at each run's peak, one stacked bar per run; None when no run was tracked."""
-    go = require_plotly()
-    measured = [
-        (run.name, run.memory["profile"]["breakdown"]) for run in runs if run.memory and run.memory.get("profile")
-    ]
-    if not measured:
-        return None
-    names = [name for name in _ordered([n for _, b in measured for n in b]) if any(b.get(name) for _, b in measured)]
-    unit, scale = byte_unit(max(sum(b.values()) for _, b in measured))
-    figure = go.Figure()
-    for name in names:
-        figure.add_trace(
-            go.Bar(
-                y=[run for run, _ in measured],
-                x=[rounded(b.get(name, 0) / scale) for _, b in measured],
-                orientation="h",
-                name=name.replace("_", " "),
-                marker={"color": CATEGORY_COLORS.get(name)},
-                hovertemplate=f"%{{x}} {unit}<extra>{name.replace('_', ' ')}</extra>",
-            )
-        )
-    figure.update_layout(
-        barmode="stack",
-        height=140 + 45 * len(measured),
-        template="plotly_white",
-        xaxis_title=f"live tensors at the peak ({unit})",
-        margin={"l": 150, "r": 20, "t": 20, "b": 40},
-        legend={"orientation": "h", "y": 1.15},
-        yaxis={"autorange": "reversed"},
     )
     return figure

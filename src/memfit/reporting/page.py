@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from memfit.reporting import figures
+from memfit.reporting import compare, figures
 from memfit.reporting.run_data import RunData
 from memfit.units import format_bytes
 
@@ -194,7 +194,7 @@ def _fallbacks_html(run: RunData) -> str:
 
 
 def _events_html(run: RunData) -> str:
-    rows = [(event.get("step"), "out of memory, recovered", figures._event_label(event)) for event in run.oom_events]
+    rows = [(event.get("step"), "out of memory, recovered", figures.event_label(event)) for event in run.oom_events]
     rows += [(r["step"], "resumed", f"from {r['from']}") for r in run.resumes]
     if not rows:
         return ""
@@ -227,7 +227,7 @@ def _memory_html(run: RunData) -> str:
     breakdown = profile.get("breakdown") or {}
     estimated = (estimate or {}).get("breakdown") or {}
     rows = []
-    for name in figures._ordered(list(breakdown) + list(estimated)):
+    for name in figures.ordered_categories(list(breakdown) + list(estimated)):
         if breakdown.get(name) or estimated.get(name):
             row = [
                 name.replace("_", " "),
@@ -367,9 +367,9 @@ def render_compare(runs: Sequence[RunData]) -> str:
         _table(header, rows, numeric=[5, 6, 7, 8]),
         '<div class="sub">Sources: ' + ", ".join(f"{_e(run.name)} = {_e(run.source)}" for run in runs) + "</div>",
         '<h2>Over the steps</h2><div class="sub">Click a run in the legend to hide it; hover for values, drag to zoom.</div>',
-        _chart(figures.compare_figure(runs), "compare"),
+        _chart(compare.compare_figure(runs), "compare"),
     ]
-    breakdown = figures.compare_breakdown_figure(runs)
+    breakdown = compare.compare_breakdown_figure(runs)
     if breakdown is not None:
         body += ["<h2>Memory at the peak, by category</h2>", _chart(breakdown, "compare-breakdown")]
     title = f"memfit compare: {len(runs)} runs"

@@ -13,7 +13,8 @@ pytest.importorskip("plotly")
 
 from memfit.reporting import write_compare, write_report  # noqa: E402
 from memfit.reporting.browser import remote_references  # noqa: E402
-from memfit.reporting.figures import compare_figure, curves_figure  # noqa: E402
+from memfit.reporting.compare import compare_figure  # noqa: E402
+from memfit.reporting.figures import curves_figure  # noqa: E402
 from memfit.reporting.run_data import load_run  # noqa: E402
 from memfit_cli import REPO, run_memfit  # noqa: E402
 
