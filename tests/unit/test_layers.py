@@ -1,8 +1,10 @@
 """The direction of imports is a test: the import-linter contracts in pyproject.toml hold.
 
-The contracts: cli -> train -> (memory, techniques, distributed) -> (models, data) -> the core modules
-(config, config_loading, units, errors, gpus, hardware); techniques import neither memory nor distributed;
-memory and distributed are independent; no cycle between files. `make lint` runs the same check.
+The contracts: cli -> train -> reporting -> (memory, techniques, distributed) -> (models, data) -> the core
+modules (config, config_loading, units, errors, gpus, hardware, checkpoint_files); techniques import neither
+memory nor distributed; memory and distributed are independent; no cycle between packages at any depth.
+`make lint` runs the same check. A grimp check adds what the contracts cannot see: a cycle through a
+package's own __init__.
 """
 
 from __future__ import annotations
@@ -59,3 +61,37 @@ def test_a_forbidden_import_breaks_the_contracts(tmp_path, module, line, expecte
     result = _lint_imports(tmp_path, _copy_with(tmp_path, module, line))
     assert result.returncode != 0, result.stdout
     assert expected in result.stdout, result.stdout
+
+
+# The package's own __init__ imports these lazily, when a user asks for train/estimate/plan (as in pyproject.toml).
+FACADE_PREFIXES = ("memfit.train", "memfit.memory")
+
+
+def _file_cycles(graph) -> list[str]:
+    """One chain per import that closes a cycle, e.g. 'a -> b -> a'."""
+    cycles = []
+    for module in sorted(graph.modules):
+        for imported in sorted(graph.find_modules_directly_imported_by(module)):
+            chain = graph.find_shortest_chain(importer=imported, imported=module)
+            if chain:
+                cycles.append(" -> ".join((module, *chain)))
+    return cycles
+
+
+def _graph():
+    grimp = pytest.importorskip("grimp")
+    graph = grimp.build_graph("memfit", cache_dir=None)
+    for imported in list(graph.find_modules_directly_imported_by("memfit")):
+        if imported.startswith(FACADE_PREFIXES):
+            graph.remove_import(importer="memfit", imported=imported)
+    return graph
+
+
+def test_no_cycle_between_files_package_inits_included():
+    assert _file_cycles(_graph()) == []
+
+
+def test_a_cycle_between_files_is_found():
+    graph = _graph()
+    graph.add_import(importer="memfit.errors", imported="memfit.config")  # config imports errors
+    assert "memfit.errors -> memfit.config -> memfit.errors" in _file_cycles(graph)
