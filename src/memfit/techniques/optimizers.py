@@ -109,7 +109,7 @@ def _build_8bit(
     failures = []
     try:
         if sharded:
-            # Its kernels take plain tensors; torchao's AdamW8bit updates DTensor shards.
+            # Its kernels take plain tensors, not the DTensor shards of FSDP2.
             raise RuntimeError("cannot update FSDP2-sharded (DTensor) parameters")
         import bitsandbytes as bnb
 
@@ -122,6 +122,9 @@ def _build_8bit(
     except Exception as error:  # ImportError, or a bitsandbytes build that cannot run here
         failures.append(f"bitsandbytes: {str(error).splitlines()[0][:120] if str(error) else type(error).__name__}")
     try:
+        if sharded:
+            # torchao 0.18's compiled step fails on DTensor shards ('Tensor' object has no attribute 'codes').
+            raise RuntimeError("its compiled step cannot update FSDP2-sharded (DTensor) parameters")
         from torchao.optim import AdamW8bit
 
         optimizer = AdamW8bit(groups, lr=config.lr, betas=betas, eps=config.eps)
@@ -133,7 +136,8 @@ def _build_8bit(
     num_params = sum(p.numel() for group in groups for p in group["params"])
     extra = format_bytes(num_params * 6)  # 8 bytes/param of fp32 moments instead of about 2
     reason = "; ".join(failures) + f" -> torch AdamW (uses about {extra} more optimizer memory)"
-    log.warning("memfit: no 8-bit AdamW available (%s); install with: pip install memfit[bnb]", reason)
+    advice = "FSDP2 already shards the optimizer state over ranks" if sharded else "install with: pip install memfit[bnb]"
+    log.warning("memfit: no 8-bit AdamW available (%s); %s", reason, advice)
     kwargs, impl_name = _impl_kwargs(config.optimizer_impl, device)
     return OptimizerChoice(
         torch.optim.AdamW(groups, lr=config.lr, betas=betas, eps=config.eps, **kwargs), f"adamw ({impl_name})", reason

@@ -1,0 +1,88 @@
+"""Every optimizer the CLI accepts under every engine: it trains, or it is refused up front in one line.
+
+Cells: adamw, adamw-8bit, paged-adamw-8bit, adafactor, sgd x one process, --sharding ddp,
+--sharding fsdp (2 ranks, gloo), and DeepSpeed ZeRO-2 when deepspeed imports. A cell
+trains when the run exits 0 and the final weights moved from the initial ones; a refused
+cell exits 2 with exactly one error line, no traceback and no output directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torchrun_helpers import EXTENSIONS_CACHE, REPO, deepspeed_available
+
+from memfit.config import OPTIMIZERS
+from memfit.train.metrics import read_metrics
+
+pytestmark = pytest.mark.distributed
+
+WORKER = Path(__file__).with_name("engine_matrix_worker.py")
+
+# (engine flags, ranks)
+ENGINES = {
+    "none": ([], 1),
+    "ddp": (["--sharding", "ddp"], 2),
+    "fsdp": (["--sharding", "fsdp"], 2),
+    "zero2": (["--zero-stage", "2"], 2),
+}
+
+# Cells refused up front, with the words their one error line must contain.
+REFUSED: dict[tuple[str, str], str] = {
+    ("adafactor", "fsdp"): "--optimizer adafactor cannot run under --sharding fsdp",
+}
+
+
+def _run_matrix(engine: str, llama_dir: Path, text_file: Path, tmp_path: Path) -> dict:
+    flags, ranks = ENGINES[engine]
+    results = tmp_path / "results.json"
+    train_args = ["--model", str(llama_dir), "--dataset", str(text_file), "--seq-len", "32", "--batch-size", "2",
+                  "--max-steps", "2", "--loss-chunk-size", "0", "--lr", "1e-2", *flags]
+    worker = [str(WORKER), str(results), str(tmp_path / "runs"), ",".join(OPTIMIZERS), "--", *train_args]
+    if ranks == 1:
+        command = [sys.executable, *worker]
+    else:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", *worker]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_EXTENSIONS_DIR": str(EXTENSIONS_CACHE)}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
+    assert done.returncode == 0 and results.is_file(), done.stderr[-4000:]
+    return json.loads(results.read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_every_optimizer_trains_or_is_refused_in_one_line(engine, llama_dir, text_file, tmp_path):
+    if engine.startswith("zero") and not deepspeed_available():
+        pytest.skip("deepspeed is not installed")
+    initial = load_file(str(llama_dir / "model.safetensors"))
+    results = _run_matrix(engine, llama_dir, text_file, tmp_path)
+    problems = []
+    for optimizer in OPTIMIZERS:
+        if optimizer not in results:
+            problems.append(f"{optimizer} x {engine}: not run (an earlier cell crashed)")
+            continue
+        cell = results[optimizer]
+        stderr, out = cell["stderr"], Path(cell["output_dir"])
+        errors = [line for line in stderr.splitlines() if "error:" in line]
+        refused = REFUSED.get((optimizer, engine))
+        if refused is not None:
+            if not (cell["exit_code"] == 2 and len(errors) == 1 and refused in errors[0] and "Traceback" not in stderr
+                    and not out.exists()):
+                problems.append(f"{optimizer} x {engine}: expected a one-line refusal, got exit {cell['exit_code']}: {stderr[-600:]}")
+            continue
+        if cell["exit_code"] != 0 or "Traceback" in stderr:
+            problems.append(f"{optimizer} x {engine}: exit {cell['exit_code']}: {stderr[-1500:]}")
+            continue
+        steps = [r for r in read_metrics(out / "metrics.jsonl") if "event" not in r]
+        final = load_file(str(out / "final" / "model.safetensors"))
+        moved = [name for name, tensor in initial.items() if name in final and not torch.equal(final[name].float(), tensor.float())]
+        if len(steps) != 2 or not moved:
+            problems.append(f"{optimizer} x {engine}: {len(steps)} steps logged, {len(moved)} tensors updated")
+    assert not problems, "\n".join(problems)
