@@ -161,8 +161,8 @@ def curves_figure(run: RunData):
         else:
             xs, ys = run.series(key)
             xs, ys = downsample(xs, ys, "min" if key == "micro_batch_size" else "mean")
-            if key == "micro_batch_size":
-                ys = [float(y) for y in ys]
+            if key == "mfu":
+                ys = [100 * y for y in ys]  # the metrics keep a fraction of the device's peak
             figure.add_trace(line_trace(go, xs, ys, key.replace("_", " "), RUN_COLORS[0], showlegend=False), row, col)
             if key == "lr":
                 figure.update_yaxes(exponentformat="e", row=row, col=col)

@@ -128,7 +128,17 @@ def glance(run: RunData) -> list[tuple[str, str, str]]:
         cards.append(("tokens/s", _number(speed, 4), "median over steps after the first"))
     mfu = run.typical_mfu()
     if mfu is not None:
-        cards.append(("MFU", f"{_number(mfu, 3)}%", "median model FLOPs utilization"))
+        cards.append(("MFU", f"{_number(100 * mfu, 3)}%", "median model FLOPs utilization"))
+    summary = run.summary or {}
+    if summary.get("measured_step_seconds") and summary.get("predicted_step_seconds"):
+        measured, predicted = summary["measured_step_seconds"], summary["predicted_step_seconds"]
+        cards.append(
+            (
+                "step time",
+                f"{_number(measured, 3)} s",
+                f"measured; memfit's speed model predicted {_number(predicted, 3)} s",
+            )
+        )
     for label, _, ys, host in figures.memory_series(run):
         if not label.startswith("device: peak reserved"):
             name = "peak " + label.split(": ")[-1].replace("peak ", "")

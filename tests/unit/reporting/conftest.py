@@ -67,7 +67,7 @@ def memory_record(samples: int = 1000) -> dict:
 
 
 def write_run(directory: Path, steps: int = 20, oom_at: tuple[int, ...] = (), resume_at: int | None = None,
-              tracked: bool = True) -> Path:
+              tracked: bool = True, mfu: float | None = None) -> Path:
     """A run directory: metrics.jsonl (start, steps, OOM events, an optional resume), summary, memory record."""
     directory.mkdir(parents=True, exist_ok=True)
     records = [start_record()]
@@ -78,12 +78,15 @@ def write_run(directory: Path, steps: int = 20, oom_at: tuple[int, ...] = (), re
                             "new_micro_batch_size": micro_batch // 2,
                             "message": f"out of memory in forward on a micro-batch of {micro_batch}"})
             micro_batch //= 2
-        records.append(step_record(step, micro_batch))
+        records.append(step_record(step, micro_batch) | ({"mfu": mfu, "hfu": mfu * 1.3} if mfu else {}))
         if resume_at is not None and step == resume_at + 2:  # killed two steps after the checkpoint
             records.append(start_record(resumed_from=str(directory / "checkpoints" / f"step-{resume_at}")))
             for again in range(resume_at + 1, step + 1):
                 records.append(step_record(again, micro_batch) | {"loss": 9.0})  # later values win
-    records.append({**start_record(), "event": "summary", "steps": steps, "wall_seconds": 12.5, "oom_events": len(oom_at)})
+    summary = {**start_record(), "event": "summary", "steps": steps, "wall_seconds": 12.5, "oom_events": len(oom_at)}
+    if mfu:
+        summary |= {"mfu": mfu, "measured_step_seconds": 1.25, "predicted_step_seconds": 1.5}
+    records.append(summary)
     with open(directory / "metrics.jsonl", "w") as handle:
         for record in records:
             handle.write(json.dumps(record) + "\n")

@@ -62,6 +62,14 @@ def test_report_shows_what_ran_the_memory_and_escapes_text(make_run):
     assert "in step 2 (backward)" in page  # the run's step number, not the tracker's
 
 
+def test_mfu_and_the_predicted_step_time_are_shown(make_run):
+    run_dir = make_run(steps=6, mfu=0.1234)
+    page = write_report(run_dir).read_text()
+    assert "12.3%" in page and "1.25 s" in page and "predicted 1.5 s" in page
+    mfu = next(trace for trace in curves_figure(load_run(run_dir)).data if trace.name == "mfu")
+    assert list(mfu.y) == pytest.approx([12.34] * 6)  # percent of the device's peak
+
+
 def test_untracked_run_says_how_to_get_the_memory_sections(make_run):
     page = write_report(make_run(steps=5, tracked=False)).read_text()
     assert "--track-memory" in page
