@@ -133,7 +133,7 @@ class _HiddenStateProbe(torch.nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         self.hidden = hidden
-        return hidden[..., :0]
+        return hidden[..., :0].clone()  # empty, but its own tensor: wrappers may hook outputs that are not views
 
 
 def final_hidden_states(

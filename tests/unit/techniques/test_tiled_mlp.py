@@ -144,9 +144,7 @@ def test_optimizer_in_backward_sees_one_complete_gradient_per_parameter():
 
     optimizer = OptimizerInBackward(model, make)
     for parameter in model.parameters():
-        parameter.register_post_accumulate_grad_hook(
-            lambda p: calls.__setitem__(names[p], calls.get(names[p], 0) + 1)
-        )
+        parameter.register_post_accumulate_grad_hook(lambda p: calls.__setitem__(names[p], calls.get(names[p], 0) + 1))
     model(input_ids=input_ids, labels=input_ids).loss.backward()
     optimizer.remove()
 
