@@ -56,7 +56,6 @@ from memfit.memory.categories import (
     DEVICE,
     GRADIENTS,
     HOST,
-    NO_MODULE,
     OPTIMIZER_STATES,
     OTHER,
     PARAMETERS,
@@ -66,6 +65,7 @@ from memfit.memory.categories import (
     TensorInfo,
 )
 from memfit.memory.live_storage import EXISTING_OP, LiveStorages
+from memfit.memory.modules import ModuleWatcher
 from memfit.memory.peaks import PeakBook
 from memfit.memory.storage_records import SavedTensor, StorageRecord, optimizers_within
 
@@ -73,11 +73,6 @@ __all__ = ["CATEGORIES", "MemoryTracker", "PeakSnapshot", "PhaseMemory", "StepMe
 
 # A numbered path component marks a block of a stack: model.layers.3, transformer.h.3.
 _IN_BLOCK = re.compile(r"\.\d+(\.|$)")
-
-
-def _graph_task() -> int:
-    """The id of the backward pass running on this thread, or -1 outside backward."""
-    return torch._C._current_graph_task_id()
 
 
 class MemoryTracker:
@@ -118,13 +113,10 @@ class MemoryTracker:
                 tracker._describe_birth(record, tensor)
 
         self.storages.describe_birth = describe_birth
-        self._module_inputs: dict[str, int] = {}
-        self._module_stack: list[str] = []
-        self._backward_module: tuple[int, str] = (-1, NO_MODULE)  # (backward pass id, module)
+        self._modules = ModuleWatcher(self)
         self._vocab_size: int | None = None
         self._model: nn.Module | None = None
         self._optimizer: torch.optim.Optimizer | None = None
-        self._hook_handles: list = []
         self._depth = 0
         self._saved_hooks: torch.autograd.graph.saved_tensors_hooks | None = None
 
@@ -140,27 +132,14 @@ class MemoryTracker:
         self._model = model
         self._optimizer = optimizer
         self._vocab_size = _vocab_size(model)
-        root_name = type(model).__name__
-        for name, module in model.named_modules():
-            qualified = name or root_name
-            self._hook_handles.append(
-                module.register_forward_pre_hook(self._make_pre_hook(qualified), with_kwargs=True)
-            )
-            self._hook_handles.append(module.register_forward_hook(self._make_post_hook(qualified), always_call=True))
-        grad_hook = self._make_grad_hook()
-        for parameter in model.parameters():
-            if parameter.requires_grad:
-                self._hook_handles.append(parameter.register_post_accumulate_grad_hook(grad_hook))
+        self._modules.attach(model)
         self._classify()
 
     def detach(self) -> None:
         """Stop watching the model and optimizer (counts already made stay)."""
-        for handle in self._hook_handles:
-            handle.remove()
-        self._hook_handles.clear()
+        self._modules.detach()
         self._model = None
         self._optimizer = None
-        self._module_stack.clear()
 
     def __enter__(self) -> MemoryTracker:
         self._depth += 1
@@ -177,7 +156,7 @@ class MemoryTracker:
             self.storages.__exit__(*exc_info)
             self._saved_hooks.__exit__(*exc_info)
             self._saved_hooks = None
-            self._module_stack.clear()
+            self._modules.stack.clear()
             self._classify()
 
     @contextmanager
@@ -189,7 +168,7 @@ class MemoryTracker:
             yield
         finally:
             self._book.exit_phase()
-            self._backward_module = (-1, NO_MODULE)
+            self._modules.forget_backward()
             self._classify()
 
     def end_step(self) -> StepMemory:
@@ -256,7 +235,7 @@ class MemoryTracker:
             top_tensors=top_tensors,
             activation_peak_bytes=book.activation_max,
             module_activation_bytes=dict(book.module_activations),
-            module_input_bytes=dict(self._module_inputs),
+            module_input_bytes=dict(self._modules.inputs),
             host_peak_bytes=book.host_peak,
         )
 
@@ -281,17 +260,10 @@ class MemoryTracker:
 
     def _describe_birth(self, record: StorageRecord, tensor: torch.Tensor | None) -> None:
         record.phase = self._book.phase
-        task = _graph_task()
-        if self._module_stack:
-            record.module = self._module_stack[-1]
-            # A module's forward running inside backward is a checkpointed block's recompute.
-            record.recomputed = task != -1 and record.op != EXISTING_OP
-        elif task != -1 and record.op != EXISTING_OP:
-            record.backward = True
-            backward_task, module = self._backward_module
-            record.module = module if backward_task == task else NO_MODULE
-        else:
-            record.module = NO_MODULE
+        module, recomputed, backward = self._modules.where()
+        record.module = module
+        if record.op != EXISTING_OP:  # a storage first seen now, not made now, was made before
+            record.recomputed, record.backward = recomputed, backward
         vocab = self._vocab_size
         if vocab and tensor is not None and tensor.dim() >= 2 and tensor.shape[-1] == vocab:
             # Inside a block (model.layers.3...) a [..., vocab] tensor is an MLP width that happens to match.
@@ -327,6 +299,17 @@ class MemoryTracker:
         if record is not None and record.key not in roles:  # first role claimed wins
             roles[record.key] = role
 
+    @property
+    def active(self) -> bool:
+        """Inside `with tracker:`."""
+        return self._depth > 0
+
+    def parameter_in_use(self, parameter: torch.Tensor) -> None:
+        self._give_role(parameter, PARAMETERS)
+
+    def gradient_ready(self, gradient: torch.Tensor) -> None:
+        self._give_role(gradient, GRADIENTS)
+
     def _give_role(self, tensor: torch.Tensor, role: str) -> None:
         """File one storage under `role` now, unless it already has a role."""
         self.storages.flush()
@@ -351,72 +334,6 @@ class MemoryTracker:
     def _unpack(packed):
         return packed.tensor if isinstance(packed, SavedTensor) else packed
 
-    # ----------------------------------------------------- module hooks
-    # The hooks live on the model and reach the tracker through a weak reference:
-    # model -> hook -> tracker -> model would be a cycle that keeps a whole model (and
-    # its GPU memory) alive until the garbage collector happens to run.
-
-    def _make_pre_hook(self, name: str):
-        tracker_ref = weakref.ref(self)
-
-        def pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            tracker = tracker_ref()
-            if tracker is None or tracker._depth == 0:
-                return
-            tracker._module_stack.append(name)
-            for value in (*args, *kwargs.values()):
-                if isinstance(value, torch.Tensor):
-                    tracker._module_inputs[name] = value.nbytes
-                    break
-            # FSDP2 swaps gathered full parameters in just before forward: file them now.
-            for parameter in module._parameters.values():
-                if parameter is not None:
-                    tracker._give_role(parameter, PARAMETERS)
-
-        return pre_hook
-
-    def _make_post_hook(self, name: str):
-        tracker_ref = weakref.ref(self)
-
-        def post_hook(module: nn.Module, args: tuple, output) -> None:
-            tracker = tracker_ref()
-            if tracker is None:
-                return
-            # Pop down to this module: always_call runs this even when forward raised.
-            if name in tracker._module_stack:
-                while tracker._module_stack and tracker._module_stack.pop() != name:
-                    pass
-            if tracker._depth and _graph_task() == -1 and torch.is_grad_enabled():
-                tracker._watch_backward(name, output)
-
-        return post_hook
-
-    def _watch_backward(self, name: str, output) -> None:
-        """When the gradient of `output` arrives in backward, that is `name`'s backward running."""
-        tracker_ref = weakref.ref(self)
-
-        def entered(grad_outputs):
-            tracker = tracker_ref()
-            if tracker is not None:
-                tracker._backward_module = (_graph_task(), name)
-
-        seen: set[int] = set()
-        for leaf in _tensor_leaves(output):
-            grad_fn = leaf.grad_fn
-            if grad_fn is not None and id(grad_fn) not in seen:
-                seen.add(id(grad_fn))
-                grad_fn.register_prehook(entered)
-
-    def _make_grad_hook(self):
-        tracker_ref = weakref.ref(self)
-
-        def grad_hook(parameter: torch.Tensor) -> None:
-            tracker = tracker_ref()
-            if tracker is not None and tracker._depth and parameter.grad is not None:
-                tracker._give_role(parameter.grad, GRADIENTS)
-
-        return grad_hook
-
 
 def _describe(record: StorageRecord) -> TensorInfo:
     return TensorInfo(
@@ -428,16 +345,6 @@ def _describe(record: StorageRecord) -> TensorInfo:
         module=record.module,
         phase=record.phase,
     )
-
-
-def _tensor_leaves(output) -> list[torch.Tensor]:
-    if isinstance(output, torch.Tensor):
-        return [output]
-    if isinstance(output, dict):
-        output = list(output.values())
-    if isinstance(output, (list, tuple)):
-        return [value for value in output if isinstance(value, torch.Tensor)]
-    return []
 
 
 def _vocab_size(model: nn.Module) -> int | None:
