@@ -44,6 +44,8 @@ def profile_run(
         loss_chunk_size=session.loss_chunk_size,
         vocab_size=output_embeddings.weight.shape[0] if output_embeddings is not None else None,
         optimizer_in_backward=config.memory.optimizer_in_backward,
+        tiled_mlp=config.memory.tiled_mlp or 0,
+        activation_offload=config.memory.activation_offload,
     )
     report = build_report(result.memory_steps, tracker.peak_snapshot(), str(session.device), context, top)
     extra["timeline"] = tracker.timeline()  # the peak step, for the HTML report
