@@ -7,14 +7,13 @@ The cache holds, per (tokenizer, source content, format options), one directory:
     <cache_dir>/<key>/offsets.npy    int64 start of each document in tokens.bin, plus the end
     <cache_dir>/<key>/index.json     what was tokenized, with what, and the counts
 
-Fresh tokens are written to a temporary directory first and checked (by the caller's
-`check`, e.g. "enough text for one batch") before the cache is created or touched, so
-bad data leaves no cache and no cache directory behind. The temporary directory lives
-inside the cache directory when that exists (one rename publishes it), else in the
-system's temporary directory (moved into place once). The final rename is atomic: a run
-killed while tokenizing leaves no half cache, and two processes tokenizing the same data
-at once both end up reading one complete copy. Tokens are read back as a numpy memmap:
-opening a cache costs no memory and no time, whatever its size.
+Fresh tokens are written to a temporary directory inside the cache directory and checked
+(by the caller's `check`, e.g. "enough text for one batch") before they are renamed into
+place; data that fails the check leaves nothing behind, not even the directories that were
+made for it. The rename is atomic: a run killed while tokenizing leaves no half cache, and
+two processes tokenizing the same data at once both end up reading one complete copy.
+Tokens are read back as a numpy memmap: opening a cache costs no memory and no time,
+whatever its size.
 """
 
 from __future__ import annotations
@@ -130,8 +129,9 @@ def load_or_tokenize(
     """Tokens of `source`: from the cache when this exact data and tokenizer were seen before,
     else tokenized now (each document followed by EOS) and cached for the next run.
 
-    `check(store)` runs on the tokens (cached or fresh) before anything is written to the
-    cache directory; it raises to reject the data, and then nothing is left behind.
+    `check(store)` runs on the tokens (cached or fresh) before they are put in the cache;
+    it raises to reject the data, and then nothing is left behind (no cache entry, and no
+    directory that was made for it).
 
     Raises UsageError when the source holds no text, the tokenizer has no EOS token,
     the cache directory cannot be written, or `check` rejects the data.
@@ -150,54 +150,49 @@ def load_or_tokenize(
             check(store)
         return store
 
-    _check_writable(root)
     try:
-        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{key}-", dir=root if root.is_dir() else None))
+        created = _make_directories(root)
     except OSError as error:
         raise UsageError(f"cannot write the token cache in {root} ({error.strerror}); pass --cache-dir DIR") from None
+    published, tmp = False, None
     try:
+        try:
+            tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{key}-", dir=root))
+        except OSError as error:
+            raise UsageError(f"cannot write the token cache in {root} ({error.strerror}); pass --cache-dir DIR") from None
         write_tokens(tmp, source.documents(), tokenizer, source.label, parts, announce=f"cache in {root}")
         if check is not None:
             check(open_store(tmp, key))
-        _publish(tmp, root, final, key)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    store = open_store(final, key)
-    store.from_cache = False
-    return store
-
-
-def _check_writable(root: Path) -> None:
-    """Fail before tokenizing when the cache could not be created: its nearest existing parent must be a writable directory."""
-    existing = root
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
-        raise UsageError(f"cannot write the token cache in {root} ({existing} is not a writable directory);"
-                         " pass --cache-dir DIR")
-
-
-def _publish(tmp: Path, root: Path, final: Path, key: str) -> None:
-    """Move checked tokens into the cache: one atomic rename into place."""
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        if tmp.parent != root:  # tokenized in the system's temporary directory: bring it beside its final name
-            staged = Path(tempfile.mkdtemp(prefix=f".tmp-{key}-", dir=root))
-            staged.rmdir()
-            shutil.move(str(tmp), str(staged))
-            tmp = staged
         try:
             os.rename(tmp, final)
         except OSError:
             # Another process finished the same cache first: keep theirs.
             if not (final / "index.json").is_file():
                 raise
-    except OSError as error:
-        raise UsageError(f"cannot write the token cache in {root} ({error.strerror}); pass --cache-dir DIR") from None
+        published = True
     finally:
-        if tmp.exists():
+        if tmp is not None and tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+        if not published:  # rejected or interrupted: leave the file system as it was
+            for directory in reversed(created):
+                try:
+                    directory.rmdir()
+                except OSError:  # no longer empty: someone else uses it now
+                    break
+    store = open_store(final, key)
+    store.from_cache = False
+    return store
+
+
+def _make_directories(root: Path) -> list[Path]:
+    """Create `root` and its missing parents; return the ones created, outermost first."""
+    missing = []
+    directory = root
+    while not directory.exists() and directory != directory.parent:
+        missing.append(directory)
+        directory = directory.parent
+    root.mkdir(parents=True, exist_ok=True)
+    return missing[::-1]
 
 
 def write_tokens(
