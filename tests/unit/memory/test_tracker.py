@@ -63,6 +63,9 @@ def test_peak_matches_allocator_and_categories_match_closed_forms(foreach):
             delta = allocator_peak_delta(lambda: tracked_step(tracker, model, optimizer, input_ids))
             memory = tracker.end_step()
             independent = before + delta
+            # The allocator also sees what no tensor holds (kernel scratch, wrapped scalars: tens of
+            # bytes here) and the profiler's event stream can drop events on a loaded machine: 1%.
+            # The exact claim is test_tracker_storage's walk of every live tensor.
             assert abs(memory.peak_bytes - independent) <= 0.01 * independent, (index, memory.peak_bytes, independent)
 
         # Closed forms: parameters, gradients, AdamW state (two fp32 moments + a 4-byte step each).
@@ -273,7 +276,9 @@ def test_cuda_peak_matches_max_memory_allocated():
         torch.cuda.synchronize()
     allocator_growth = torch.cuda.max_memory_allocated() - allocated_at_start
     tracked_growth = memory.peak_bytes - tracked_at_start
-    assert abs(tracked_growth - allocator_growth) <= 0.05 * allocator_growth, (tracked_growth, allocator_growth)
+    print(f"tracker / allocator peak growth over one step: {tracked_growth / allocator_growth:.7f}")
+    # Allocator rounding of small blocks is all that may differ (docs/accuracy.md records the ratio).
+    assert abs(tracked_growth - allocator_growth) <= 1e-3 * allocator_growth, (tracked_growth, allocator_growth)
     assert memory.live_breakdown_at_end[PARAMETERS] == sum(p.numel() * 4 for p in model.parameters())
 
 
