@@ -6,7 +6,7 @@ short of the machine's RAM, so the live-storage counter (`memfit.memory.live_sto
 under `MemoryTracker(cap_bytes=...)`) enforces the cap through `refuse_over_cap`, the one
 place the decision is made: it raises `torch.OutOfMemoryError` at the first operator (or
 storage resize) whose new bytes would take the live *device* bytes past the cap. Host
-copies made by offloading (`memfit.memory.host`) never count against it. Either way the caller sees the
+copies made by offloading (`memfit.techniques.host_memory`) never count against it. Either way the caller sees the
 same exception type, and `is_out_of_memory` recognizes both.
 """
 

@@ -24,7 +24,7 @@ counts as a parameter: a role (parameters, gradients, optimizer state) wins over
 made the storage.
 
 Bytes are also either on the *device* (counted in every figure above and against the
-emulated cap) or in *host* memory on purpose (offloaded copies, see `memfit.memory.host`),
+emulated cap) or in *host* memory on purpose (offloaded copies, see `memfit.techniques.host_memory`),
 reported beside them.
 """
 

@@ -23,8 +23,8 @@ How it counts:
 
 Device and host: storages on the device count as device bytes: the peak, the
 categories, the emulated cap. Host copies made on purpose (pinned CPU storages on a
-CUDA run; on any run, storages made inside `memfit.memory.host.host_allocations()` or
-marked with `memfit.memory.host.mark_host`) count as host bytes, reported beside the
+CUDA run; on any run, storages made inside `memfit.techniques.host_memory.host_allocations()` or
+marked with `memfit.techniques.host_memory.mark_host`) count as host bytes, reported beside the
 device figures and never against the cap. Other CPU storages of a CUDA run (a batch
 before it is moved) are not counted.
 
@@ -49,10 +49,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from memfit.memory import host
 from memfit.memory.cap import refuse_over_cap
 from memfit.memory.categories import DEVICE, HOST, empty_breakdown
 from memfit.memory.storage_records import StorageRecord
+from memfit.techniques import host_memory as host
 
 __all__ = ["DEVICE", "EXISTING_OP", "HOST", "LiveStorages", "StorageListener"]
 
@@ -270,7 +270,7 @@ class LiveStorages:
     # ------------------------------------------------------------ hooks from outside
 
     def storage_marked_host(self, storage: torch.UntypedStorage, tensor: torch.Tensor) -> None:
-        """`memfit.memory.host.mark_host` was called: the storage's bytes are host bytes now."""
+        """`memfit.techniques.host_memory.mark_host` was called: the storage's bytes are host bytes now."""
         self.flush()
         record = self.records.get(storage._cdata)
         if record is not None and record.ref() is storage:

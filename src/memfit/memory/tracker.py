@@ -25,7 +25,7 @@ filed under the categories of `memfit.memory.categories`. Tensors made by a
 checkpointed block's recompute and by backward get categories of their own and the
 module that made them: the recompute's module, or the module whose backward ran
 (the last module whose output's gradient arrived). Host copies made by offloading
-(`memfit.memory.host`) are counted apart: `host_bytes`, `host_peak_bytes`.
+(`memfit.techniques.host_memory`) are counted apart: `host_bytes`, `host_peak_bytes`.
 What it does not count: the allocator's cache and fragmentation, the CUDA context,
 workspaces that kernels allocate internally, and non-tensor memory.
 

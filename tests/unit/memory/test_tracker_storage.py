@@ -10,8 +10,8 @@ import torch
 from tracker_helpers import build_llama, tracked_step
 
 from memfit.memory.categories import ACTIVATIONS, PARAMETERS
-from memfit.memory.host import host_allocations, mark_host
 from memfit.memory.tracker import MemoryTracker
+from memfit.techniques.host_memory import host_allocations, mark_host
 
 
 def bytes_of_every_live_tensor() -> int:

@@ -7,7 +7,7 @@ device peak and never count against an emulated `--memory-cap`. On CUDA it can t
 them apart by itself (a pinned CPU storage is a host copy); on a CPU-only machine the
 "device" is the CPU too, so offloading code says which copies are host copies:
 
-    from memfit.memory.host import host_allocations, mark_host
+    from memfit.techniques.host_memory import host_allocations, mark_host
 
     with host_allocations():          # storages allocated inside are host memory
         saved = tensor.to("cpu", copy=True)
@@ -18,7 +18,8 @@ Both are cheap no-ops for the numerics and work whether or not a counter is runn
 `host_allocations()` is the better of the two: the copy is filed as host memory the
 moment it is made, so it can never trip the emulated cap on its way there.
 
-This module imports nothing from memfit, so techniques/ and distributed/ may use it.
+This module imports nothing from memfit: it sits with the techniques that call it, and
+memory accounting (which may import techniques, never the other way) reads it.
 """
 
 from __future__ import annotations
