@@ -14,7 +14,7 @@ Activation offload (`--activation-offload`)
     while the current one is used, so compute waits only when the link is slower than
     the block. A tensor saved several times (the same storage, unchanged) is copied once.
     CPU: the same code runs; the "host" copies are filed as host memory by memfit's
-    memory accounting (`memfit.memory.host`), so the tracker and `--memory-cap` show the
+    memory accounting (`memfit.techniques.host_memory`), so the tracker and `--memory-cap` show the
     device saving at reduced shapes exactly as a GPU run would have it.
 
 Optimizer offload (`--optimizer-offload`, CUDA only, needs torchao)
@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,16 +49,33 @@ DEFAULT_MIN_OFFLOAD_BYTES = 1 << 16  # smaller tensors cost more in copy latency
 def _host_allocations() -> contextlib.AbstractContextManager:
     """Where host copies are allocated: memfit's accounting then files them as host memory."""
     try:
-        from memfit.memory.host import host_allocations
+        from memfit.techniques.host_memory import host_allocations
     except ImportError:  # accounting without a host/device split: the copies count where they are
         return contextlib.nullcontext()
     return host_allocations()
 
 
+def _mark_host(tensors) -> None:
+    """File tensors made outside `_host_allocations` (e.g. from Python numbers) as host memory."""
+    try:
+        from memfit.techniques.host_memory import mark_host
+    except ImportError:
+        return
+    for tensor in tensors:
+        if isinstance(tensor, torch.Tensor):
+            mark_host(tensor)
+
+
 def _to_host(tensor: torch.Tensor, pin: bool) -> torch.Tensor:
-    """An empty host tensor shaped like `tensor` (contiguous), filed as host memory."""
+    """An empty host tensor shaped like `tensor` (contiguous), filed as host memory.
+
+    Filed both ways: allocated inside `_host_allocations` for a counter running now, and
+    marked for one that starts later (an optimizer is built before tracking starts).
+    """
     with _host_allocations():
-        return torch.empty(tensor.size(), dtype=tensor.dtype, device="cpu", pin_memory=pin)
+        host = torch.empty(tensor.size(), dtype=tensor.dtype, device="cpu", pin_memory=pin)
+    _mark_host([host])
+    return host
 
 
 @dataclass(eq=False)
@@ -312,3 +330,84 @@ def optimizer_offload(
     # torchao takes the "params" out of the groups it is given: hand it copies.
     own_groups = [{**group, "params": list(group["params"])} for group in groups]
     return CPUOffloadOptimizer(own_groups, optimizer_class, offload_gradients=False, **options), None
+
+
+class HostSteppedOptimizer:
+    """The optimizer of one parameter, stepping a host copy of it: optimizer offload in backward.
+
+    Built by `OptimizerInBackward` through `host_stepped(make_optimizer, device)`, once per
+    trainable parameter. When backward completes the parameter's gradient, `step()`
+    copies the gradient to host memory, runs the wrapped optimizer on the host copy of
+    the parameter (its state is created there), and copies the result back; the caller
+    then frees the device gradient.
+
+    Device memory: the parameters and one gradient at a time. Host memory: a copy of
+    each parameter and of its gradient (pinned on CUDA) and the optimizer state.
+    Costs: per step, each gradient crosses to the host and each parameter back (on the
+    compute stream: backward waits for the copy and the host step of each parameter);
+    the step itself runs on the CPU. The numbers are the wrapped optimizer's on that
+    CPU: on a CPU run they equal the plain run's exactly.
+
+    The host copy follows the parameter: if anything else writes the parameter (loading
+    a checkpoint), the next step starts from the parameter's new value.
+    """
+
+    def __init__(self, parameter: nn.Parameter, make_optimizer: Callable, pin: bool):
+        self.parameter = parameter
+        self._pin = pin
+        master = _to_host(parameter, pin)
+        master.copy_(parameter.detach())
+        self.master = nn.Parameter(master)
+        self.master.grad = _to_host(parameter, pin)
+        with _host_allocations():
+            self.inner = make_optimizer([self.master])
+        self._synced_version = parameter._version
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.inner.param_groups
+
+    @property
+    def state(self):
+        return self.inner.state
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        parameter = self.parameter
+        if parameter.grad is None:
+            return None
+        if parameter._version != self._synced_version:
+            self.master.copy_(parameter)
+        self.master.grad.copy_(parameter.grad)  # blocking on CUDA: the host step reads it next
+        with _host_allocations():  # the optimizer's state and temporaries are host memory
+            self.inner.step()
+        _mark_host(value for state in self.inner.state.values() for value in state.values())
+        parameter.copy_(self.master, non_blocking=self._pin)
+        self._synced_version = parameter._version
+        return None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.parameter.grad = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        with _host_allocations():
+            self.inner.load_state_dict(state_dict)
+        _mark_host(value for state in self.inner.state.values() for value in state.values())
+
+
+def host_stepped(make_optimizer: Callable, device: torch.device | str) -> Callable:
+    """A per-parameter optimizer factory for `OptimizerInBackward` that steps on the host.
+
+    `make_optimizer` builds the optimizer of a one-element parameter list, as for
+    `OptimizerInBackward`; it receives the host copy of the parameter.
+    """
+    pin = torch.device(device).type == "cuda"
+
+    def make(params: list[nn.Parameter]) -> HostSteppedOptimizer:
+        (parameter,) = params
+        return HostSteppedOptimizer(parameter, make_optimizer, pin)
+
+    return make
