@@ -58,9 +58,9 @@ def test_explicit_batch_values_must_agree():
 
 
 def test_scheduler_section_is_dropped_with_a_note():
-    notes: dict = {}
-    result = deepspeed_config(_config(), 1, 4, "fp32", user={"scheduler": {"type": "WarmupLR"}}, notes=notes)
-    assert "scheduler" not in result and "lr-schedule" in notes["deepspeed_scheduler"]
+    fallbacks: dict = {}
+    result = deepspeed_config(_config(), 1, 4, "fp32", user={"scheduler": {"type": "WarmupLR"}}, fallbacks=fallbacks)
+    assert "scheduler" not in result and "lr-schedule" in fallbacks["deepspeed_scheduler"]
 
 
 def test_unfillable_auto_is_an_error():
@@ -77,13 +77,71 @@ def test_bad_file(tmp_path):
         read_deepspeed_file(str(broken))
 
 
-def test_one_process_without_flags_has_no_engine():
+def test_one_process_without_flags_runs_the_single_process_engine():
     import torch
 
     from memfit.distributed.context import DistContext
-    from memfit.distributed.parallel import prepare_parallel
+    from memfit.techniques.precision import resolve_precision
+    from memfit.train.engine import SingleProcessEngine, choose_engine
 
-    notes: dict = {}
+    fallbacks: dict = {}
     config = _config(sharding="fsdp")
-    assert prepare_parallel(config, torch.nn.Linear(2, 2), DistContext(), torch.device("cpu"), None, notes) is None
-    assert "needs several ranks" in notes["sharding"]
+    device = torch.device("cpu")
+    engine = choose_engine(config, DistContext(), device, resolve_precision("fp32", device), fallbacks)
+    assert isinstance(engine, SingleProcessEngine)
+    assert "needs several ranks" in fallbacks["sharding"]
+
+
+def test_fp16_file_on_a_cpu_runs_fp32_visibly():
+    """A DeepSpeed file written for GPUs ("fp16": {"enabled": true}) would stop DeepSpeed on a CPU."""
+    import torch
+
+    fallbacks: dict = {}
+    user = {"fp16": {"enabled": True, "loss_scale": 0}, "zero_optimization": {"stage": 2}}
+    result = deepspeed_config(_config(), 1, 4, "fp32", user=user, fallbacks=fallbacks, device=torch.device("cpu"))
+    assert result["fp16"]["enabled"] is False and result["bf16"]["enabled"] is False
+    assert "ran fp32" in fallbacks["deepspeed_fp16"] and '"auto"' in fallbacks["deepspeed_fp16"]
+    with_bf16 = deepspeed_config(_config(), 1, 4, "bf16", user=user, fallbacks={}, device=torch.device("cpu"))
+    assert with_bf16["fp16"]["enabled"] is False and with_bf16["bf16"]["enabled"] is True
+    # Where DeepSpeed runs fp16 (a GPU), the file is left as written.
+    on_gpu = deepspeed_config(_config(), 1, 4, "fp32", user=user, fallbacks={}, device=torch.device("cuda"))
+    assert on_gpu["fp16"]["enabled"] is True
+
+
+def test_bf16_and_fp16_together_are_refused():
+    import torch
+
+    user = {"fp16": {"enabled": True}, "bf16": {"enabled": True}}
+    with pytest.raises(UsageError, match='enables both "bf16" and "fp16"'):
+        deepspeed_config(_config(), 1, 4, "fp32", user=user, device=torch.device("cpu"))
+
+
+@pytest.mark.slow
+def test_fp16_file_on_a_cpu_is_checked_before_deepspeed_starts(tmp_path, llama_dir, text_file):
+    """Through the CLI: no traceback, the switch in the log and the metrics, or (without the
+    deepspeed package) one line that names the package: the precision never reaches DeepSpeed."""
+    import json
+
+    from torchrun_helpers import deepspeed_available, single
+
+    from memfit.train.metrics import read_metrics
+    from memfit_cli import run_memfit
+
+    ds_file = tmp_path / "ds_config.json"
+    ds_file.write_text(json.dumps({
+        "fp16": {"enabled": True},
+        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}},
+        "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+    }))
+    out = tmp_path / "run"
+    args = ["--model", llama_dir, "--dataset", text_file, "--seq-len", "32", "--max-steps", "1", "--batch-size", "2",
+            "--deepspeed", ds_file, "--output-dir", out]
+    if not deepspeed_available():
+        result = run_memfit("train", *args)
+        assert result.returncode == 2 and "pip install deepspeed" in result.stderr and "Traceback" not in result.stderr
+        return
+    result = single(*args)  # asserts exit 0; DeepSpeed's CPU op build is kept between runs
+    assert "Traceback" not in result.stderr and "not supported on your device" not in result.stderr
+    assert "fp16, which memfit does not run on a CPU" in result.stderr and "ran fp32 instead" in result.stderr
+    summary = read_metrics(out / "metrics.jsonl")[-1]
+    assert "ran fp32" in summary["fallbacks"]["deepspeed_fp16"] and summary["precision"] == "fp32"

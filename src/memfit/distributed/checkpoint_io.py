@@ -22,9 +22,16 @@ from typing import Any
 
 import torch
 
+from memfit.checkpoint_files import (
+    CHECKPOINT_DIR,
+    TrainerState,
+    publish_checkpoint,
+    restore_rng_state,
+    rng_state,
+    trainer_state_from,
+)
 from memfit.distributed.context import DistContext
 from memfit.errors import UsageError
-from memfit.train.checkpoint import CHECKPOINT_DIR, TrainerState, publish_checkpoint
 
 
 def save_sharded(
@@ -46,10 +53,7 @@ def save_sharded(
         temporary.mkdir()
     dist.barrier()
     write_shards(temporary)
-    rng = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        rng["cuda"] = torch.cuda.get_rng_state_all()
-    torch.save(rng, temporary / f"rng-{dist.rank}.pt")
+    torch.save(rng_state(), temporary / f"rng-{dist.rank}.pt")
     dist.barrier()  # every rank's part is on disk before the checkpoint is declared complete
     if dist.is_main:
         torch.save(scheduler.state_dict() if scheduler is not None else {}, temporary / "scheduler.pt")
@@ -80,7 +84,5 @@ def load_sharded(path: Path, dist: DistContext, read_shards: Callable[[Path], No
             f"checkpoint {path} is damaged or was not written by a sharded run ({first}); delete it to resume from an"
             " earlier one, or start without --resume"
         ) from None
-    torch.set_rng_state(rng["cpu"])
-    if "cuda" in rng and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(rng["cuda"])
-    return TrainerState(meta["step"], meta.get("tokens_seen", 0), meta.get("micro_batch_size"), meta.get("extra", {}))
+    restore_rng_state(rng)
+    return trainer_state_from(meta)

@@ -17,7 +17,6 @@ import torch
 class DistContext:
     rank: int = 0
     world_size: int = 1
-    local_rank: int = 0
 
     @property
     def is_main(self) -> bool:
@@ -44,10 +43,6 @@ class DistContext:
         tensor = torch.tensor([float(value)], dtype=torch.float64, device=device or _collective_device())
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
         return tensor.item()
-
-    def any_true(self, flag: bool, device: torch.device | None = None) -> bool:
-        """True on every rank when it is true on at least one (ranks agree on an OOM split)."""
-        return self.all_reduce_max(1.0 if flag else 0.0, device) > 0
 
     def barrier(self) -> None:
         if self.enabled:
@@ -77,6 +72,4 @@ def init_distributed(device: torch.device | None = None) -> DistContext:
     if not dist.is_initialized():
         backend = "nccl" if device is not None and device.type == "cuda" else "gloo"
         dist.init_process_group(backend=backend)
-    return DistContext(
-        rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=int(os.environ.get("LOCAL_RANK", "0"))
-    )
+    return DistContext(rank=dist.get_rank(), world_size=dist.get_world_size())

@@ -24,15 +24,17 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from memfit.checkpoint_files import TrainerState, save_final_model
 from memfit.config import TrainConfig
 from memfit.distributed.checkpoint_io import load_sharded, save_sharded
 from memfit.distributed.context import DistContext
-from memfit.distributed.parallel import Parallel, ParallelStepRunner
+from memfit.distributed.memory import gradient_bytes
+from memfit.distributed.parallel import RankMetrics, gather_events
 from memfit.techniques.checkpointing import transformer_blocks
-from memfit.train.checkpoint import TrainerState, save_final_model
 
 log = logging.getLogger("memfit")
 
@@ -64,90 +66,105 @@ def fully_shard_model(
     return len(blocks) + 1
 
 
-class FullyShardedParallel(Parallel):
-    """FSDP2 over all ranks (see the module docstring)."""
+class FullyShardedEngine(RankMetrics):
+    """FSDP2 over all ranks (see the module docstring). The local step (backward, clipping over the
+    sharded gradients, the optimizer step on the shards) is a one-process engine's (`local`)."""
 
     name = "fsdp"
-    grads_averaged_across_ranks = True  # FSDP2 reduce-scatters the mean over ranks
+    recovers_from_oom = False  # every pass exchanges shards: a rank cannot redo a micro-batch alone
+    supports_chunked_loss = True  # the chunked loss runs the root's forward, so the root unit gathers the head
 
-    def __init__(
-        self,
-        config: TrainConfig,
-        model: torch.nn.Module,
-        dist: DistContext,
-        device: torch.device,
-        precision,
-        notes: dict,
-    ):
-        super().__init__(config, dist, device)
-        offload = config.distributed.fsdp_offload
-        units = fully_shard_model(model, dist.world_size, device, precision.autocast_dtype, offload)
-        self.units = units
-        self.offload = offload
+    def __init__(self, local, config: TrainConfig, dist: DistContext, device: torch.device, precision, fallbacks: dict):
+        self.local = local
+        """A memfit.train.engine.SingleProcessEngine."""
+        self.dist = dist
+        self.device = device
+        self.scaler = local.scaler
+        self.compute_dtype = precision.autocast_dtype
+        self.offload = config.distributed.fsdp_offload
+        self.units = 0
         if config.memory.oom_recovery:
-            notes["oom_recovery"] = (
+            fallbacks["oom_recovery"] = (
                 "off under --sharding fsdp: a rank cannot leave a collective midway; an OOM ends the run"
                 " (use --sharding ddp to recover from OOM across ranks)"
             )
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.local.model
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.local.optimizer
 
     def describe(self) -> str:
         offload = ", CPU offload" if self.offload else ""
         return f"fsdp2 over {self.dist.world_size} ranks ({self.units} units{offload})"
 
-    def attach(self, session) -> None:
-        if session.loss_chunk_size:
-            # Chunked loss calls the backbone and the head directly, bypassing the root unit's gather.
-            session.notes["loss_chunk_size"] = (
-                "chunked loss is off under --sharding fsdp (the head is sharded with the root)"
-            )
-            session.loss_chunk_size = 0
+    def prepare(self, model: torch.nn.Module, build_optimizer):
+        """Shard `model` in place, then build the optimizer over the shards."""
+        self.units = fully_shard_model(model, self.dist.world_size, self.device, self.compute_dtype, self.offload)
+        return self.local.prepare(model, build_optimizer)
 
-    def make_runner(self, **kwargs):
-        kwargs["grads_averaged_across_ranks"] = True
-        kwargs["oom_recovery"] = False
-        self.runner = ParallelStepRunner(**kwargs)
-        return self.runner
+    def loss_normalizer(self, target_tokens: int) -> float:
+        # FSDP2 reduce-scatters the mean over ranks: scale up by the ranks to get the sum.
+        return self.dist.all_reduce_sum(target_tokens) / self.dist.world_size
 
-    # -- checkpoints ---------------------------------------------------------
+    def backward(self, loss: torch.Tensor, last_micro_batch: bool) -> None:
+        self.local.backward(loss, last_micro_batch)
 
-    def _state(self, session) -> dict:
+    def reduce_gradients(self) -> None:
+        pass  # FSDP2 reduce-scatters each unit's gradients during backward
+
+    def agree_after_micro_batches(self, micro_batch_size: int, events: list[dict]) -> tuple[int, list[dict]]:
+        return micro_batch_size, gather_events(self.dist, events)
+
+    def clip_and_step(self):
+        self.gradient_bytes_seen = gradient_bytes(self.local.trainable)
+        norm = self.local.clip_and_step()
+        # The norm of sharded gradients is a replicated DTensor: the plain tensor goes back to the step.
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+    def use_per_parameter_kernels(self) -> None:
+        raise RuntimeError("FSDP2 does not recover from out-of-memory (recovers_from_oom is False)")
+
+    # -- files -----------------------------------------------------------------
+
+    def _state(self) -> dict:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        model_state, optimizer_state = get_state_dict(session.model, session.optimizer.optimizer)
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
         return {"model": model_state, "optimizer": optimizer_state}
 
-    def save_checkpoint(self, session, state: TrainerState) -> Path:
+    def save_checkpoint(self, output_dir: Path, state: TrainerState, scheduler: Any, config_dict: dict) -> Path:
         import torch.distributed.checkpoint as dcp
 
         def write(directory: Path) -> None:
-            dcp.save(self._state(session), checkpoint_id=str(directory / "shards"))
+            dcp.save(self._state(), checkpoint_id=str(directory / "shards"))
 
-        return save_sharded(session.output_dir, state, self.dist, write, session.scheduler, session.config.to_dict())
+        return save_sharded(output_dir, state, self.dist, write, scheduler, config_dict)
 
-    def load_checkpoint(self, session, path: Path) -> TrainerState:
+    def load_checkpoint(self, path: Path, scheduler: Any) -> TrainerState:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
         def read(directory: Path) -> None:
-            state = self._state(session)
+            state = self._state()
             dcp.load(state, checkpoint_id=str(directory / "shards"))
             set_state_dict(
-                session.model,
-                session.optimizer.optimizer,
-                model_state_dict=state["model"],
-                optim_state_dict=state["optimizer"],
+                self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
             )
 
-        return load_sharded(path, self.dist, read, session.scheduler)
+        return load_sharded(path, self.dist, read, scheduler)
 
-    def save_final(self, session) -> Path | None:
+    def save_final_model(self, directory: Path, tokenizer: Any) -> Path | None:
         """Gather the full weights to rank 0 and write one Hugging Face directory there."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        full = get_model_state_dict(session.model, options=options)  # a collective: every rank calls it
+        full = get_model_state_dict(self.model, options=options)  # a collective: every rank calls it
         final = None
         if self.dist.is_main:
-            final = save_final_model(session.model, session.loaded.tokenizer, session.output_dir / "final", full)
+            final = save_final_model(self.model, tokenizer, directory, full)
         self.dist.barrier()
         return final

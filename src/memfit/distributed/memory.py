@@ -17,7 +17,7 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return to_local() if callable(to_local) else tensor
 
 
-def _unique_bytes(tensors) -> int:
+def unique_bytes(tensors) -> int:
     seen: set[int] = set()
     total = 0
     for tensor in tensors:
@@ -36,14 +36,14 @@ def _unique_bytes(tensors) -> int:
 
 def parameter_bytes(model: torch.nn.Module) -> int:
     """Bytes of the parameters this rank stores (a ZeRO-3 partition counts as its `ds_tensor`)."""
-    return _unique_bytes(getattr(p, "ds_tensor", p) for p in model.parameters())
+    return unique_bytes(getattr(p, "ds_tensor", p) for p in model.parameters())
 
 
 def gradient_bytes(parameters) -> int:
     """Bytes of the gradients currently held for `parameters` on this rank."""
-    return _unique_bytes(p.grad for p in parameters if p.grad is not None)
+    return unique_bytes(p.grad for p in parameters if p.grad is not None)
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes of the optimizer's state tensors (moments, steps) on this rank."""
-    return _unique_bytes(tree_leaves([dict(state) for state in optimizer.state.values()]))
+    return unique_bytes(tree_leaves([dict(state) for state in optimizer.state.values()]))

@@ -1,13 +1,13 @@
-"""Training on several ranks: what the loop asks of an engine, and data parallelism.
+"""Training on several ranks: what every multi-rank engine shares, and data parallelism.
 
-`prepare_parallel` picks the engine from the config and the launcher:
+memfit.train.engine.choose_engine picks the engine from the config and the launcher:
 
-  --sharding ddp (or several ranks and no --sharding)   `DataParallel` (this module)
-  --sharding fsdp                                       `FullyShardedParallel` (fsdp.py)
-  --deepspeed FILE / --zero-stage N                     `DeepSpeedParallel` (zero.py)
+  --sharding ddp (or several ranks and no --sharding)   `DataParallelEngine` (this module)
+  --sharding fsdp                                       `FullyShardedEngine` (fsdp.py)
+  --deepspeed FILE / --zero-stage N                     `DeepSpeedEngine` (zero.py)
 
-Each engine gives the loop a step runner, sharded checkpoints, the final model
-gathered into one directory, and per-rank memory figures for the metrics.
+Each implements memfit.train.engine.Engine (a Protocol: nothing here imports train/).
+`RankMetrics` adds every rank's state bytes and the peak over ranks to the metrics.
 
 Data parallelism and OOM recovery. Every rank runs its slice of the global batch in
 micro-batches with no communication at all, and the gradients are summed across ranks
@@ -28,13 +28,12 @@ from typing import Any
 
 import torch
 
+from memfit.checkpoint_files import TrainerState
 from memfit.config import TrainConfig
 from memfit.distributed.context import DistContext
 from memfit.distributed.memory import gradient_bytes, optimizer_state_bytes, parameter_bytes
 from memfit.errors import UsageError
 from memfit.techniques.optimizers import refusal_under_fsdp
-from memfit.train.checkpoint import TrainerState, load_checkpoint, save_final_model, save_session_checkpoint
-from memfit.train.step import StepResult, StepRunner
 
 log = logging.getLogger("memfit")
 
@@ -71,97 +70,36 @@ def all_reduce_gradients(parameters: list[torch.nn.Parameter], device: torch.dev
         tdist.all_reduce(parameter.grad)
 
 
-class ParallelStepRunner(StepRunner):
-    """StepRunner that reports every rank's events and remembers the gradient bytes it saw."""
+class RankMetrics:
+    """Per-rank memory in the metrics: each rank's parameter, gradient and optimizer-state bytes,
+    and the peak over ranks. Engines set `dist`, `device`, `model`, `optimizer` and count
+    `gradient_bytes_seen` before each optimizer step (gradients are freed after it)."""
 
+    name = "multi-rank"
+    dist: DistContext
+    device: torch.device
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
     gradient_bytes_seen = 0
+    run_peak = 0
 
-    def run(self, samples: list[dict]) -> StepResult:
-        result = super().run(samples)
-        result.events = gather_events(self.dist, result.events)
-        return result
-
-    def _optimizer_step(self, events: list[dict]) -> tuple[float | None, bool]:
-        self.gradient_bytes_seen = gradient_bytes(self.trainable)
-        return super()._optimizer_step(events)
-
-
-class DataParallelStepRunner(ParallelStepRunner):
-    """Micro-batches without communication; gradients summed once per step (see the module docstring)."""
-
-    def _optimizer_step(self, events: list[dict]) -> tuple[float | None, bool]:
-        all_reduce_gradients(self.trainable, self.device)
-        agreed = int(-self.dist.all_reduce_max(-float(self.micro_batch_size), self.device))
-        if agreed < self.micro_batch_size:
-            log.info("memfit: another rank split its micro-batch: micro-batch %d on every rank", agreed)
-        self.micro_batch_size = agreed
-        return super()._optimizer_step(events)
-
-
-class Parallel:
-    """An engine that spreads training over ranks; the loop calls these methods on every rank."""
-
-    name = "none"
-    grads_averaged_across_ranks = False
-
-    def __init__(self, config: TrainConfig, dist: DistContext, device: torch.device):
-        self.config = config
-        self.dist = dist
-        self.device = device
-        self.runner: ParallelStepRunner | None = None
-        self.run_peak = 0
-
-    def describe(self) -> str:
-        return f"{self.name} over {self.dist.world_size} rank(s)"
-
-    def attach(self, session) -> None:
-        """Called once the session is built (optimizer and scheduler exist)."""
-
-    def make_runner(self, **kwargs) -> StepRunner:
-        self.runner = DataParallelStepRunner(**kwargs)
-        return self.runner
-
-    # -- checkpoints ---------------------------------------------------------
-
-    def save_checkpoint(self, session, state: TrainerState) -> Path | None:
-        path = None
-        if self.dist.is_main:  # every rank holds the same weights: rank 0 writes them
-            path = save_session_checkpoint(session, state)
-        self.dist.barrier()
-        return path
-
-    def load_checkpoint(self, session, path: Path) -> TrainerState:
-        return load_checkpoint(path, session.model, session.optimizer.optimizer, session.scheduler, session.scaler)
-
-    def save_final(self, session) -> Path | None:
-        final = None
-        if self.dist.is_main:
-            final = save_final_model(session.model, session.loaded.tokenizer, session.output_dir / "final")
-            if session.config.lora.merge_adapter:
-                from memfit.techniques.lora import merge_and_save
-
-                merge_and_save(session.model, session.output_dir / "merged")
-        self.dist.barrier()
-        return final
-
-    # -- metrics -------------------------------------------------------------
-
-    def rank_state_bytes(self, session) -> dict[str, int]:
+    def rank_state_bytes(self) -> dict[str, int]:
         """This rank's parameter, gradient and optimizer-state bytes."""
         return {
-            "parameters": parameter_bytes(session.model),
-            "gradients": self.runner.gradient_bytes_seen if self.runner is not None else 0,
-            "optimizer_states": optimizer_state_bytes(session.optimizer.optimizer),
+            "parameters": parameter_bytes(self.model),
+            "gradients": self.gradient_bytes_seen,
+            "optimizer_states": optimizer_state_bytes(self.optimizer),
         }
 
-    def step_metrics(self, session, record: dict) -> dict:
-        """Fields added to each step's metrics line: every rank's state bytes and the peak over ranks."""
+    def step_metrics(self, record: dict) -> dict:
+        """Every rank's state bytes and the peak over ranks (a collective: every rank calls it)."""
         import torch.distributed as tdist
 
         peak = record.get("peak_memory_bytes") or 0
-        max_peak = int(self.dist.all_reduce_max(peak, self._collective_device()))
+        collective_device = self.device if self.device.type == "cuda" else torch.device("cpu")
+        max_peak = int(self.dist.all_reduce_max(peak, collective_device))
         self.run_peak = max(self.run_peak, max_peak)
-        mine = {"rank": self.dist.rank, **self.rank_state_bytes(session)}
+        mine = {"rank": self.dist.rank, **self.rank_state_bytes()}
         if "tracked_peak_bytes" in record:
             mine["tracked_peak_bytes"] = record["tracked_peak_bytes"]
         ranks: list[Any] = [mine]
@@ -170,29 +108,87 @@ class Parallel:
             tdist.all_gather_object(ranks, mine)
         return {"max_peak_memory_bytes": max_peak, "ranks": ranks, "parallel": self.name}
 
-    def summary_metrics(self, session, summary: dict) -> dict:
+    def summary_metrics(self, summary: dict) -> dict:
         return {"max_peak_memory_bytes": self.run_peak or None, "parallel": self.describe()}
 
-    def _collective_device(self) -> torch.device:
-        return self.device if self.device.type == "cuda" else torch.device("cpu")
+    def describe(self) -> str:
+        return f"{self.name} over {self.dist.world_size} rank(s)"
 
 
-class DataParallel(Parallel):
-    """Every rank holds the whole model; gradients are summed once per optimizer step."""
+class DataParallelEngine(RankMetrics):
+    """Every rank holds the whole model and runs a one-process engine (`local`) on its slice of the
+    batch; gradients are summed once per optimizer step (see the module docstring)."""
 
     name = "ddp"
+    recovers_from_oom = True
+    supports_chunked_loss = True
 
-    def __init__(self, config: TrainConfig, model: torch.nn.Module, dist: DistContext, device: torch.device):
-        super().__init__(config, dist, device)
+    def __init__(self, local, dist: DistContext, device: torch.device):
+        self.local = local
+        """A memfit.train.engine.SingleProcessEngine: backward, clipping, the step and the files of one process."""
+        self.dist = dist
+        self.device = device
+        self.scaler = local.scaler
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.local.model
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.local.optimizer
+
+    def prepare(self, model: torch.nn.Module, build_optimizer):
         import torch.distributed as tdist
 
         # Same starting point on every rank, whatever each one initialised (LoRA adapters, new heads).
         with torch.no_grad():
             for tensor in [*model.parameters(), *model.buffers()]:
                 tdist.broadcast(tensor.data, src=0)
+        return self.local.prepare(model, build_optimizer)
+
+    def loss_normalizer(self, target_tokens: int) -> float:
+        return self.dist.all_reduce_sum(target_tokens)  # the gradients are summed over ranks
+
+    def backward(self, loss: torch.Tensor, last_micro_batch: bool) -> None:
+        self.local.backward(loss, last_micro_batch)
+
+    def reduce_gradients(self) -> None:
+        all_reduce_gradients(self.local.trainable, self.device)
+
+    def agree_after_micro_batches(self, micro_batch_size: int, events: list[dict]) -> tuple[int, list[dict]]:
+        agreed = int(-self.dist.all_reduce_max(-float(micro_batch_size), self.device))
+        if agreed < micro_batch_size:
+            log.info("memfit: another rank split its micro-batch: micro-batch %d on every rank", agreed)
+        return agreed, gather_events(self.dist, events)
+
+    def clip_and_step(self):
+        self.gradient_bytes_seen = gradient_bytes(self.local.trainable)
+        return self.local.clip_and_step()
+
+    def use_per_parameter_kernels(self) -> None:
+        self.local.use_per_parameter_kernels()
+
+    def save_checkpoint(self, output_dir: Path, state: TrainerState, scheduler: Any, config_dict: dict) -> Path | None:
+        path = None
+        if self.dist.is_main:  # every rank holds the same weights: rank 0 writes them
+            path = self.local.save_checkpoint(output_dir, state, scheduler, config_dict)
+        self.dist.barrier()
+        return path
+
+    def load_checkpoint(self, path: Path, scheduler: Any) -> TrainerState:
+        return self.local.load_checkpoint(path, scheduler)
+
+    def save_final_model(self, directory: Path, tokenizer: Any) -> Path | None:
+        final = None
+        if self.dist.is_main:
+            final = self.local.save_final_model(directory, tokenizer)
+        self.dist.barrier()
+        return final
 
 
-def _check_supported(config: TrainConfig, engine: str) -> None:
+def check_supported(config: TrainConfig, engine: str) -> None:
+    """UsageError naming every option that `engine` cannot run."""
     problems = []
     if config.memory.optimizer_in_backward:
         problems.append(f"--optimizer-in-backward does not work with {engine}: drop it")
@@ -211,7 +207,7 @@ def _check_supported(config: TrainConfig, engine: str) -> None:
         raise UsageError("; ".join(problems))
 
 
-def _apply_cap_rank(config: TrainConfig, dist: DistContext) -> None:
+def apply_cap_rank(config: TrainConfig, dist: DistContext) -> None:
     """With MEMFIT_MEMORY_CAP_RANK=R, only rank R keeps --memory-cap (rehearsing an OOM on one rank)."""
     wanted = os.environ.get(CAP_RANK_ENV)
     if wanted is None or config.memory.memory_cap is None:
@@ -220,41 +216,3 @@ def _apply_cap_rank(config: TrainConfig, dist: DistContext) -> None:
         raise UsageError(f"{CAP_RANK_ENV} must be a rank number, got {wanted!r}")
     if int(wanted) != dist.rank:
         config.memory.memory_cap = None
-
-
-def prepare_parallel(
-    config: TrainConfig,
-    model: torch.nn.Module,
-    dist: DistContext,
-    device: torch.device,
-    precision,
-    notes: dict[str, str],
-) -> Parallel | None:
-    """Pick and set up the engine before the optimizer is built; None for a plain single process.
-
-    FSDP2 shards `model` in place here. Raises UsageError for combinations that cannot run.
-    """
-    distributed = config.distributed
-    _apply_cap_rank(config, dist)
-    if distributed.deepspeed or distributed.zero_stage is not None:
-        _check_supported(config, "DeepSpeed")
-        from memfit.distributed.zero import DeepSpeedParallel
-
-        return DeepSpeedParallel(config, dist, device, notes)
-    if not dist.enabled:
-        if distributed.sharding != "none":
-            notes["sharding"] = (
-                f"--sharding {distributed.sharding} needs several ranks (launch with torchrun); ran in one process"
-            )
-        return None
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    if distributed.sharding == "fsdp":
-        _check_supported(config, "--sharding fsdp")
-        from memfit.distributed.fsdp import FullyShardedParallel
-
-        return FullyShardedParallel(config, model, dist, device, precision, notes)
-    _check_supported(config, "--sharding ddp")
-    if distributed.sharding == "none":
-        notes["sharding"] = f"{dist.world_size} ranks and no --sharding: replicated as with --sharding ddp"
-    return DataParallel(config, model, dist, device)

@@ -16,7 +16,16 @@ drives the learning rate.
 The update equals the single-process one: memfit scales each micro-batch's summed token
 loss by the target tokens of the whole global batch divided by the ranks (DeepSpeed
 averages gradients over ranks) and calls `engine.backward(loss, scale_wrt_gas=False)`,
-so DeepSpeed does not divide by the accumulation steps a second time.
+so DeepSpeed does not divide by the accumulation steps a second time. memfit marks the
+last micro-batch of each step as the accumulation boundary
+(`set_gradient_accumulation_boundary`) and calls DeepSpeed's `step()` once per optimizer
+step, after it.
+
+Precision is checked against the device before DeepSpeed starts: a file that asks for
+fp16 on a CPU (which DeepSpeed refuses on most CPUs, and memfit never runs there) runs in
+memfit's precision instead (fp32, or bf16 with --precision bf16), said in the log and in
+the metrics' `fallbacks`;
+a file that enables both bf16 and fp16 is refused with one line.
 
 OOM recovery is off under DeepSpeed (its ZeRO buffers and collectives cannot take a
 half-done micro-batch back); an OOM ends the run with exit code 3.
@@ -35,14 +44,14 @@ from typing import Any
 
 import torch
 
+from memfit.checkpoint_files import TrainerState, save_final_model
 from memfit.config import TrainConfig
 from memfit.distributed.checkpoint_io import load_sharded, save_sharded
 from memfit.distributed.context import DistContext
-from memfit.distributed.memory import _unique_bytes, optimizer_state_bytes, parameter_bytes
-from memfit.distributed.parallel import Parallel, ParallelStepRunner
+from memfit.distributed.memory import optimizer_state_bytes, parameter_bytes, unique_bytes
+from memfit.distributed.parallel import RankMetrics, gather_events
 from memfit.errors import UsageError
-from memfit.techniques.loss import causal_lm_loss_sum
-from memfit.train.checkpoint import TrainerState, save_final_model
+from memfit.techniques.optimizers import OptimizerChoice
 
 log = logging.getLogger("memfit")
 
@@ -69,13 +78,16 @@ def deepspeed_config(
     accumulation: int,
     precision_name: str,
     user: dict[str, Any] | None = None,
-    notes: dict[str, str] | None = None,
+    fallbacks: dict[str, str] | None = None,
+    device: torch.device | None = None,
 ) -> dict[str, Any]:
     """The DeepSpeed config memfit runs: the user's file with "auto" filled, or one made from the flags.
 
-    Raises UsageError when an explicit value disagrees with memfit's run (batch sizes).
+    Needs no deepspeed package. Raises UsageError when an explicit value disagrees with
+    memfit's run (batch sizes) or cannot run at all (bf16 and fp16 both enabled). On a
+    CPU `device` an explicit fp16 is switched off and recorded in `fallbacks`.
     """
-    notes = notes if notes is not None else {}
+    fallbacks = fallbacks if fallbacks is not None else {}
     training, optimizer, distributed = config.training, config.optimizer, config.distributed
     result = copy.deepcopy(user) if user is not None else {}
     micro = training.batch_size
@@ -94,10 +106,12 @@ def deepspeed_config(
         raise UsageError("; ".join(problems))
     if result.get("gradient_clipping", "auto") == "auto":
         result["gradient_clipping"] = optimizer.max_grad_norm
-    for name, on in (("bf16", precision_name == "bf16"), ("fp16", precision_name == "fp16")):
+    _check_precision_on_device(result, precision_name, device, fallbacks)
+    explicit = {name: result.get(name, {}).get("enabled", "auto") is True for name in ("bf16", "fp16")}
+    for name, other in (("bf16", "fp16"), ("fp16", "bf16")):
         section = result.setdefault(name, {"enabled": "auto"})
         if section.get("enabled", "auto") == "auto":
-            section["enabled"] = on
+            section["enabled"] = precision_name == name and not explicit[other]
     if "optimizer" in result:
         params = result["optimizer"].setdefault("params", {})
         filled = {
@@ -111,7 +125,7 @@ def deepspeed_config(
                 params[key] = value
     if "scheduler" in result:
         result.pop("scheduler")
-        notes["deepspeed_scheduler"] = (
+        fallbacks["deepspeed_scheduler"] = (
             "the DeepSpeed file's scheduler section was dropped: memfit's --lr-schedule drives the learning rate"
         )
     zero = result.setdefault("zero_optimization", {})
@@ -132,6 +146,27 @@ def deepspeed_config(
     if unresolved:
         raise UsageError(f'memfit cannot fill "auto" for {", ".join(unresolved)} in the DeepSpeed file; give a value')
     return result
+
+
+def _check_precision_on_device(
+    ds_config: dict[str, Any], precision_name: str, device: torch.device | None, fallbacks: dict[str, str]
+) -> None:
+    """Refuse what DeepSpeed would reject with a traceback on every rank; switch fp16 off where it cannot run."""
+    enabled = {name: ds_config.get(name, {}).get("enabled", "auto") for name in ("bf16", "fp16")}
+    if enabled["bf16"] is True and enabled["fp16"] is True:
+        raise UsageError(
+            'the DeepSpeed file enables both "bf16" and "fp16"; enable one of them, or write "enabled": "auto"'
+            " to follow --precision"
+        )
+    if enabled["fp16"] is True and device is not None and device.type == "cpu":
+        ds_config["fp16"]["enabled"] = False
+        bf16 = enabled["bf16"] is True or (enabled["bf16"] == "auto" and precision_name == "bf16")
+        fallbacks["deepspeed_fp16"] = (
+            "the DeepSpeed file asks for fp16, which memfit does not run on a CPU (DeepSpeed refuses it on most,"
+            f" and it is far slower than fp32): ran {'bf16' if bf16 else 'fp32'} instead"
+            ' (write "fp16": {"enabled": "auto"} to follow --precision)'
+        )
+        log.warning("memfit: %s", fallbacks["deepspeed_fp16"])
 
 
 def _find_auto(data: Any, prefix: str = "") -> list[str]:
@@ -156,52 +191,38 @@ def _init_deepspeed_comm(dist: DistContext, device: torch.device) -> None:
     deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo", auto_mpi_discovery=False)
 
 
-class DeepSpeedStepRunner(ParallelStepRunner):
-    """Micro-batches through the DeepSpeed engine: engine.backward, then engine.step at each one."""
+class DeepSpeedEngine(RankMetrics):
+    """DeepSpeed ZeRO stage 1, 2 or 3 (see the module docstring).
 
-    def __init__(self, engine, **kwargs):
-        super().__init__(**kwargs)
-        self.engine = engine
-
-    def _forward_backward(self, piece, normalizer: float) -> float:
-        batch = {k: v.to(self.device, non_blocking=True) for k, v in self.collate(piece.samples).items()}
-        mask = batch.get("attention_mask")
-        if mask is not None and bool(mask.all()):
-            mask = None
-        with self._phase("forward"), self.precision.autocast(self.device):
-            # The module itself: ZeRO-3 gathers parameters through hooks installed on it.
-            loss_sum = causal_lm_loss_sum(self.model, batch["input_ids"], batch["labels"], mask, self.loss_chunk_size)
-        with self._phase("backward"):
-            self.engine.backward(loss_sum / normalizer, scale_wrt_gas=False)
-        with self._phase("optimizer"):
-            self.engine.step()  # steps the optimizer only at the accumulation boundary
-        return float(loss_sum.detach())
-
-    def _optimizer_step(self, events: list[dict]) -> tuple[float | None, bool]:
-        norm = self.engine.get_global_grad_norm()
-        return (float(norm) if norm is not None else None), False
-
-
-class DeepSpeedParallel(Parallel):
-    """DeepSpeed ZeRO stage 1, 2 or 3 (see the module docstring)."""
+    The DeepSpeed config is resolved and checked against the device when the engine is
+    made, before DeepSpeed is imported; `prepare` starts DeepSpeed around the model.
+    """
 
     name = "deepspeed"
-    grads_averaged_across_ranks = True
+    recovers_from_oom = False  # ZeRO's buffers and collectives cannot take a half-done micro-batch back
+    supports_chunked_loss = True
+    scaler = None  # DeepSpeed scales fp16 losses itself
 
-    def __init__(self, config: TrainConfig, dist: DistContext, device: torch.device, notes: dict):
-        super().__init__(config, dist, device)
+    def __init__(
+        self, config: TrainConfig, dist: DistContext, device: torch.device, precision, fallbacks: dict[str, str]
+    ):
+        self.dist = dist
+        self.device = device
+        user = read_deepspeed_file(config.distributed.deepspeed) if config.distributed.deepspeed else None
+        self.ds_config = deepspeed_config(
+            config, dist.world_size, config.accumulation_for(dist.world_size), precision.name, user, fallbacks, device
+        )
         try:
             import deepspeed  # noqa: F401
         except ImportError:
             raise UsageError("--deepspeed/--zero-stage need the deepspeed package: pip install deepspeed") from None
-        self.user_config = read_deepspeed_file(config.distributed.deepspeed) if config.distributed.deepspeed else None
-        self.notes = notes
-        self.engine = None
-        self.ds_config: dict[str, Any] = {}
         if config.memory.oom_recovery:
-            notes["oom_recovery"] = (
+            fallbacks["oom_recovery"] = (
                 "off under DeepSpeed: a half-done micro-batch cannot be taken back; an OOM ends the run"
             )
+        self.ds_engine = None
+        self.model: torch.nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
         _init_deepspeed_comm(dist, device)
 
     @property
@@ -218,68 +239,74 @@ class DeepSpeedParallel(Parallel):
         where = f", offload {'+'.join(offload)} to cpu" if offload else ""
         return f"deepspeed zero-{self.stage} over {self.dist.world_size} rank(s){where}"
 
-    def attach(self, session) -> None:
+    def prepare(self, model: torch.nn.Module, build_optimizer) -> OptimizerChoice:
+        """Start DeepSpeed around `model` and memfit's optimizer, or the file's own "optimizer" section."""
         import deepspeed
 
-        from memfit.techniques.optimizers import OptimizerChoice, build_scheduler
-
-        self.ds_config = deepspeed_config(
-            session.config,
-            self.dist.world_size,
-            session.accumulation_steps,
-            session.precision.name,
-            self.user_config,
-            session.notes,
-        )
         own_optimizer = "optimizer" in self.ds_config
-        client = None if own_optimizer else session.optimizer.optimizer
-        trainable = [p for p in session.model.parameters() if p.requires_grad]
-        engine, optimizer, _, _ = deepspeed.initialize(
-            model=session.model, optimizer=client, model_parameters=trainable, config=copy.deepcopy(self.ds_config)
+        client = None if own_optimizer else build_optimizer(model)
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        engine, wrapper, _, _ = deepspeed.initialize(
+            model=model,
+            optimizer=client.optimizer if client is not None else None,
+            model_parameters=trainable,
+            config=copy.deepcopy(self.ds_config),
         )
-        self.engine = engine
-        base = getattr(optimizer, "optimizer", optimizer)  # the torch optimizer inside ZeRO's wrapper
-        if own_optimizer:
-            session.optimizer = OptimizerChoice(
-                base, f"deepspeed {self.ds_config['optimizer'].get('type', '')}".strip(), ""
-            )
-            session.scheduler = build_scheduler(base, session.config.optimizer, session.total_steps)
-        session.optimizer = OptimizerChoice(
-            session.optimizer.optimizer, f"{session.optimizer.name} ({self.describe()})", session.optimizer.reason
-        )
-        session.scaler = None  # DeepSpeed scales fp16 losses itself
+        self.ds_engine, self.model = engine, model
+        self.optimizer = getattr(wrapper, "optimizer", wrapper)  # the torch optimizer inside ZeRO's wrapper
         if self.dist.is_main:
             log.info("memfit: %s", self.describe())
+        if own_optimizer:
+            name, reason = f"deepspeed {self.ds_config['optimizer'].get('type', '')}".strip(), ""
+        else:
+            name, reason = client.name, client.reason
+        return OptimizerChoice(self.optimizer, f"{name} ({self.describe()})", reason)
 
-    def make_runner(self, **kwargs):
-        kwargs["grads_averaged_across_ranks"] = True
-        kwargs["oom_recovery"] = False
-        kwargs["scaler"] = None
-        self.runner = DeepSpeedStepRunner(self.engine, **kwargs)
-        return self.runner
+    def loss_normalizer(self, target_tokens: int) -> float:
+        # DeepSpeed averages gradients over ranks: scale up by the ranks to get the sum.
+        return self.dist.all_reduce_sum(target_tokens) / self.dist.world_size
 
-    # -- checkpoints ---------------------------------------------------------
+    def backward(self, loss: torch.Tensor, last_micro_batch: bool) -> None:
+        # memfit owns the accumulation boundary (the step calls `clip_and_step` once, after the
+        # last micro-batch); scale_wrt_gas=False: the loss is already normalized over the batch.
+        self.ds_engine.set_gradient_accumulation_boundary(last_micro_batch)
+        self.ds_engine.backward(loss, scale_wrt_gas=False)
 
-    def save_checkpoint(self, session, state: TrainerState) -> Path:
+    def reduce_gradients(self) -> None:
+        pass  # DeepSpeed reduces (ZeRO-1) or reduce-scatters (ZeRO-2/3) inside backward
+
+    def agree_after_micro_batches(self, micro_batch_size: int, events: list[dict]) -> tuple[int, list[dict]]:
+        return micro_batch_size, gather_events(self.dist, events)
+
+    def clip_and_step(self):
+        """DeepSpeed's step: clips to gradient_clipping (--max-grad-norm), steps, zeroes the gradients."""
+        self.ds_engine.step()
+        return self.ds_engine.get_global_grad_norm()
+
+    def use_per_parameter_kernels(self) -> None:
+        raise RuntimeError("DeepSpeed does not recover from out-of-memory (recovers_from_oom is False)")
+
+    # -- files -----------------------------------------------------------------
+
+    def save_checkpoint(self, output_dir: Path, state: TrainerState, scheduler: Any, config_dict: dict) -> Path:
         def write(directory: Path) -> None:
-            self.engine.save_checkpoint(str(directory), tag=ENGINE_TAG, save_latest=False)
+            self.ds_engine.save_checkpoint(str(directory), tag=ENGINE_TAG, save_latest=False)
 
-        return save_sharded(session.output_dir, state, self.dist, write, session.scheduler, session.config.to_dict())
+        return save_sharded(output_dir, state, self.dist, write, scheduler, config_dict)
 
-    def load_checkpoint(self, session, path: Path) -> TrainerState:
+    def load_checkpoint(self, path: Path, scheduler: Any) -> TrainerState:
         def read(directory: Path) -> None:
-            loaded, _ = self.engine.load_checkpoint(str(directory), tag=ENGINE_TAG, load_lr_scheduler_states=False)
+            loaded, _ = self.ds_engine.load_checkpoint(str(directory), tag=ENGINE_TAG, load_lr_scheduler_states=False)
             if loaded is None:
                 raise ValueError("DeepSpeed found no engine state")
 
-        return load_sharded(path, self.dist, read, session.scheduler)
+        return load_sharded(path, self.dist, read, scheduler)
 
-    def save_final(self, session) -> Path | None:
+    def save_final_model(self, directory: Path, tokenizer: Any) -> Path | None:
         """Gather the weights (ZeRO-3 partitions) and write one Hugging Face directory on rank 0."""
         import deepspeed
 
-        model = session.model
-        parameters = list(model.parameters())
+        parameters = list(self.model.parameters())
         gather = (
             deepspeed.zero.GatheredParameters(parameters, modifier_rank=None)
             if self.stage == 3
@@ -287,30 +314,28 @@ class DeepSpeedParallel(Parallel):
         )
         with gather:
             full = (
-                {name: tensor.detach().cpu().clone() for name, tensor in model.state_dict().items()}
+                {name: tensor.detach().cpu().clone() for name, tensor in self.model.state_dict().items()}
                 if self.dist.is_main
                 else None
             )
         final = None
         if self.dist.is_main:
-            final = save_final_model(model, session.loaded.tokenizer, session.output_dir / "final", full)
+            final = save_final_model(self.model, tokenizer, directory, full)
         self.dist.barrier()
         return final
 
-    # -- metrics -------------------------------------------------------------
+    # -- metrics ---------------------------------------------------------------
 
-    def rank_state_bytes(self, session) -> dict[str, int]:
-        base = session.optimizer.optimizer
-        wrapper = self.engine.optimizer
+    def rank_state_bytes(self) -> dict[str, int]:
+        wrapper = self.ds_engine.optimizer
         # ZeRO's fp32 partitions: stage 1/2 and stage 3 name them differently.
         flat = (
             getattr(wrapper, "single_partition_of_fp32_groups", None)
             or getattr(wrapper, "fp32_partitioned_groups_flat", None)
             or []
         )
-        masters = _unique_bytes(flat)
         return {
-            "parameters": parameter_bytes(session.model),
-            "master_weights": masters,
-            "optimizer_states": optimizer_state_bytes(base),
+            "parameters": parameter_bytes(self.model),
+            "master_weights": unique_bytes(flat),
+            "optimizer_states": optimizer_state_bytes(self.optimizer),
         }

@@ -81,7 +81,7 @@ class _Prober:
             from memfit.memory.tracker import MemoryTracker
 
             self.tracker = MemoryTracker(self.device, cap_bytes=capacity)
-            self.tracker.attach(session.model, session.optimizer.optimizer)
+            self.tracker.attach(session.model, session.optimizer)
         elif session.config.memory.memory_cap is not None:
             from memfit.memory.cap import apply_memory_cap
 
@@ -93,19 +93,8 @@ class _Prober:
 
     def __call__(self, batch_size: int) -> Probe:
         samples = [{"input_ids": self.sample_ids[i], "labels": self.sample_ids[i]} for i in range(batch_size)]
-        runner = StepRunner(
-            model=self.session.model,
-            optimizer=self.session.optimizer.optimizer,
-            device=self.device,
-            precision=self.session.precision,
-            collate=_stack,
-            micro_batch_size=batch_size,
-            max_grad_norm=self.session.config.optimizer.max_grad_norm,
-            loss_chunk_size=self.session.loss_chunk_size,
-            scaler=self.session.scaler,
-            tracker=self.tracker,
-            oom_recovery=False,
-        )
+        # The loop's step at this micro-batch, without recovery: an OOM means "does not fit".
+        runner = StepRunner.from_session(self.session, tracker=self.tracker, micro_batch_size=batch_size, oom_recovery=False)
         peak = None
         fits = True
         if self.device.type == "cuda":
@@ -124,7 +113,7 @@ class _Prober:
             fits = False
         finally:
             runner.close()
-            self.session.optimizer.optimizer.zero_grad(set_to_none=True)
+            self.session.optimizer.zero_grad(set_to_none=True)
             del runner, samples
             gc.collect()
             if self.device.type == "cuda":
@@ -133,10 +122,6 @@ class _Prober:
             fits = False
         log.info("memfit: probe micro-batch %d: %s (peak %s)", batch_size, "fits" if fits else "does not fit", format_bytes(peak) if peak else "OOM")
         return Probe(batch_size, fits, peak)
-
-
-def _stack(samples: list[dict]) -> dict[str, torch.Tensor]:
-    return {"input_ids": torch.stack([s["input_ids"] for s in samples]), "labels": torch.stack([s["labels"] for s in samples])}
 
 
 def search_batch_size(probe, upper: int = MAX_PROBE_BATCH) -> tuple[int, list[Probe]]:
@@ -178,7 +163,7 @@ def find_batch_size(config: TrainConfig, margin: float = 0.1, session: TrainingS
     session = session or build_session(config)
     session.model.train()
     capacity, limit = memory_limit(config, session.device, margin)
-    effective = config.training.effective_batch_size or config.training.batch_size * config.training.gradient_accumulation_steps
+    effective = session.effective_batch_size
     prober = _Prober(session, capacity, limit)
     best, probes = search_batch_size(prober, upper=min(MAX_PROBE_BATCH, max(effective, 1) * 64))
     if best == 0:

@@ -1,11 +1,15 @@
 """The training loop: one readable loop over optimizer steps.
 
-    session = build_session(config)          # model, data, techniques, optimizer
+    session = build_session(config)          # engine, model, techniques, optimizer, data
+    runner = StepRunner.from_session(session)
     for step in steps:
         samples = effective batch of this step   # depends only on seed and effective batch
         result = runner.run(samples)             # micro-batches, exact accumulation, OOM recovery
-        scheduler.step(); log metrics; maybe save a checkpoint
-    save the final model; print the memory report
+        scheduler.step(); log metrics; maybe engine.save_checkpoint
+    engine.save_checkpoint; engine.save_final_model
+
+The loop never asks which engine runs (train/engine.py): resuming, saving and the
+per-rank metrics are the engine's methods.
 """
 
 from __future__ import annotations
@@ -17,19 +21,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
+from memfit.checkpoint_files import TrainerState, resolve_resume
 from memfit.config import TrainConfig
-from memfit.data import collate
 from memfit.memory.stats import memory_stats, reset_peaks
 from memfit.reporting.memory_record import save_memory_record
-from memfit.train.checkpoint import (
-    TrainerState,
-    load_checkpoint,
-    resolve_resume,
-    save_final_model,
-    save_session_checkpoint,
-)
 from memfit.train.metrics import NullLogger, build_loggers
 from memfit.train.progress import Progress
 from memfit.train.setup import TrainingSession, build_session
@@ -72,7 +67,7 @@ def make_tracker(session: TrainingSession, always: bool = False):
     from memfit.memory.tracker import MemoryTracker
 
     tracker = MemoryTracker(session.device, cap_bytes=cap)
-    tracker.attach(session.model, session.optimizer.optimizer)
+    tracker.attach(session.model, session.optimizer)
     return tracker
 
 
@@ -86,16 +81,14 @@ def train(
     """
     session = session or build_session(config)
     config = session.config
+    engine = session.engine
     model = session.model
     model.train()
     resume_from = resolve_resume(config.output.resume, config.output.output_dir)
     state = TrainerState(step=0)
     micro_batch_size = config.training.batch_size
     if resume_from is not None:
-        if session.parallel is not None:
-            state = session.parallel.load_checkpoint(session, resume_from)
-        else:
-            state = load_checkpoint(resume_from, model, session.optimizer.optimizer, session.scheduler, session.scaler)
+        state = engine.load_checkpoint(resume_from, session.scheduler)
         if state.micro_batch_size:
             micro_batch_size = min(micro_batch_size, state.micro_batch_size)  # do not repeat an OOM
         if session.dist.is_main:
@@ -105,26 +98,7 @@ def train(
         session.output_dir.mkdir(parents=True, exist_ok=True)
     tracker = tracker if tracker is not None else make_tracker(session)
     logger = make_logger(session) if save_outputs else NullLogger()
-    runner_kwargs = dict(
-        model=model,
-        optimizer=session.optimizer.optimizer,
-        device=session.device,
-        precision=session.precision,
-        collate=lambda samples: collate(samples, session.loaded.tokenizer.pad_token_id),
-        micro_batch_size=micro_batch_size,
-        max_grad_norm=config.optimizer.max_grad_norm,
-        loss_chunk_size=session.loss_chunk_size,
-        scaler=session.scaler,
-        tracker=tracker,
-        # Splitting a micro-batch adds a backward pass, and each backward applies an update
-        # under --optimizer-in-backward: recovery would change the numbers, so it is off.
-        oom_recovery=config.memory.oom_recovery and not config.memory.optimizer_in_backward,
-        dist=session.dist,
-        optimizer_steps_in_backward=config.memory.optimizer_in_backward,
-        enable_checkpointing=lambda: _turn_on_checkpointing(model),
-        checkpointing_on=session.checkpointing != "off",
-    )
-    runner = session.parallel.make_runner(**runner_kwargs) if session.parallel is not None else StepRunner(**runner_kwargs)
+    runner = StepRunner.from_session(session, tracker=tracker, micro_batch_size=micro_batch_size)
     describe_run(session, micro_batch_size)
     logger.log({"event": "start", **run_facts(session), "resumed_from": str(resume_from) if resume_from else None})
 
@@ -134,6 +108,7 @@ def train(
     oom_events = 0
     run_peak = 0
     tracked_peak = None
+    world_size = session.dist.world_size
     progress = Progress(session.total_steps, state.step, config.output.log_every, enabled=session.dist.is_main)
     activation_offload = _activation_offload_context(session)
     started = time.perf_counter()
@@ -146,27 +121,27 @@ def train(
             session.scheduler.step()
             elapsed = time.perf_counter() - step_started
             state.step = step + 1
-            state.tokens_seen += result.input_tokens * session.dist.world_size
+            state.tokens_seen += result.input_tokens * world_size
             state.micro_batch_size = runner.micro_batch_size
             skipped_steps += int(result.skipped)
             oom_events += sum(1 for event in result.events if event.get("event") == "oom")
             for event in result.events:
                 logger.log({"step": state.step, **event})
-            loss = session.dist.all_reduce_sum(result.loss) / session.dist.world_size
+            loss = session.dist.all_reduce_sum(result.loss) / world_size
             losses.append(loss)
             stats = memory_stats(session.device)
             run_peak = max(run_peak, stats.get("peak_memory_bytes") or 0)
             record = {
                 "step": state.step,
                 "loss": loss,
-                "lr": float(session.scheduler.get_last_lr()[0]),  # torchao keeps it as a tensor
+                "lr": session.scheduler.get_last_lr()[0],
                 "grad_norm": result.grad_norm,
-                "tokens": result.input_tokens * session.dist.world_size,
-                "tokens_per_second": result.input_tokens * session.dist.world_size / max(elapsed, 1e-9),
+                "tokens": result.input_tokens * world_size,
+                "tokens_per_second": result.input_tokens * world_size / max(elapsed, 1e-9),
                 "micro_batch_size": result.micro_batch_size,
                 "gradient_accumulation_steps": result.accumulation_steps,
                 "precision": session.precision.name,
-                "optimizer": session.optimizer.name,
+                "optimizer": session.optimizer_name,
                 "attention": session.attention.implementation,
                 **stats,
             }
@@ -179,26 +154,13 @@ def train(
                 record["tracked_peak_bytes"] = step_memory.peak_bytes
                 record["tracked_breakdown"] = dict(step_memory.breakdown)
                 record["tracked_phase_peaks"] = {phase.name: phase.peak_bytes for phase in step_memory.phases}
-            if session.parallel is not None:
-                record.update(session.parallel.step_metrics(session, record))  # every rank takes part
+            record.update(engine.step_metrics(record))  # every rank takes part
             logger.log(record)
             progress.update(state.step, loss, record["tokens_per_second"], stats.get("peak_memory_bytes"))
             if save_outputs and config.output.save_every and state.step % config.output.save_every == 0 and state.step < session.total_steps:
-                _save(session, state)
+                engine.save_checkpoint(session.output_dir, state, session.scheduler, config.to_dict())
     wall = time.perf_counter() - started
-    final_dir = None
-    if not save_outputs:
-        pass
-    elif session.parallel is not None:
-        _save(session, state)
-        final_dir = session.parallel.save_final(session)  # every rank takes part; rank 0 writes
-    elif session.dist.is_main:
-        _save(session, state)
-        final_dir = save_final_model(model, session.loaded.tokenizer, session.output_dir / "final")
-        if config.lora.merge_adapter:
-            from memfit.techniques.lora import merge_and_save
-
-            merge_and_save(model, session.output_dir / "merged")
+    final_dir = _save_final(session, state) if save_outputs else None
     summary = {
         "event": "summary",
         "steps": state.step,
@@ -214,8 +176,7 @@ def train(
         "skipped_steps": skipped_steps,
         **run_facts(session),
     }
-    if session.parallel is not None:
-        summary.update(session.parallel.summary_metrics(session, summary))
+    summary.update(engine.summary_metrics(summary))
     logger.log(summary)
     logger.close()
     if tracker is not None and save_outputs and session.dist.is_main:  # what the HTML report draws of the tracker
@@ -225,6 +186,18 @@ def train(
         state.step, summary["final_loss"], losses, session.output_dir, final_dir, summary["peak_memory_bytes"], tracked_peak,
         summary, memory_steps,
     )
+
+
+def _save_final(session: TrainingSession, state: TrainerState) -> Path | None:
+    """The last checkpoint and the final model (every rank takes part; the engine decides who writes)."""
+    engine = session.engine
+    engine.save_checkpoint(session.output_dir, state, session.scheduler, session.config.to_dict())
+    final_dir = engine.save_final_model(session.output_dir / "final", session.loaded.tokenizer)
+    if session.config.lora.merge_adapter and session.dist.is_main:
+        from memfit.techniques.lora import merge_and_save
+
+        merge_and_save(session.model, session.output_dir / "merged")
+    return final_dir
 
 
 @contextlib.contextmanager
@@ -253,20 +226,6 @@ def _oom_is_fatal(runner: StepRunner, config: TrainConfig):
         ) from None
 
 
-def _save(session: TrainingSession, state: TrainerState) -> None:
-    if session.parallel is not None:
-        session.parallel.save_checkpoint(session, state)
-    elif session.dist.is_main:
-        save_session_checkpoint(session, state)
-
-
-def _turn_on_checkpointing(model: torch.nn.Module) -> str:
-    from memfit.techniques.checkpointing import apply_gradient_checkpointing
-
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return apply_gradient_checkpointing(base, "full")
-
-
 def _activation_offload_context(session: TrainingSession):
     if not session.config.memory.activation_offload or session.device.type != "cuda":
         return contextlib.nullcontext()
@@ -274,7 +233,7 @@ def _activation_offload_context(session: TrainingSession):
 
     context, reason = activation_offload(session.device, model=session.model)
     if reason:
-        session.notes["activation_offload"] = reason
+        session.fallbacks["activation_offload"] = reason
     return context
 
 
@@ -287,13 +246,13 @@ def run_facts(session: TrainingSession) -> dict[str, Any]:
         "world_size": session.dist.world_size,
         "precision": session.precision.name,
         "precision_reason": session.precision.reason,
-        "optimizer": session.optimizer.name,
+        "optimizer": session.optimizer_name,
         "attention": session.attention.implementation,
         "gradient_checkpointing": session.checkpointing,
         "loss_chunk_size": session.loss_chunk_size,
-        "effective_batch_size": config.training.batch_size * session.accumulation_steps * session.dist.world_size,
+        "effective_batch_size": session.effective_batch_size,
         "seq_len": config.data.seq_len,
-        "fallbacks": dict(session.notes),
+        "fallbacks": dict(session.fallbacks),
     }
 
 
@@ -308,7 +267,7 @@ def describe_run(session: TrainingSession, micro_batch_size: int) -> None:
     log.info(
         "memfit: %d steps x %d samples (micro-batch %d x %d accumulation x %d ranks) of %d tokens on %s",
         session.total_steps,
-        config.training.batch_size * session.accumulation_steps * session.dist.world_size,
+        session.effective_batch_size,
         micro_batch_size,
         session.accumulation_steps,
         session.dist.world_size,
@@ -318,10 +277,10 @@ def describe_run(session: TrainingSession, micro_batch_size: int) -> None:
     log.info(
         "memfit: precision %s | optimizer %s | attention %s | checkpointing %s | loss chunk %s",
         session.precision.name,
-        session.optimizer.name,
+        session.optimizer_name,
         session.attention.implementation,
         session.checkpointing,
         session.loss_chunk_size or "off",
     )
-    for technique, note in session.notes.items():
-        log.warning("memfit: %s: %s", technique, note)
+    for technique, fallback in session.fallbacks.items():
+        log.warning("memfit: %s: %s", technique, fallback)

@@ -1,8 +1,16 @@
-"""Put a training run together: config -> device, model, techniques, data, optimizer.
+"""Put a training run together: config -> device, engine, model, techniques, optimizer, data.
+
+    build_session(config)
+      device, ranks, precision, attention            what runs, with fallbacks said
+      choose_engine                                  one process, DDP, FSDP2 or DeepSpeed (train/engine.py)
+      load the model; apply_model_techniques         every memory technique on the model, in order
+      engine.prepare(model, build_optimizer)         shard or wrap, then the optimizer over it
+      data, batch schedule, LR schedule, loss chunk
 
 Everything that can fail because of the user's input (a missing model, bad data, a
 precision the device cannot run) fails here, before anything is written to the output
-directory.
+directory. Each choice is made once, with the engine's needs known (its own optimizer,
+no grad scaler, no chunked loss): nothing is changed after the session is built.
 """
 
 from __future__ import annotations
@@ -24,7 +32,8 @@ from memfit.models.loader import LoadedModel, load_model_and_tokenizer
 from memfit.techniques.attention import AttentionChoice, attention_that_ran, choose_attention
 from memfit.techniques.checkpointing import apply_gradient_checkpointing
 from memfit.techniques.optimizers import OptimizerChoice, build_optimizer, build_scheduler, parameter_groups
-from memfit.techniques.precision import PrecisionChoice, make_grad_scaler, resolve_precision
+from memfit.techniques.precision import PrecisionChoice, resolve_precision
+from memfit.train.engine import Engine, choose_engine
 from memfit.train.metrics import check_trackers
 
 log = logging.getLogger("memfit")
@@ -42,22 +51,31 @@ class TrainingSession:
     loaded: LoadedModel
     dataset: TokenizedDataset
     schedule: BatchSchedule
-    optimizer: OptimizerChoice
+    engine: Engine
+    """Where the step's backward, reduction and update run, and who writes the files (train/engine.py)."""
+    optimizer: torch.optim.Optimizer
+    optimizer_name: str
+    """What really steps: 'adamw (fused)', 'adamw-8bit (torchao)', '... (deepspeed zero-2 over 2 rank(s))'."""
     scheduler: Any
-    scaler: Any
     total_steps: int
     accumulation_steps: int
     loss_chunk_size: int
     checkpointing: str
     """What gradient checkpointing really does ('off', 'full on 4 of 4 blocks', ...)."""
-    notes: dict[str, str] = field(default_factory=dict)
-    """Technique -> what ran instead of what was asked, and why (logged and in the metrics)."""
-    parallel: Any = None
-    """The engine spreading the run over ranks (memfit.distributed.parallel); None in one process."""
+    fallbacks: dict[str, str] = field(default_factory=dict)
+    """Technique -> what ran instead of what was asked, or what memfit chose, and why (log and metrics)."""
 
     @property
     def model(self) -> torch.nn.Module:
         return self.loaded.model
+
+    @property
+    def scaler(self) -> torch.amp.GradScaler | None:
+        return self.engine.scaler
+
+    @property
+    def effective_batch_size(self) -> int:
+        return self.config.effective_batch_for(self.dist.world_size)
 
     @property
     def output_dir(self) -> Path:
@@ -84,11 +102,12 @@ def build_session(config: TrainConfig) -> TrainingSession:
     config.validate(world_size=dist.world_size)
     check_trackers(config.output)  # --report-to / --tensorboard: a missing package stops the run before it writes
     # Defaults memfit chose from the other settings; the loop logs each entry once.
-    notes: dict[str, str] = dict(config.derived)
+    fallbacks: dict[str, str] = dict(config.derived)
     precision = resolve_precision(config.memory.precision, device)
     attention = choose_attention(config.model.attention, device, precision.autocast_dtype)
     if attention.fell_back:
-        notes["attention"] = attention.reason
+        fallbacks["attention"] = attention.reason
+    engine = choose_engine(config, dist, device, precision, fallbacks)
     if config.lora.lora_r > 0 or config.lora.quantize != "none":
         from memfit.techniques.lora import quantization_config
 
@@ -98,27 +117,15 @@ def build_session(config: TrainConfig) -> TrainingSession:
     if config.model.dtype == "fp16" and config.lora.lora_r == 0:
         raise UsageError("--dtype fp16 cannot be trained in full (fp16 gradients underflow); use --dtype bf16, fp32, or LoRA")
     loaded = load_model_and_tokenizer(config, device, attention, quantization)
-    model = loaded.model
-    ran = attention_that_ran(model)
+    ran = attention_that_ran(loaded.model)
     if ran != attention.implementation:
-        notes["attention"] = f"{attention.implementation} requested, {ran} ran (the model does not support it)"
-
-    checkpointing = apply_gradient_checkpointing(model, config.memory.gradient_checkpointing, config.memory.checkpoint_every) if config.memory.gradient_checkpointing in ("off", "full", "selective") else _auto_checkpointing(config, model)
-    if config.lora.lora_r > 0:
-        from memfit.techniques.lora import apply_lora
-
-        model, summary = apply_lora(model, config.lora, gradient_checkpointing=checkpointing != "off")
-        loaded.model = model
-        log.info("memfit: %s", summary.describe())
-    parallel = None
-    if dist.enabled or config.distributed.deepspeed or config.distributed.zero_stage is not None:
-        from memfit.distributed.parallel import prepare_parallel
-
-        parallel = prepare_parallel(config, model, dist, device, precision, notes)  # FSDP2 shards the model here
+        fallbacks["attention"] = f"{attention.implementation} requested, {ran} ran (the model does not support it)"
+    loaded.model, checkpointing = apply_model_techniques(config, loaded.model)
+    model = loaded.model
+    chosen = engine.prepare(model, lambda m: _build_optimizer(config, m, device, fallbacks, precision.grad_scaler))
 
     if not dist.is_main:
         dist.barrier()  # rank 0 tokenizes into the shared cache first; the others then read it
-    accumulation = config.accumulation_for(dist.world_size)
     effective_batch = config.effective_batch_for(dist.world_size)
     # Data too short for one effective batch is refused before its token cache is written.
     dataset = load_training_data(
@@ -130,12 +137,13 @@ def build_session(config: TrainConfig) -> TrainingSession:
     total_steps = (
         schedule.steps_for_epochs(config.training.epochs) if config.training.epochs is not None else config.training.max_steps
     )
-    optimizer = _build_optimizer(config, model, device, notes, precision.grad_scaler)
-    scheduler = build_scheduler(optimizer.optimizer, config.optimizer, total_steps)
-    scaler = make_grad_scaler(precision, device)
-    _note_offloads(config, device, notes)
-    vocab_size = model.get_output_embeddings().weight.shape[0] if model.get_output_embeddings() is not None else 0
-    session = TrainingSession(
+    _note_offloads(config, device, fallbacks)
+    head = model.get_output_embeddings()
+    loss_chunk_size = resolve_loss_chunk_size(config, head.weight.shape[0] if head is not None else 0)
+    if loss_chunk_size and not engine.supports_chunked_loss:
+        fallbacks["loss_chunk_size"] = f"chunked loss does not run under the {engine.name} engine: the plain loss ran"
+        loss_chunk_size = 0
+    return TrainingSession(
         config=config,
         device=device,
         dist=dist,
@@ -144,19 +152,40 @@ def build_session(config: TrainConfig) -> TrainingSession:
         loaded=loaded,
         dataset=dataset,
         schedule=schedule,
-        optimizer=optimizer,
-        scheduler=scheduler,
-        scaler=scaler,
+        engine=engine,
+        optimizer=chosen.optimizer,
+        optimizer_name=chosen.name,
+        scheduler=build_scheduler(chosen.optimizer, config.optimizer, total_steps),
         total_steps=total_steps,
-        accumulation_steps=accumulation,
-        loss_chunk_size=resolve_loss_chunk_size(config, vocab_size),
+        accumulation_steps=config.accumulation_for(dist.world_size),
+        loss_chunk_size=loss_chunk_size,
         checkpointing=checkpointing,
-        notes=notes,
-        parallel=parallel,
+        fallbacks=fallbacks,
     )
-    if parallel is not None:
-        parallel.attach(session)  # DeepSpeed builds its engine around the optimizer here
-    return session
+
+
+def apply_model_techniques(config: TrainConfig, model: torch.nn.Module) -> tuple[torch.nn.Module, str]:
+    """Apply the memory techniques that change the model, in this order; returns the model and
+    what gradient checkpointing does.
+
+    1. gradient checkpointing (off, full, selective, or auto under a budget)   techniques/checkpointing.py
+    2. LoRA adapters (after checkpointing, which they must know about)          techniques/lora.py
+    The engine shards or wraps the result afterwards (engine.prepare). Precision (autocast),
+    attention, the chunked loss and the optimizer techniques are chosen in build_session
+    and applied by the step.
+    """
+    if config.memory.gradient_checkpointing in ("off", "full", "selective"):
+        checkpointing = apply_gradient_checkpointing(
+            model, config.memory.gradient_checkpointing, config.memory.checkpoint_every
+        )
+    else:
+        checkpointing = _auto_checkpointing(config, model)
+    if config.lora.lora_r > 0:
+        from memfit.techniques.lora import apply_lora
+
+        model, summary = apply_lora(model, config.lora, gradient_checkpointing=checkpointing != "off")
+        log.info("memfit: %s", summary.describe())
+    return model, checkpointing
 
 
 def _data_config(config: TrainConfig):
@@ -168,7 +197,7 @@ def _data_config(config: TrainConfig):
 
 
 def _build_optimizer(
-    config: TrainConfig, model: torch.nn.Module, device: torch.device, notes: dict, precision_uses_scaler: bool = False
+    config: TrainConfig, model: torch.nn.Module, device: torch.device, fallbacks: dict, precision_uses_scaler: bool = False
 ) -> OptimizerChoice:
     groups = parameter_groups(model, config.optimizer.weight_decay)
     if config.memory.optimizer_in_backward:
@@ -194,19 +223,19 @@ def _build_optimizer(
 
         offloaded, reason = optimizer_offload(choice.optimizer, groups, config.optimizer, device)
         if reason:
-            notes["optimizer_offload"] = reason
+            fallbacks["optimizer_offload"] = reason
             log.warning("memfit: %s", reason)
         else:
             choice = OptimizerChoice(offloaded, choice.name + " offloaded to CPU", choice.reason)
     if choice.reason:
-        notes["optimizer"] = choice.reason
+        fallbacks["optimizer"] = choice.reason
     return choice
 
 
-def _note_offloads(config: TrainConfig, device: torch.device, notes: dict) -> None:
+def _note_offloads(config: TrainConfig, device: torch.device, fallbacks: dict) -> None:
     if config.memory.activation_offload and device.type != "cuda":
-        notes["activation_offload"] = "activation offload has no effect on CPU: activations already live in host memory"
-        log.warning("memfit: %s; running without it", notes["activation_offload"])
+        fallbacks["activation_offload"] = "activation offload has no effect on CPU: activations already live in host memory"
+        log.warning("memfit: %s; running without it", fallbacks["activation_offload"])
 
 
 def _auto_checkpointing(config: TrainConfig, model: torch.nn.Module) -> str:

@@ -10,6 +10,13 @@ gradient had already received that micro-batch's full contribution are frozen wh
 halves are redone, so nothing is counted twice: the update stays exact. Training goes on
 at the smaller micro-batch. When one sample does not fit, memfit turns on full
 checkpointing, then chunked loss, and only then gives up (DoesNotFitError, exit code 3).
+
+The host waits for the device once per optimizer step: losses stay on the device
+across micro-batches, the padding check reads the CPU batch before it moves, and the
+loss and the gradient norm are read together at the end.
+
+Where it runs (one process, DDP, FSDP2, DeepSpeed) is the engine's business
+(memfit.train.engine): the runner calls the same methods on each.
 """
 
 from __future__ import annotations
@@ -17,19 +24,20 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import math
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
+from memfit.data import collate
 from memfit.errors import DoesNotFitError
 from memfit.memory.cap import is_out_of_memory
-from memfit.techniques.loss import causal_lm_loss_sum, count_target_tokens
+from memfit.techniques.loss import DEFAULT_LOSS_CHUNK_TOKENS, causal_lm_loss_sum, count_target_tokens
+from memfit.train.engine import Engine
 
 log = logging.getLogger("memfit")
-
-DEFAULT_ESCALATION_CHUNK = 1024
 
 
 @dataclass
@@ -52,74 +60,77 @@ class StepResult:
     micro_batch_size: int
     accumulation_steps: int
     skipped: bool = False
-    """fp16: the scaler skipped this step (inf/nan gradients)."""
+    """fp16: the grad scaler skipped this step (inf/NaN gradients)."""
     events: list[dict] = field(default_factory=list)
 
 
 class StepRunner:
-    """Runs optimizer steps for the loop; holds the micro-batch size, which OOM recovery lowers."""
+    """Runs optimizer steps; holds the micro-batch size, which OOM recovery lowers.
+
+    Build it with `StepRunner.from_session`: the loop, the batch-size finder and the
+    profiler all do, so they run the same step.
+    """
 
     def __init__(
         self,
         model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
+        engine: Engine,
         device: torch.device,
         precision,
-        collate: Callable[[list[dict]], dict[str, torch.Tensor]],
+        pad_token_id: int | None,
         micro_batch_size: int,
-        max_grad_norm: float,
         loss_chunk_size: int,
-        scaler: torch.amp.GradScaler | None = None,
+        oom_recovery: bool,
+        checkpointing_on: bool,
         tracker=None,
-        oom_recovery: bool = True,
-        dist=None,
-        grads_averaged_across_ranks: bool = False,
-        optimizer_steps_in_backward: bool = False,
-        enable_checkpointing: Callable[[], str] | None = None,
-        checkpointing_on: bool = False,
     ):
         self.model = model
-        self.optimizer = optimizer
+        self.engine = engine
         self.device = device
         self.precision = precision
-        self.collate = collate
+        self.pad_token_id = pad_token_id
         self.micro_batch_size = micro_batch_size
-        self.max_grad_norm = max_grad_norm
         self.loss_chunk_size = loss_chunk_size
-        self.scaler = scaler
-        self.tracker = tracker
         self.oom_recovery = oom_recovery
-        self.dist = dist
-        self.grads_averaged_across_ranks = grads_averaged_across_ranks
-        self.optimizer_steps_in_backward = optimizer_steps_in_backward
-        self.enable_checkpointing = enable_checkpointing
         self.checkpointing_on = checkpointing_on
+        self.tracker = tracker
         self.trainable = [p for p in model.parameters() if p.requires_grad]
         self._touched: set[int] = set()
         self._recording = False
-        self._low_memory_kernels = False  # set after an OOM in the optimizer step
         self._last_phase = "forward"  # where a micro-batch was when it failed
         self._hooks = [parameter.register_post_accumulate_grad_hook(self._note_accumulated) for parameter in self.trainable]
+
+    @classmethod
+    def from_session(
+        cls, session: Any, *, tracker=None, micro_batch_size: int | None = None, oom_recovery: bool | None = None
+    ) -> StepRunner:
+        """The step of `session` (a memfit.train.setup.TrainingSession).
+
+        `micro_batch_size` defaults to --batch-size; `oom_recovery` to --oom-recovery, and is
+        off where it would change the numbers: under an engine whose ranks exchange data
+        mid-pass, and under --optimizer-in-backward (each backward applies an update, so a
+        split micro-batch would apply two).
+        """
+        memory = session.config.memory
+        wanted = memory.oom_recovery if oom_recovery is None else oom_recovery
+        return cls(
+            model=session.model,
+            engine=session.engine,
+            device=session.device,
+            precision=session.precision,
+            pad_token_id=session.loaded.tokenizer.pad_token_id,
+            micro_batch_size=micro_batch_size or session.config.training.batch_size,
+            loss_chunk_size=session.loss_chunk_size,
+            oom_recovery=wanted and session.engine.recovers_from_oom and not memory.optimizer_in_backward,
+            checkpointing_on=session.checkpointing != "off",
+            tracker=tracker,
+        )
 
     def close(self) -> None:
         """Remove the gradient hooks (when a runner is made for one probe, not a whole run)."""
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
-
-    # -- bookkeeping -------------------------------------------------------
-
-    def _note_accumulated(self, parameter: torch.Tensor) -> None:
-        if self._recording:
-            self._touched.add(id(parameter))
-
-    def _phase(self, name: str):
-        return self.tracker.phase(name) if self.tracker is not None else contextlib.nullcontext()
-
-    def _release_memory(self) -> None:
-        gc.collect()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
 
     # -- one step ----------------------------------------------------------
 
@@ -128,27 +139,20 @@ class StepRunner:
         events: list[dict] = []
         target_tokens = sum(count_target_tokens(sample["labels"][None]) for sample in samples)
         input_tokens = sum(int(sample["input_ids"].numel()) for sample in samples)
-        normalizer = float(target_tokens)
-        if self.dist is not None and self.dist.enabled:
-            normalizer = self.dist.all_reduce_sum(target_tokens)
-            if self.grads_averaged_across_ranks:
-                normalizer /= self.dist.world_size  # the engine averages gradients over ranks
-        normalizer = max(normalizer, 1.0)
+        normalizer = max(self.engine.loss_normalizer(target_tokens), 1.0)
 
         pending = deque(Piece(samples[i : i + self.micro_batch_size]) for i in range(0, len(samples), self.micro_batch_size))
-        loss_sum = 0.0
+        loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         while pending:
             piece = pending.popleft()
-            failure = None
             self._touched = set()
             try:
-                loss_sum += self._forward_backward(piece, normalizer)
+                loss_sum += self._forward_backward(piece, normalizer, last_micro_batch=not pending)
+                continue
             except Exception as error:  # only out-of-memory is handled; the rest propagates
                 if not is_out_of_memory(error) or not self.oom_recovery:
                     raise
                 failure = _describe(error, self._last_phase)
-            if failure is None:
-                continue
             self._recording = False
             self._release_memory()
             frozen = piece.frozen | frozenset(self._touched)
@@ -164,40 +168,72 @@ class StepRunner:
                 events.append(self._escalate(failure))
                 pending.appendleft(Piece(piece.samples, frozen))
 
-        grad_norm, skipped = self._optimizer_step(events)
+        self.engine.reduce_gradients()
+        grad_norm = self._optimizer_step(events)
+        self.micro_batch_size, events = self.engine.agree_after_micro_batches(self.micro_batch_size, events)
+        loss_sum, norm = _read_once(loss_sum, grad_norm)  # the step's one wait for the device
         return StepResult(
             loss=loss_sum / max(target_tokens, 1),
-            grad_norm=grad_norm,
+            grad_norm=norm,
             target_tokens=target_tokens,
             input_tokens=input_tokens,
             micro_batch_size=self.micro_batch_size,
             accumulation_steps=-(-len(samples) // self.micro_batch_size),
-            skipped=skipped,
+            # The grad scaler skips exactly the steps whose unscaled gradients hold inf/NaN: their norm is not finite.
+            skipped=self.engine.scaler is not None and norm is not None and not math.isfinite(norm),
             events=events,
         )
 
-    def _forward_backward(self, piece: Piece, normalizer: float) -> float:
+    def _forward_backward(self, piece: Piece, normalizer: float, last_micro_batch: bool) -> torch.Tensor:
+        """Forward and backward of one micro-batch; returns its summed token loss, on the device."""
         frozen = [p for p in self.trainable if id(p) in piece.frozen]
         for parameter in frozen:
             parameter.requires_grad_(False)
         try:
-            batch = {k: v.to(self.device, non_blocking=True) for k, v in self.collate(piece.samples).items()}
-            mask = batch.get("attention_mask")
-            if mask is not None and bool(mask.all()):
-                mask = None  # no padding: lets SDPA take its causal fast path
+            batch = collate(piece.samples, self.pad_token_id)
+            if bool(batch["attention_mask"].all()):  # read on the CPU, before the batch moves
+                del batch["attention_mask"]  # no padding: lets SDPA take its causal fast path
+            batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
             self._last_phase = "forward"
             with self._phase("forward"), self.precision.autocast(self.device):
-                loss_sum = causal_lm_loss_sum(self.model, batch["input_ids"], batch["labels"], mask, self.loss_chunk_size)
-            loss = loss_sum / normalizer
+                loss_sum = causal_lm_loss_sum(
+                    self.model, batch["input_ids"], batch["labels"], batch.get("attention_mask"), self.loss_chunk_size
+                )
             self._last_phase = "backward"
             self._recording = True
             with self._phase("backward"):
-                (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+                self.engine.backward(loss_sum / normalizer, last_micro_batch)
             self._recording = False
-            return float(loss_sum.detach())
+            return loss_sum.detach()
         finally:
             for parameter in frozen:
                 parameter.requires_grad_(True)
+
+    def _optimizer_step(self, events: list[dict]) -> torch.Tensor | float | None:
+        """engine.clip_and_step, redone per parameter when the first step runs out of memory."""
+        first_step = not self.engine.optimizer.state
+        for attempt in range(2):
+            try:
+                with self._phase("optimizer"):
+                    return self.engine.clip_and_step()
+            except Exception as error:
+                if not (self.oom_recovery and is_out_of_memory(error)) or attempt == 1:
+                    raise
+                failure = _describe(error, "optimizer")
+            self._release_memory()
+            if not first_step:
+                raise DoesNotFitError(
+                    "out of memory in the optimizer step after the first step, where its state may be half-updated;"
+                    " use --optimizer adamw-8bit or --optimizer-impl for-loop"
+                )
+            # The first step only allocated state (zeros) and temporaries: drop them and redo it.
+            self.engine.use_per_parameter_kernels()
+            message = "out of memory in the optimizer step: switched to the per-parameter kernel (--optimizer-impl for-loop) and redid the step"
+            log.warning("memfit: %s", message)
+            events.append({"event": "oom", "phase": "optimizer", "error": failure["error"], "action": "optimizer-impl for-loop", "message": message})
+        raise AssertionError("unreachable")
+
+    # -- out-of-memory recovery ----------------------------------------------
 
     def _oom_event(self, failure: dict, failed_size: int, old: int, new: int, effective: int) -> dict:
         old_accumulation, new_accumulation = -(-effective // old), -(-effective // new)
@@ -220,13 +256,16 @@ class StepRunner:
 
     def _escalate(self, failure: dict) -> dict:
         """One sample does not fit: switch on what saves memory without changing the numbers."""
-        if not self.checkpointing_on and self.enable_checkpointing is not None:
-            done = self.enable_checkpointing()
+        if not self.checkpointing_on:
+            from memfit.techniques.checkpointing import apply_gradient_checkpointing
+
+            base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+            done = apply_gradient_checkpointing(base, "full")
             self.checkpointing_on = True
             action = f"turned on full gradient checkpointing ({done})"
         elif self.loss_chunk_size == 0:
-            self.loss_chunk_size = DEFAULT_ESCALATION_CHUNK
-            action = f"turned on chunked loss ({DEFAULT_ESCALATION_CHUNK} tokens per chunk)"
+            self.loss_chunk_size = DEFAULT_LOSS_CHUNK_TOKENS
+            action = f"turned on chunked loss ({DEFAULT_LOSS_CHUNK_TOKENS} tokens per chunk)"
         else:
             raise DoesNotFitError(
                 f"out of memory in {failure['phase']} with micro-batch 1, even with full gradient checkpointing"
@@ -237,60 +276,27 @@ class StepRunner:
         log.warning("memfit: %s", message)
         return {"event": "oom", "phase": failure["phase"], "error": failure["error"], "action": action, "message": message}
 
-    # -- optimizer step ------------------------------------------------------
+    # -- bookkeeping -------------------------------------------------------
 
-    def _optimizer_step(self, events: list[dict]) -> tuple[float | None, bool]:
-        if self.optimizer_steps_in_backward:
-            self.optimizer.step()  # a no-op (the updates ran in backward) that tells the LR schedule a step happened
-            return None, False
-        first_step = not self.optimizer.state
-        for attempt in range(2):
-            try:
-                with self._phase("optimizer"):
-                    return self._clip_and_step()
-            except Exception as error:
-                if not (self.oom_recovery and is_out_of_memory(error)) or attempt == 1:
-                    raise
-                failure = _describe(error, "optimizer")
-            self._release_memory()
-            if not first_step:
-                raise DoesNotFitError(
-                    "out of memory in the optimizer step after the first step, where its state may be half-updated;"
-                    " use --optimizer adamw-8bit or --optimizer-impl for-loop"
-                )
-            # The first step only allocated state (zeros) and temporaries: drop them and redo the
-            # step with the per-parameter kernel, which needs no whole-model temporaries.
-            self.optimizer.state.clear()
-            for group in self.optimizer.param_groups:
-                if "foreach" in group:
-                    group["foreach"] = False
-                if "fused" in group:
-                    group["fused"] = False
-            self._low_memory_kernels = True
-            message = "out of memory in the optimizer step: switched to the per-parameter kernel (--optimizer-impl for-loop) and redid the step"
-            log.warning("memfit: %s", message)
-            events.append({"event": "oom", "phase": "optimizer", "error": failure["error"], "action": "optimizer-impl for-loop", "message": message})
-        raise AssertionError("unreachable")
+    def _note_accumulated(self, parameter: torch.Tensor) -> None:
+        if self._recording:
+            self._touched.add(id(parameter))
 
-    def _clip_and_step(self) -> tuple[float | None, bool]:
-        grads_exist = any(p.grad is not None for p in self.trainable)
-        if self.scaler is not None:
-            self.scaler.unscale_(self.optimizer)
-        grad_norm = None
-        if grads_exist:
-            max_norm = self.max_grad_norm if self.max_grad_norm > 0 else float("inf")
-            foreach = False if self._low_memory_kernels else None
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.trainable, max_norm, foreach=foreach))
-        skipped = False
-        if self.scaler is not None:
-            scale_before = self.scaler.get_scale()
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-            skipped = self.scaler.get_scale() < scale_before
-        else:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return grad_norm, skipped
+    def _phase(self, name: str):
+        return self.tracker.phase(name) if self.tracker is not None else contextlib.nullcontext()
+
+    def _release_memory(self) -> None:
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def _read_once(loss_sum: torch.Tensor, grad_norm: torch.Tensor | float | None) -> tuple[float, float | None]:
+    """The summed loss and the gradient norm as numbers, in one device-to-host copy."""
+    if isinstance(grad_norm, torch.Tensor):
+        both = torch.stack([loss_sum.float(), grad_norm.detach().float().to(loss_sum.device)]).tolist()
+        return both[0], both[1]
+    return loss_sum.item(), None if grad_norm is None else float(grad_norm)
 
 
 def _resplit(pending: deque, size: int) -> deque:

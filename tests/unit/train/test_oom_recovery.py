@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from memfit.checkpoint_files import list_checkpoints
 from memfit.config_loading import load_config
-from memfit.train.checkpoint import list_checkpoints
 from memfit.train.loop import train
 from memfit.train.metrics import read_metrics
 from memfit_cli import run_memfit
@@ -63,7 +63,7 @@ def test_oom_in_backward_keeps_the_update_exact(llama_dir, text_file, tmp_path, 
     original = step_module.StepRunner._forward_backward
     calls = {"n": 0}
 
-    def failing(self, piece, normalizer):
+    def failing(self, piece, *args, **kwargs):
         if len(piece.samples) > 2:
             layer = self.model.model.layers[0].mlp.down_proj.weight  # late in backward: lm_head etc. are done
 
@@ -72,11 +72,11 @@ def test_oom_in_backward_keeps_the_update_exact(llama_dir, text_file, tmp_path, 
 
             handle = layer.register_hook(boom)
             try:
-                return original(self, piece, normalizer)
+                return original(self, piece, *args, **kwargs)
             finally:
                 handle.remove()
                 calls["n"] += 1
-        return original(self, piece, normalizer)
+        return original(self, piece, *args, **kwargs)
 
     monkeypatch.setattr(step_module.StepRunner, "_forward_backward", failing)
     result = train(_config(llama_dir, text_file, tmp_path / "capped", max_steps=1))

@@ -9,8 +9,8 @@ import torch
 from safetensors.torch import load_file
 
 from memfit.config_loading import load_config
+from memfit.checkpoint_files import list_checkpoints
 from memfit.errors import UsageError
-from memfit.train.checkpoint import list_checkpoints
 from memfit.train.loop import train
 
 

@@ -1,4 +1,7 @@
-"""Resumable checkpoints, written atomically, and the final model.
+"""The files of a run: resumable checkpoints, written atomically, and the final model.
+
+Every engine (memfit.train.engine, memfit.distributed) writes through these functions,
+so this module sits below both.
 
 A checkpoint directory `<output-dir>/checkpoints/step-N/` holds:
   model.safetensors   the trainable weights (the adapter only, with LoRA)
@@ -100,10 +103,7 @@ def save_checkpoint(
     torch.save(optimizer.state_dict(), temporary / "optimizer.pt")
     torch.save(scheduler.state_dict() if scheduler is not None else {}, temporary / "scheduler.pt")
     torch.save(scaler.state_dict() if scaler is not None else {}, temporary / "scaler.pt")
-    rng = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        rng["cuda"] = torch.cuda.get_rng_state_all()
-    torch.save(rng, temporary / "rng.pt")
+    torch.save(rng_state(), temporary / "rng.pt")
     publish_checkpoint(temporary, final, output_dir, state, config_dict, keep_last)
     return final
 
@@ -128,19 +128,6 @@ def publish_checkpoint(
     _fsync_dir(final.parent)
     for old in list_checkpoints(output_dir)[:-keep_last] if keep_last > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
-
-
-def save_session_checkpoint(session: Any, state: TrainerState) -> Path:
-    """save_checkpoint with everything taken from a TrainingSession."""
-    return save_checkpoint(
-        session.output_dir,
-        state,
-        session.model,
-        session.optimizer.optimizer,
-        session.scheduler,
-        session.scaler,
-        session.config.to_dict(),
-    )
 
 
 def list_checkpoints(output_dir: str | Path) -> list[Path]:
@@ -197,9 +184,26 @@ def load_checkpoint(
         raise UsageError(
             f"checkpoint {path} is damaged ({first}); delete it to resume from an earlier one, or start without --resume"
         ) from None
+    restore_rng_state(rng)
+    return trainer_state_from(meta)
+
+
+def rng_state() -> dict[str, Any]:
+    """The random number generators' state, saved so a resumed run draws the same numbers (dropout)."""
+    rng = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state_all()
+    return rng
+
+
+def restore_rng_state(rng: dict[str, Any]) -> None:
     torch.set_rng_state(rng["cpu"])
     if "cuda" in rng and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(rng["cuda"])
+
+
+def trainer_state_from(meta: dict[str, Any]) -> TrainerState:
+    """The TrainerState recorded in a checkpoint's trainer_state.json."""
     return TrainerState(meta["step"], meta.get("tokens_seen", 0), meta.get("micro_batch_size"), meta.get("extra", {}))
 
 

@@ -1,0 +1,143 @@
+"""The engine seam: one way to build the step, one host sync per step, the engine's own choices."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from memfit.config_loading import load_config
+from memfit.train import step as step_module
+from memfit.train.batch_size import find_batch_size
+from memfit.train.engine import SingleProcessEngine
+from memfit.train.loop import train
+from memfit.train.step import StepRunner
+
+
+def _config(llama_dir, text_file, out, **extra):
+    values = dict(model=str(llama_dir), dataset=str(text_file), seq_len=32, batch_size=2, max_steps=1,
+                  loss_chunk_size=0, output_dir=str(out))
+    return load_config(overrides=values | extra)
+
+
+@pytest.fixture
+def built_runners(monkeypatch):
+    """Every StepRunner made, with whether it came from from_session."""
+    made: list[tuple[StepRunner, bool]] = []
+    inside = {"from_session": False}
+    original_init, original_from_session = StepRunner.__init__, StepRunner.from_session.__func__
+
+    def init(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        made.append((self, inside["from_session"]))
+
+    def from_session(cls, session, **kwargs):
+        inside["from_session"] = True
+        try:
+            return original_from_session(cls, session, **kwargs)
+        finally:
+            inside["from_session"] = False
+
+    monkeypatch.setattr(StepRunner, "__init__", init)
+    monkeypatch.setattr(StepRunner, "from_session", classmethod(from_session))
+    return made
+
+
+def _recipe(runner: StepRunner) -> dict:
+    """What decides the numbers of a step (the micro-batch size and recovery differ on purpose)."""
+    return {
+        "engine": type(runner.engine).__name__,
+        "precision": runner.precision.name,
+        "loss_chunk_size": runner.loss_chunk_size,
+        "pad_token_id": runner.pad_token_id,
+        "checkpointing_on": runner.checkpointing_on,
+        "max_grad_norm": runner.engine.max_grad_norm,
+        "trainable": len(runner.trainable),
+        "tracked": runner.tracker is not None,
+    }
+
+
+def test_loop_and_batch_size_finder_build_the_same_step(built_runners, llama_dir, text_file, tmp_path):
+    """Both make their runner with StepRunner.from_session, and get the same step from the same flags."""
+    common = dict(memory_cap=64 * 1024**2, max_grad_norm=0.5, track_memory=True)
+    train(_config(llama_dir, text_file, tmp_path / "train", **common))
+    trained = list(built_runners)
+    find_batch_size(_config(llama_dir, text_file, tmp_path / "find", **common), margin=0.1)
+    probes = built_runners[len(trained):]
+    assert len(trained) == 1 and len(probes) >= 2
+    assert all(via_session for _, via_session in built_runners), "a runner was built by hand, not from the session"
+    loop_recipe = _recipe(trained[0][0])
+    assert loop_recipe["engine"] == "SingleProcessEngine" and loop_recipe["max_grad_norm"] == 0.5
+    for runner, _ in probes:
+        assert _recipe(runner) == loop_recipe
+        assert not runner.oom_recovery  # a probe that runs out of memory does not fit
+    assert trained[0][0].oom_recovery
+
+
+class _Counted(torch.Tensor):
+    """A tensor that counts how often its value is read on the host (each read waits for the device)."""
+
+    reads = 0
+
+    def _count(self):
+        _Counted.reads += 1
+
+    def item(self):
+        self._count()
+        return super().item()
+
+    def tolist(self):
+        self._count()
+        return super().tolist()
+
+    def __float__(self):
+        self._count()
+        return super().__float__()
+
+    def __bool__(self):
+        self._count()
+        return super().__bool__()
+
+
+def test_one_host_sync_per_optimizer_step(llama_dir, text_file, tmp_path, monkeypatch):
+    """Four micro-batches: the losses and the gradient norm are read once, together, at the end of the step."""
+    original_loss, original_step, original_run = (
+        step_module.causal_lm_loss_sum, SingleProcessEngine.clip_and_step, StepRunner.run
+    )
+    monkeypatch.setattr(step_module, "causal_lm_loss_sum", lambda *a, **k: original_loss(*a, **k).as_subclass(_Counted))
+    monkeypatch.setattr(SingleProcessEngine, "clip_and_step", lambda self: original_step(self).as_subclass(_Counted))
+    reads_per_step = []
+
+    def run(self, samples):
+        before = _Counted.reads
+        result = original_run(self, samples)
+        reads_per_step.append(_Counted.reads - before)
+        return result
+
+    monkeypatch.setattr(StepRunner, "run", run)
+    result = train(_config(llama_dir, text_file, tmp_path, batch_size=2, gradient_accumulation_steps=4, max_steps=2))
+    assert result.steps == 2 and reads_per_step == [1, 1]
+    assert all(loss > 0 for loss in result.losses)
+
+
+def test_single_process_engine_clip_and_step_returns_the_norm_before_clipping():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1, bias=False)
+    engine = SingleProcessEngine(torch.device("cpu"), _fp32(), max_grad_norm=0.1)
+    from memfit.techniques.optimizers import OptimizerChoice
+
+    engine.prepare(model, lambda m: OptimizerChoice(torch.optim.SGD(m.parameters(), lr=1.0), "sgd", ""))
+    before = model.weight.detach().clone()
+    engine.backward((model(torch.ones(1, 4)) * 10).sum(), last_micro_batch=True)
+    grad = model.weight.grad.detach().clone()
+    norm = engine.clip_and_step()
+    assert isinstance(norm, torch.Tensor)
+    torch.testing.assert_close(norm, grad.norm())
+    # SGD with lr 1 moves the weights by the clipped gradient: norm 0.1, not the raw one.
+    torch.testing.assert_close((before - model.weight.detach()).norm(), torch.tensor(0.1), rtol=1e-5, atol=0)
+    assert model.weight.grad is None
+
+
+def _fp32():
+    from memfit.techniques.precision import resolve_precision
+
+    return resolve_precision("fp32", torch.device("cpu"))
