@@ -24,8 +24,7 @@ step, after it.
 Precision is checked against the device before DeepSpeed starts: a file that asks for
 fp16 on a CPU (which DeepSpeed refuses on most CPUs, and memfit never runs there) runs in
 memfit's precision instead (fp32, or bf16 with --precision bf16), said in the log and in
-the metrics' `fallbacks`;
-a file that enables both bf16 and fp16 is refused with one line.
+the metrics' `fallbacks`; a file that enables both bf16 and fp16 is refused with one line.
 
 OOM recovery is off under DeepSpeed (its ZeRO buffers and collectives cannot take a
 half-done micro-batch back); an OOM ends the run with exit code 3.
@@ -270,6 +269,11 @@ class DeepSpeedEngine(RankMetrics):
         # memfit owns the accumulation boundary (the step calls `clip_and_step` once, after the
         # last micro-batch); scale_wrt_gas=False: the loss is already normalized over the batch.
         self.ds_engine.set_gradient_accumulation_boundary(last_micro_batch)
+        # DeepSpeed counts micro-batches in its engine's forward, which memfit does not call (it runs
+        # the module itself): without this, ZeRO-3 overwrites the gradients of earlier micro-batches.
+        new_micro_batch = getattr(self.ds_engine.optimizer, "clear_backward_seen_flag", None)
+        if new_micro_batch is not None:
+            new_micro_batch()
         self.ds_engine.backward(loss, scale_wrt_gas=False)
 
     def reduce_gradients(self) -> None:
