@@ -117,7 +117,7 @@ def _build_8bit(
         optimizer = cls(groups, lr=config.lr, betas=betas, eps=config.eps)
         why = "paged optimizers need CUDA; using unpaged AdamW8bit" if paged and device.type != "cuda" else ""
         if why:
-            log.warning("memfit: %s", why)
+            _warn_once("paged", "memfit: %s", why)
         return OptimizerChoice(optimizer, f"{'paged-' if cls.__name__.startswith('Paged') else ''}adamw-8bit (bitsandbytes)", why)
     except Exception as error:  # ImportError, or a bitsandbytes build that cannot run here
         failures.append(f"bitsandbytes: {str(error).splitlines()[0][:120] if str(error) else type(error).__name__}")
@@ -129,7 +129,7 @@ def _build_8bit(
 
         optimizer = AdamW8bit(groups, lr=config.lr, betas=betas, eps=config.eps)
         reason = "; ".join(failures) + " -> torchao AdamW8bit"
-        log.warning("memfit: 8-bit AdamW from torchao (%s)", reason)
+        _warn_once("torchao", "memfit: 8-bit AdamW from torchao (%s)", reason)
         return OptimizerChoice(optimizer, "adamw-8bit (torchao)", reason)
     except Exception as error:
         failures.append(f"torchao: {str(error).splitlines()[0][:120] if str(error) else type(error).__name__}")
@@ -137,11 +137,21 @@ def _build_8bit(
     extra = format_bytes(num_params * 6)  # 8 bytes/param of fp32 moments instead of about 2
     reason = "; ".join(failures) + f" -> torch AdamW (uses about {extra} more optimizer memory)"
     advice = "FSDP2 already shards the optimizer state over ranks" if sharded else "install with: pip install memfit[bnb]"
-    log.warning("memfit: no 8-bit AdamW available (%s); %s", reason, advice)
+    _warn_once("torch", "memfit: no 8-bit AdamW available (%s); %s", reason, advice)
     kwargs, impl_name = _impl_kwargs(config.optimizer_impl, device)
     return OptimizerChoice(
         torch.optim.AdamW(groups, lr=config.lr, betas=betas, eps=config.eps, **kwargs), f"adamw ({impl_name})", reason
     )
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(key: str, message: str, *args) -> None:
+    """Log a fallback once per process: with the step in backward, an optimizer is built per parameter."""
+    if key not in _warned:
+        _warned.add(key)
+        log.warning(message, *args)
 
 
 def lr_multiplier(step: int, total_steps: int, warmup_steps: int, schedule: str, min_ratio: float = 0.1) -> float:
