@@ -1,13 +1,19 @@
-"""OOM recovery under the emulated memory cap: splits keep the exact update; escalation; exit 3."""
+"""OOM recovery under the emulated memory cap: splits keep the exact update; escalation; exit 3.
+
+The equality checks train with SGD without clipping (a 2x gradient error moves the weights by
+a full update), and each has a twin that injects such an error and sees the check fail.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from fault_injection import SGD_FLAGS, SGD_NO_CLIPPING, freezing_ignored, largest_update, scaled_gradients
 from memfit.checkpoint_files import list_checkpoints
 from memfit.config_loading import load_config
 from memfit.train.loop import train
@@ -18,13 +24,18 @@ from memfit_cli import run_memfit
 def _config(llama_dir, text_file, out, **extra):
     values = dict(
         model=str(llama_dir), dataset=str(text_file), seq_len=128, batch_size=8, max_steps=2,
-        loss_chunk_size=0, output_dir=str(out),
+        loss_chunk_size=0, output_dir=str(out), lr=0.5, **SGD_NO_CLIPPING,
     )
     return load_config(overrides=values | extra)
 
 
 def _weights(result):
     return load_file(str(result.final_dir / "model.safetensors"))
+
+
+def _assert_same(reference: dict, weights: dict, atol: float = 1e-5) -> None:
+    for name, tensor in reference.items():
+        torch.testing.assert_close(weights[name], tensor, atol=atol, rtol=0, msg=name)
 
 
 def _tracked_peak(llama_dir, text_file, out, **extra) -> dict:
@@ -39,12 +50,16 @@ def peaks(llama_dir, text_file, tmp_path_factory):
     return {mb: _tracked_peak(llama_dir, text_file, out / str(mb), batch_size=mb, gradient_accumulation_steps=8 // mb) for mb in (1, 2, 8)}
 
 
+def _split_cap(peaks) -> int:
+    """Fits a micro-batch of 2, not of 8."""
+    return peaks[2]["peak"] + (peaks[8]["peak"] - peaks[2]["peak"]) // 4
+
+
 def test_capped_run_splits_and_equals_uncapped(peaks, llama_dir, text_file, tmp_path):
-    cap = peaks[2]["peak"] + (peaks[8]["peak"] - peaks[2]["peak"]) // 4
-    result = train(_config(llama_dir, text_file, tmp_path, memory_cap=cap, save_every=1, max_steps=2))
-    reference = peaks[8]["result"]
-    for name, tensor in _weights(reference).items():
-        torch.testing.assert_close(_weights(result)[name], tensor, atol=1e-5, rtol=0)
+    reference = _weights(peaks[8]["result"])
+    assert largest_update(load_file(str(llama_dir / "model.safetensors")), reference) > 1e-2
+    result = train(_config(llama_dir, text_file, tmp_path, memory_cap=_split_cap(peaks), save_every=1, max_steps=2))
+    _assert_same(reference, _weights(result))
     events = [r for r in read_metrics(tmp_path / "metrics.jsonl") if r.get("event") == "oom"]
     assert events and events[0]["old_micro_batch_size"] == 8
     assert events[-1]["new_micro_batch_size"] <= 4
@@ -55,41 +70,72 @@ def test_capped_run_splits_and_equals_uncapped(peaks, llama_dir, text_file, tmp_
     assert state["micro_batch_size"] == steps[-1]["micro_batch_size"] < 8
 
 
-def test_oom_in_backward_keeps_the_update_exact(llama_dir, text_file, tmp_path, monkeypatch):
+def test_capped_run_check_fails_on_a_2x_gradient_error(peaks, llama_dir, text_file, tmp_path):
+    with scaled_gradients(2.0):
+        result = train(_config(llama_dir, text_file, tmp_path, memory_cap=_split_cap(peaks), max_steps=2))
+    assert any(r.get("event") == "oom" for r in read_metrics(tmp_path / "metrics.jsonl"))
+    with pytest.raises(AssertionError):
+        _assert_same(_weights(peaks[8]["result"]), _weights(result))
+
+
+@contextlib.contextmanager
+def _oom_in_backward_of_big_micro_batches():
+    """Raise an OOM in backward when it reaches the first block's MLP output, for micro-batches above 2.
+
+    By then the head, the final norm and the last block hold their gradients: recovery must
+    not count them twice. Found through a global forward hook, not memfit's internals.
+    """
+    first_down_proj: list[int] = []
+    raised = {"n": 0}
+
+    def boom(grad):
+        raised["n"] += 1
+        raise torch.OutOfMemoryError("injected: CUDA out of memory")
+
+    def hook(module, inputs, output):
+        is_down_proj = isinstance(module, torch.nn.Linear) and (module.in_features, module.out_features) == (128, 64)
+        if not is_down_proj:
+            return
+        if not first_down_proj:
+            first_down_proj.append(id(module))
+        if id(module) == first_down_proj[0] and output.shape[0] > 2 and output.requires_grad:
+            output.register_hook(boom)
+
+    handle = torch.nn.modules.module.register_module_forward_hook(hook)
+    try:
+        yield raised
+    finally:
+        handle.remove()
+
+
+@pytest.fixture(scope="module")
+def one_update(llama_dir, text_file, tmp_path_factory):
+    """The reference: one update of 8 samples, nothing injected."""
+    return _weights(train(_config(llama_dir, text_file, tmp_path_factory.mktemp("one-update"), max_steps=1)))
+
+
+def test_oom_in_backward_keeps_the_update_exact(one_update, llama_dir, text_file, tmp_path):
     """An OOM raised midway through backward: params already accumulated are not counted twice."""
-    from memfit.train import step as step_module
-
-    reference = train(_config(llama_dir, text_file, tmp_path / "ref", max_steps=1))
-    original = step_module.StepRunner._forward_backward
-    calls = {"n": 0}
-
-    def failing(self, piece, *args, **kwargs):
-        if len(piece.samples) > 2:
-            layer = self.model.model.layers[0].mlp.down_proj.weight  # late in backward: lm_head etc. are done
-
-            def boom(grad):
-                raise torch.OutOfMemoryError("injected: CUDA out of memory")
-
-            handle = layer.register_hook(boom)
-            try:
-                return original(self, piece, *args, **kwargs)
-            finally:
-                handle.remove()
-                calls["n"] += 1
-        return original(self, piece, *args, **kwargs)
-
-    monkeypatch.setattr(step_module.StepRunner, "_forward_backward", failing)
-    result = train(_config(llama_dir, text_file, tmp_path / "capped", max_steps=1))
-    assert calls["n"] >= 2  # the 8 failed, then a 4 failed
-    for name, tensor in _weights(reference).items():
-        torch.testing.assert_close(_weights(result)[name], tensor, atol=1e-5, rtol=0)
-    events = [r for r in read_metrics(tmp_path / "capped" / "metrics.jsonl") if r.get("event") == "oom"]
+    with _oom_in_backward_of_big_micro_batches() as raised:
+        result = train(_config(llama_dir, text_file, tmp_path, max_steps=1))
+    assert raised["n"] >= 2  # the 8 failed, then a 4 failed
+    _assert_same(one_update, _weights(result))
+    events = [r for r in read_metrics(tmp_path / "metrics.jsonl") if r.get("event") == "oom"]
     assert {e["phase"] for e in events} == {"backward"}
+
+
+def test_oom_in_backward_check_fails_when_recovery_does_not_freeze(one_update, llama_dir, text_file, tmp_path):
+    """Recovery without freezing counts the head's and the last block's gradients twice: the check must see it."""
+    with _oom_in_backward_of_big_micro_batches() as raised, freezing_ignored():
+        result = train(_config(llama_dir, text_file, tmp_path, max_steps=1))
+    assert raised["n"] >= 2
+    with pytest.raises(AssertionError):
+        _assert_same(one_update, _weights(result))
 
 
 def test_oom_in_optimizer_step_is_recovered(llama_dir, text_file, tmp_path):
     """foreach AdamW needs whole-model temporaries; under a cap memfit redoes the step per parameter."""
-    small = dict(batch_size=1, gradient_accumulation_steps=1, seq_len=16, max_steps=1)
+    small = dict(batch_size=1, gradient_accumulation_steps=1, seq_len=16, max_steps=1, optimizer="adamw")
     foreach = _tracked_peak(llama_dir, text_file, tmp_path / "foreach", optimizer_impl="foreach", **small)
     loop = _tracked_peak(llama_dir, text_file, tmp_path / "loop", optimizer_impl="for-loop", **small)
     assert foreach["phases"]["optimizer"] > loop["phases"]["optimizer"]
@@ -98,8 +144,7 @@ def test_oom_in_optimizer_step_is_recovered(llama_dir, text_file, tmp_path):
     result = train(_config(llama_dir, text_file, tmp_path / "capped", optimizer_impl="foreach", memory_cap=cap, **small))
     events = [r for r in read_metrics(tmp_path / "capped" / "metrics.jsonl") if r.get("event") == "oom"]
     assert events and events[0]["phase"] == "optimizer"
-    for name, tensor in _weights(foreach["result"]).items():
-        torch.testing.assert_close(_weights(result)[name], tensor, atol=1e-6, rtol=0)
+    _assert_same(_weights(foreach["result"]), _weights(result), atol=1e-6)
 
 
 def test_one_sample_too_big_turns_on_checkpointing(peaks, llama_dir, text_file, tmp_path):
@@ -110,13 +155,12 @@ def test_one_sample_too_big_turns_on_checkpointing(peaks, llama_dir, text_file, 
     result = train(_config(llama_dir, text_file, tmp_path / "capped", memory_cap=cap))
     events = [r for r in read_metrics(tmp_path / "capped" / "metrics.jsonl") if r.get("event") == "oom"]
     assert any("gradient checkpointing" in e.get("action", "") for e in events)
-    for name, tensor in _weights(peaks[8]["result"]).items():
-        torch.testing.assert_close(_weights(result)[name], tensor, atol=1e-5, rtol=0)
+    _assert_same(_weights(peaks[8]["result"]), _weights(result))
 
 
 def test_hopeless_cap_exits_3_and_keeps_the_checkpoint(peaks, llama_dir, text_file, tmp_path):
     out = tmp_path / "run"
-    common = ["train", "--model", llama_dir, "--dataset", text_file, "--seq-len", "128", "--output-dir", out]
+    common = ["train", "--model", llama_dir, "--dataset", text_file, "--seq-len", "128", "--output-dir", out, *SGD_FLAGS]
     assert run_memfit(*common, "--max-steps", "2", "--save-every", "1").returncode == 0
     before = list_checkpoints(out)[-1]
     breakdown = [r for r in read_metrics(peaks[1]["result"].output_dir / "metrics.jsonl") if "event" not in r][-1]["tracked_breakdown"]

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from memfit.config_loading import load_config
+from fault_injection import largest_update, scaled_gradients
 from memfit.checkpoint_files import list_checkpoints
+from memfit.config_loading import load_config
 from memfit.errors import UsageError
 from memfit.train.loop import train
 
@@ -22,27 +24,60 @@ def _config(llama_dir, text_file, out, **extra):
     return load_config(overrides=values | extra)
 
 
-def test_resumed_losses_equal_uninterrupted(llama_dir, text_file, tmp_path):
-    straight = train(_config(llama_dir, text_file, tmp_path / "straight"))
-    # First leg: stop after 3 steps (a checkpoint at step 3), then resume to 6.
-    train(_config(llama_dir, text_file, tmp_path / "resumed", max_steps=6, save_every=3), )
-    # Simulate the kill: keep only the step-3 checkpoint, as if the run died after it.
-    resumed_dir = tmp_path / "resumed"
-    for checkpoint in list_checkpoints(resumed_dir):
-        if checkpoint.name != "step-3":
-            import shutil
+# SGD with momentum, no clipping: the resumed run must restore the momentum buffers and the
+# schedule's position exactly, and a wrong gradient scale changes the weights.
+SGD_MOMENTUM = dict(optimizer="sgd", momentum=0.9, max_grad_norm=0.0, lr=0.3, warmup_steps=2, lr_schedule="cosine")
 
+
+def _keep_only(output_dir, name: str) -> None:
+    """What a run killed right after checkpoint `name` leaves (and no metrics of later steps)."""
+    for checkpoint in list_checkpoints(output_dir):
+        if checkpoint.name != name:
             shutil.rmtree(checkpoint)
-    (resumed_dir / "metrics.jsonl").unlink()
-    resumed = train(_config(llama_dir, text_file, resumed_dir, resume="auto"))
+    shutil.rmtree(output_dir / "final", ignore_errors=True)
+    (output_dir / "metrics.jsonl").unlink()
+
+
+def _assert_same(a: dict, b: dict) -> None:
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], atol=1e-6, rtol=0, msg=name)
+
+
+@pytest.fixture(scope="module")
+def straight_and_checkpointed(llama_dir, text_file, tmp_path_factory):
+    """An uninterrupted 6-step SGD run, and a copy of its step-3 checkpoint as a killed run would leave it."""
+    root = tmp_path_factory.mktemp("resume")
+    straight = train(_config(llama_dir, text_file, root / "straight", save_every=3, **SGD_MOMENTUM))
+    shutil.copytree(root / "straight", root / "killed")
+    _keep_only(root / "killed", "step-3")
+    return straight, root / "killed"
+
+
+def _resume(llama_dir, text_file, checkpointed, out):
+    shutil.copytree(checkpointed, out)
+    return train(_config(llama_dir, text_file, out, resume="auto", **SGD_MOMENTUM))
+
+
+def test_resumed_losses_equal_uninterrupted(straight_and_checkpointed, llama_dir, text_file, tmp_path):
+    straight, checkpointed = straight_and_checkpointed
+    initial = load_file(str(llama_dir / "model.safetensors"))
+    final = load_file(str(straight.final_dir / "model.safetensors"))
+    assert largest_update(initial, final) > 1e-2  # large beside the tolerance
+    resumed = _resume(llama_dir, text_file, checkpointed, tmp_path / "resumed")
     assert resumed.steps == 6
     assert resumed.losses == pytest.approx(straight.losses[3:], abs=1e-6)
-    a = load_file(str(straight.final_dir / "model.safetensors"))
-    b = load_file(str(resumed.final_dir / "model.safetensors"))
-    for name in a:
-        torch.testing.assert_close(a[name], b[name], atol=1e-6, rtol=0)
-    state = json.loads((list_checkpoints(resumed_dir)[-1] / "trainer_state.json").read_text())
+    _assert_same(final, load_file(str(resumed.final_dir / "model.safetensors")))
+    state = json.loads((list_checkpoints(tmp_path / "resumed")[-1] / "trainer_state.json").read_text())
     assert state["step"] == 6 and state["micro_batch_size"] == 4
+
+
+def test_resume_check_fails_on_a_2x_gradient_error(straight_and_checkpointed, llama_dir, text_file, tmp_path):
+    straight, checkpointed = straight_and_checkpointed
+    with scaled_gradients(2.0):
+        resumed = _resume(llama_dir, text_file, checkpointed, tmp_path / "resumed")
+    with pytest.raises(AssertionError):
+        _assert_same(load_file(str(straight.final_dir / "model.safetensors")),
+                     load_file(str(resumed.final_dir / "model.safetensors")))
 
 
 def test_half_written_checkpoint_is_ignored(llama_dir, text_file, tmp_path):
@@ -68,8 +103,6 @@ def test_lora_run_resumes_from_its_adapter_checkpoint(llama_dir, text_file, tmp_
     train(_config(llama_dir, text_file, tmp_path / "resumed", save_every=2, **lora))
     for checkpoint in list_checkpoints(tmp_path / "resumed"):
         if checkpoint.name != "step-2":
-            import shutil
-
             shutil.rmtree(checkpoint)
     saved = load_file(str(list_checkpoints(tmp_path / "resumed")[-1] / "model.safetensors"))
     assert saved and all("lora_" in name for name in saved)  # only the adapter is checkpointed

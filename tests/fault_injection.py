@@ -1,0 +1,76 @@
+"""Helpers of the fault-injection tests: a 2x gradient error must make every equality check fail.
+
+Adam's update is invariant to a uniform gradient scale and clipping removes most of the
+rest, so the equality tests compare runs under SGD without clipping; these helpers put a
+known scale error into one of the two runs, in this process or in a subprocess, through
+seams that do not depend on memfit's internals (torch.Tensor.backward, torch.set_rng_state,
+Parameter.requires_grad_).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+import torch
+
+SHIM_DIR = Path(__file__).resolve().parent / "fault_shim"
+
+# SGD, no momentum, no clipping, no warmup, constant rate: the update is -lr x gradient,
+# so any error in the gradient's scale shows in the weights.
+SGD_NO_CLIPPING = dict(optimizer="sgd", momentum=0.0, max_grad_norm=0.0, warmup_steps=0, lr_schedule="constant")
+SGD_FLAGS = ["--optimizer", "sgd", "--momentum", "0", "--max-grad-norm", "0", "--warmup-steps", "0",
+             "--lr-schedule", "constant"]
+
+
+def fault_env(grad_scale: float | None = None, keep_rng: bool = False) -> dict[str, str]:
+    """Environment for a subprocess that runs with the fault (see fault_shim/sitecustomize.py)."""
+    path = os.pathsep.join(p for p in (str(SHIM_DIR), os.environ.get("PYTHONPATH", "")) if p)
+    env = {"PYTHONPATH": path}
+    if grad_scale is not None:
+        env["MEMFIT_FAULT_GRAD_SCALE"] = str(grad_scale)
+    if keep_rng:
+        env["MEMFIT_FAULT_KEEP_RNG"] = "1"
+    return env
+
+
+@contextlib.contextmanager
+def scaled_gradients(scale: float):
+    """In this process: every backward pass propagates `scale` times the gradient."""
+    original = torch.Tensor.backward
+
+    def backward(self, gradient=None, *args, **kwargs):
+        gradient = torch.full_like(self, scale) if gradient is None else gradient * scale
+        return original(self, gradient, *args, **kwargs)
+
+    torch.Tensor.backward = backward
+    try:
+        yield
+    finally:
+        torch.Tensor.backward = original
+
+
+@contextlib.contextmanager
+def freezing_ignored():
+    """Parameters cannot be frozen: OOM recovery that redoes a micro-batch counts gradients twice."""
+    original = torch.nn.Parameter.__dict__.get("requires_grad_")
+
+    def requires_grad_(self, requires_grad=True):
+        if requires_grad:
+            return torch.Tensor.requires_grad_(self, True)
+        return self
+
+    torch.nn.Parameter.requires_grad_ = requires_grad_
+    try:
+        yield
+    finally:
+        if original is None:
+            del torch.nn.Parameter.requires_grad_
+        else:
+            torch.nn.Parameter.requires_grad_ = original
+
+
+def largest_update(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> float:
+    """The largest change of any weight: an equality check is only as strong as this is large."""
+    return max(float((after[name].float() - tensor.float()).abs().max()) for name, tensor in before.items())
