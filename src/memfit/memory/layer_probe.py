@@ -13,7 +13,7 @@ MLP, non-gated MLPs: whatever the block saves is counted, not assumed.
 
 What it does not see: kernels chosen by device (the probe runs CPU kernels; CUDA
 autocast also runs attention in 16 bits, so an autocast probe counts Q/K/V in fp32: an
-upper bound), and LoRA, which the estimator adds as the closed forms' difference.
+upper bound).
 """
 
 from __future__ import annotations
@@ -27,16 +27,21 @@ PROBE_SEQ_LENS = (64, 128)
 
 
 def probed_layer_bytes_per_token(hf_config: Any, weight_bytes: int, autocast: bool, attention: str,
-                                 seq_len: int) -> float:
-    """Bytes one block keeps for backward per token at `seq_len` (cached per architecture and precision)."""
+                                 seq_len: int, lora_r: int = 0) -> float:
+    """Bytes one block keeps for backward per token at `seq_len` (cached per architecture and precision).
+
+    `lora_r` > 0: the base is frozen and every linear of the block gets a rank-`lora_r`
+    adapter (PEFT, as `memfit train --lora-r` builds it).
+    """
     key = hf_config.to_json_string(use_diff=False)
-    short, long = (_measure(key, weight_bytes, autocast, attention, s) for s in PROBE_SEQ_LENS)
+    short, long = (_measure(key, weight_bytes, autocast, attention, s, lora_r) for s in PROBE_SEQ_LENS)
     slope = (long - short) / (PROBE_SEQ_LENS[1] - PROBE_SEQ_LENS[0])
     return short + slope * (seq_len - PROBE_SEQ_LENS[0])
 
 
 @lru_cache(maxsize=256)
-def _measure(config_json: str, weight_bytes: int, autocast: bool, attention: str, seq_len: int) -> float:
+def _measure(config_json: str, weight_bytes: int, autocast: bool, attention: str, seq_len: int,
+             lora_r: int = 0) -> float:
     import json
 
     import torch
@@ -51,6 +56,8 @@ def _measure(config_json: str, weight_bytes: int, autocast: bool, attention: str
     with fake, _real_mask_path():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attention)
         model.config.use_cache = False
+        if lora_r:
+            model = _with_adapters(model, lora_r)
         model.train()
         blocks = _blocks(model)
         parameters = {id(p.untyped_storage()) for p in model.parameters()}
@@ -88,6 +95,21 @@ def _scalar_reads_mode():
             return func(*args, **(kwargs or {}))
 
     return ScalarReads()
+
+
+def _with_adapters(model: Any, rank: int) -> Any:
+    """PEFT adapters on every linear, on fake tensors (whose storage cannot be swapped by Module.to)."""
+    from unittest import mock
+
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    lora = LoraConfig(r=rank, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM")
+    # every module is already on the one fake device, and PEFT keeps adapters in fp32 either way
+    with mock.patch.object(BaseTunerLayer, "_move_adapter_to_device_of_base_layer", lambda *a, **k: None), \
+            mock.patch.object(torch.nn.Module, "to", lambda self, *a, **k: self):
+        return get_peft_model(model, lora)
 
 
 def _two_blocks(config: Any) -> Any:
