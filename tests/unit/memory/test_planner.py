@@ -39,12 +39,15 @@ def test_too_small_budget_says_how_much_is_needed():
 
 
 def test_auto_falls_back_to_lora_then_proposes_more_gpus():
-    config = load_config(overrides={"model": "llama-3.1-8b", "seq_len": 2048})
-    result = plan(config, gpu="rtx-4090")
+    config = load_config(overrides={"model": "llama-3.1-8b", "seq_len": 2048, "effective_batch_size": 8,
+                                    "batch_size": 8})
+    # 8 sequences per step: optimizer in backward cannot accumulate and 8 x 2048 tokens do not fit beside the
+    # bf16 weights; with 8 GiB of host memory the 15 GiB of paged state has nowhere to go either
+    result = plan(config, gpu="rtx-4090", host_memory=8 * GIB)
     assert result.plan["lora_r"] > 0 and result.plan["quantize"] == "none"  # the least lossy that fits
     assert "--lora-r" in result.command
     with pytest.raises(DoesNotFitError, match="use --allow lora or .* GPUs with --sharding fsdp"):
-        plan(config, gpu="rtx-4090", allow="full")
+        plan(config, gpu="rtx-4090", allow="full", host_memory=8 * GIB)
     sharded = plan(config, gpu="a100-80gb", allow="full", world_size=4)
     assert sharded.command.startswith("torchrun --nproc-per-node 4 -m memfit train")
 
@@ -52,3 +55,81 @@ def test_auto_falls_back_to_lora_then_proposes_more_gpus():
 def test_plan_needs_a_budget_or_a_gpu():
     with pytest.raises(UsageError, match="--gpu NAME or --memory-budget"):
         plan(load_config(overrides={"model": "tiny"}))
+
+
+QLORA_8B = {"model": "llama-3.1-8b", "lora_r": 32, "lora_targets": "all-linear"}
+
+
+def _train_config_of(command: str):
+    """The config `memfit train` would build from the planned command line."""
+    from memfit.cli.flags import parse_command_line
+
+    argv = command.split()
+    assert argv[:2] == ["memfit", "train"]
+    config, _ = parse_command_line(argv[2:], extras=[])
+    return config
+
+
+def test_longest_qlora_context_of_an_8b_model_in_24_and_80_gib():
+    in_24 = plan(load_config(overrides=QLORA_8B), gpu="rtx-4090", allow="qlora", maximize="seq-len",
+                 host_memory=64 * GIB)
+    assert in_24.plan["seq_len"] >= 80_000 and in_24.plan["batch_size"] == 1
+    assert in_24.plan["activation_offload"] and in_24.plan["tiled_mlp"] > 1 and in_24.plan["quantize"] == "4bit"
+    assert in_24.estimated_peak_bytes <= in_24.budget_bytes * (1 - MARGIN)
+    assert 0 < in_24.host_bytes <= 0.75 * 64 * GIB
+    in_80 = plan(load_config(overrides=QLORA_8B), gpu="h100-80gb", allow="qlora", maximize="seq-len",
+                 host_memory=256 * GIB)
+    assert in_80.plan["seq_len"] >= 350_000
+    assert any("beyond the model's trained context" in line for line in in_80.trades)
+    # the command is one memfit train accepts, and it builds the planned run
+    planned = _train_config_of(in_24.command)
+    assert planned.data.seq_len == in_24.plan["seq_len"] and planned.lora.lora_targets == "all-linear"
+    assert planned.memory.activation_offload and planned.memory.tiled_mlp == in_24.plan["tiled_mlp"]
+    again = estimate(planned, gpu="rtx-4090")
+    assert again.peak_bytes == in_24.estimated_peak_bytes and again.host_bytes == in_24.host_bytes
+
+
+def test_host_memory_bounds_the_longest_context():
+    roomy = plan(load_config(overrides=QLORA_8B), gpu="rtx-4090", allow="qlora", maximize="seq-len",
+                 host_memory=64 * GIB)
+    tight = plan(load_config(overrides=QLORA_8B), gpu="rtx-4090", allow="qlora", maximize="seq-len",
+                 host_memory=8 * GIB)
+    assert tight.plan["seq_len"] < roomy.plan["seq_len"]
+    assert tight.host_bytes <= 0.75 * 8 * GIB
+    data = tight.to_dict()
+    assert {"host_bytes", "host_available_bytes", "host_fits", "host_limit_bytes", "trades"} <= set(data)
+    assert data["plan"]["seq_len"] == tight.plan["seq_len"] and data["host_limit_bytes"] == 8 * GIB
+
+
+def test_full_fine_tune_of_an_8b_model_at_batch_2_fits_a_24_gib_gpu():
+    config = load_config(overrides={"model": "llama-3.1-8b", "seq_len": 2048, "batch_size": 2})
+    result = plan(config, gpu="rtx-4090", allow="full", host_memory=64 * GIB)
+    chosen = result.plan
+    assert chosen["lora_r"] == 0 and chosen["batch_size"] == 2 and chosen["gradient_accumulation_steps"] == 1
+    # pure bf16 weights, 8-bit state paged to host, each gradient applied and freed in backward
+    assert chosen["dtype"] == "bf16" and chosen["optimizer_in_backward"] and chosen["optimizer"].endswith("8bit")
+    assert result.estimated_peak_bytes <= 24 * GIB * 0.95
+    assert any("pure bf16 weights" in line for line in result.trades)
+    assert _train_config_of(result.command).memory.optimizer_in_backward
+
+
+def test_maximize_batch_size_finds_the_largest_micro_batch_that_fits():
+    config = load_config(overrides={"model": "tiny", "seq_len": 256})
+    budget = 64 * MIB
+    result = plan(config, budget_bytes=budget, allow="full", maximize="batch-size")
+    largest = result.plan["batch_size"]
+    assert largest >= 2 and result.plan["gradient_accumulation_steps"] == 1
+    planned = config.replace(**plan_to_overrides(result))
+    assert estimate(planned, budget_bytes=budget).peak_bytes <= budget * (1 - MARGIN)
+    one_more = estimate(planned.replace(batch_size=largest + 1), budget_bytes=budget)
+    assert one_more.peak_bytes > budget * (1 - MARGIN) or one_more.host_bytes > 0
+
+
+def test_optimizer_in_backward_is_never_planned_with_accumulation():
+    config = load_config(overrides={"model": "llama-3.2-1b", "seq_len": 1024, "batch_size": 1,
+                                    "gradient_accumulation_steps": 8})
+    result = plan(config, gpu="rtx-4090", allow="full", host_memory=64 * GIB)
+    for candidate in [result.plan] + [a["plan"] for a in result.alternatives]:
+        assert not (candidate.get("optimizer_in_backward") and candidate["gradient_accumulation_steps"] > 1)
+    with pytest.raises(UsageError, match="--maximize"):
+        plan(config, gpu="rtx-4090", maximize="tokens")
