@@ -247,8 +247,13 @@ def check_page(
         full_height = min(int(content.get("height", height)), max_screenshot_height)
         tools.call("Emulation.setDeviceMetricsOverride", {**metrics, "height": max(full_height, height)}, session)
         time.sleep(0.5)  # let plotly's responsive layout settle after the resize
+        shown = max(full_height, height)
+        clip = {"x": 0, "y": 0, "width": width, "height": shown, "scale": 1}  # the top of a longer page
         shot = tools.call(
-            "Page.captureScreenshot", {"format": "png", "captureBeyondViewport": True}, session, timeout=timeout
+            "Page.captureScreenshot",
+            {"format": "png", "captureBeyondViewport": True, "clip": clip},
+            session,
+            timeout=timeout,
         )
         result.screenshot = base64.b64decode(shot["data"])
         try:

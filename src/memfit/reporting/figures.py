@@ -168,6 +168,7 @@ def curves_figure(run: RunData):
                 figure.update_yaxes(exponentformat="e", row=row, col=col)
         figure.update_xaxes(title_text="step" if position >= len(panels) - columns else None, row=row, col=col)
     _mark_events(go, figure, run)
+    figure.update_xaxes(matches="x")  # one step axis: zooming one panel zooms them all
     figure.update_layout(
         height=300 * rows,
         margin={"l": 60, "r": 20, "t": 50, "b": 40},
