@@ -256,6 +256,8 @@ class Runner:
         if kind == "memfit":
             spec["overrides"] = {"batch_size": self.args.effective_batch, **overrides}
         env = {"CUDA_VISIBLE_DEVICES": ""} if self.device == "cpu" else {}
+        if self.args.threads:
+            env["OMP_NUM_THREADS"] = str(self.args.threads)  # torch's CPU thread pool, the same for both tools
         started = time.perf_counter()
         result = run_worker(__file__, spec, timeout=3600, env=env)
         result.update(label=label, kind=kind, seconds=round(time.perf_counter() - started, 1))
@@ -362,6 +364,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--effective-batch", type=int, help="samples per optimizer step")
     parser.add_argument("--steps", type=int)
     parser.add_argument("--warmup", type=int)
+    parser.add_argument("--threads", type=int, help="CPU threads per run (default torch's; 1 keeps a crowded machine"
+                        " from thrashing)")
     parser.add_argument("--budget-fraction", type=float, default=0.5, help="p2: budget / Trainer plain peak (0.5)")
     parser.add_argument("--out", help="markdown file to write the results into (e.g. docs/benchmarks.md)")
     parser.add_argument("--json", help="also write the raw results to this JSON file")
@@ -403,7 +407,8 @@ def main(argv: list[str] | None = None) -> int:
     text = "\n".join([
         f"Model: {parameters / 1e6:.0f}M parameters, {described}, random init with a fixed seed, saved once and"
         f" loaded by every run. Data: the bundled corpus, windows of {args.seq_len} tokens, {args.effective_batch}"
-        f" samples per optimizer step, {args.steps} steps of which {args.warmup} warm-up; each run a fresh process.",
+        f" samples per optimizer step, {args.steps} steps of which {args.warmup} warm-up; each run a fresh process"
+        f"{f' with {args.threads} CPU thread(s)' if args.threads else ''}.",
         "",
         body,
         "",

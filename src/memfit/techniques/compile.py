@@ -64,16 +64,20 @@ def compile_unavailable_reason(device: torch.device, backend: str = "inductor") 
 
 
 def compile_blocks(
-    model: nn.Module, device: torch.device, backend: str = "inductor", dynamic: bool | None = None
+    model: nn.Module, device: torch.device, backend: str = "inductor", dynamic: bool | None = None,
+    fallbacks: dict[str, str] | None = None,
 ) -> CompileChoice:
     """Compile each transformer block of `model` in place; fall back visibly when compile cannot run.
 
-    Call it last, after checkpointing and LoRA have been applied to the blocks.
+    Call it last, after checkpointing and LoRA have been applied to the blocks. Why it did
+    not run is also noted in `fallbacks["compile"]` when given.
     `backend` is torch.compile's ('aot_eager' traces without generating code: tests).
     """
     reason = compile_unavailable_reason(device, backend)
     if reason:
         log.warning("memfit: --compile: %s; running eager", reason)
+        if fallbacks is not None:
+            fallbacks["compile"] = reason
         return CompileChoice("off", 0, reason)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     blocks = transformer_blocks(base)

@@ -72,13 +72,21 @@ def liger_unavailable_reason(device: torch.device, model_type: str) -> str:
     return ""
 
 
-def apply_kernels(model: torch.nn.Module, requested: str, device: torch.device) -> KernelChoice:
+def apply_kernels(model: torch.nn.Module, requested: str, device: torch.device,
+                  fallbacks: dict[str, str] | None = None) -> KernelChoice:
     """Patch liger's kernels into `model` (in place) as `requested` (auto, liger, none) allows.
 
     Call it on the loaded Hugging Face model, with or without LoRA (a PEFT wrapper is looked through).
-    `liger` that cannot run logs one warning; `auto` falls back silently; the returned
-    choice says what runs either way.
+    `liger` that cannot run logs one warning (and notes why in `fallbacks["kernels"]`);
+    `auto` falls back silently; the returned choice says what runs either way.
     """
+    choice = _apply_kernels(model, requested, device)
+    if requested == "liger" and choice.reason and fallbacks is not None:
+        fallbacks["kernels"] = choice.reason
+    return choice
+
+
+def _apply_kernels(model: torch.nn.Module, requested: str, device: torch.device) -> KernelChoice:
     if requested == "none":
         return KernelChoice()
     model_type = getattr(getattr(model, "config", None), "model_type", "") or ""

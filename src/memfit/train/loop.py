@@ -28,6 +28,7 @@ from memfit.reporting.memory_record import save_memory_record
 from memfit.train.metrics import NullLogger, build_loggers
 from memfit.train.progress import Progress
 from memfit.train.setup import TrainingSession, build_session
+from memfit.train.speed import SpeedMeter
 from memfit.train.step import StepRunner
 
 log = logging.getLogger("memfit")
@@ -100,7 +101,9 @@ def train(
     logger = make_logger(session) if save_outputs else NullLogger()
     runner = StepRunner.from_session(session, tracker=tracker, micro_batch_size=micro_batch_size)
     describe_run(session, micro_batch_size)
-    logger.log({"event": "start", **run_facts(session), "resumed_from": str(resume_from) if resume_from else None})
+    speed = SpeedMeter.from_session(session)  # MFU per step; the planner's step time beside the measured one
+    logger.log({"event": "start", **run_facts(session), **speed.start_facts(),
+                "resumed_from": str(resume_from) if resume_from else None})
 
     losses: list[float] = []
     memory_steps: list = []
@@ -143,6 +146,7 @@ def train(
                 "precision": session.precision.name,
                 "optimizer": session.optimizer_name,
                 "attention": session.attention.implementation,
+                **speed.step(result.input_tokens * world_size, elapsed),
                 **stats,
             }
             if session.scaler is not None:
@@ -175,6 +179,7 @@ def train(
         "micro_batch_size": runner.micro_batch_size,
         "skipped_steps": skipped_steps,
         **run_facts(session),
+        **speed.summary(),
     }
     summary.update(engine.summary_metrics(summary))
     logger.log(summary)
@@ -252,6 +257,8 @@ def run_facts(session: TrainingSession) -> dict[str, Any]:
         "loss_chunk_size": session.loss_chunk_size,
         "effective_batch_size": session.effective_batch_size,
         "seq_len": config.data.seq_len,
+        "kernels": session.kernels.description,
+        "compile": session.compiled,
         "fallbacks": dict(session.fallbacks),
     }
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from memfit.train.speed import speed_line
 from memfit.units import format_bytes
 
 
@@ -25,6 +26,8 @@ def memory_report(summary: dict) -> str:
             total = sum(tracked.values()) or 1
             parts = ", ".join(f"{name} {format_bytes(value)} ({100 * value / total:.0f}%)" for name, value in tracked.items() if value)
             lines.append(f"    at the peak: {parts}")
+    if speed_line(summary):
+        lines.append(speed_line(summary))
     if summary.get("micro_batch_size") and summary.get("oom_events"):
         lines.append(f"  out-of-memory events recovered: {summary['oom_events']} (micro-batch now {summary['micro_batch_size']})")
     for technique, note in (summary.get("fallbacks") or {}).items():

@@ -31,6 +31,8 @@ from memfit.memory.stats import configure_cuda_allocator
 from memfit.models.loader import LoadedModel, load_model_and_tokenizer
 from memfit.techniques.attention import AttentionChoice, attention_that_ran, choose_attention
 from memfit.techniques.checkpointing import apply_gradient_checkpointing
+from memfit.techniques.compile import compile_blocks
+from memfit.techniques.kernels import KernelChoice, apply_kernels
 from memfit.techniques.optimizers import OptimizerChoice, build_optimizer, build_scheduler, parameter_groups
 from memfit.techniques.precision import PrecisionChoice, resolve_precision
 from memfit.train.engine import Engine, choose_engine
@@ -64,6 +66,10 @@ class TrainingSession:
     """What gradient checkpointing really does ('off', 'full on 4 of 4 blocks', ...)."""
     fallbacks: dict[str, str] = field(default_factory=dict)
     """Technique -> what ran instead of what was asked, or what memfit chose, and why (log and metrics)."""
+    kernels: KernelChoice = field(default_factory=KernelChoice)
+    """Fused kernels that run (techniques/kernels.py); its fused_loss, when set, replaces the plain loss."""
+    compiled: str = "off"
+    """What --compile compiled ('4 of 4 blocks (inductor)'), or 'off'."""
 
     @property
     def model(self) -> torch.nn.Module:
@@ -121,6 +127,8 @@ def build_session(config: TrainConfig) -> TrainingSession:
     if ran != attention.implementation:
         fallbacks["attention"] = f"{attention.implementation} requested, {ran} ran (the model does not support it)"
     loaded.model, checkpointing = apply_model_techniques(config, loaded.model)
+    kernels = apply_kernels(loaded.model, config.memory.kernels, device, fallbacks)  # liger on CUDA, else PyTorch's
+    compiled = compile_blocks(loaded.model, device, fallbacks=fallbacks).description if config.memory.compile else "off"
     model = loaded.model
     chosen = engine.prepare(model, lambda m: _build_optimizer(config, m, device, fallbacks, precision.grad_scaler))
 
@@ -161,6 +169,8 @@ def build_session(config: TrainConfig) -> TrainingSession:
         loss_chunk_size=loss_chunk_size,
         checkpointing=checkpointing,
         fallbacks=fallbacks,
+        kernels=kernels,
+        compiled=compiled,
     )
 
 

@@ -113,6 +113,8 @@ class SpeedMeter:
             "measured_step_seconds": measured,
             "predicted_step_seconds": self.predicted_step_seconds,
         }
+        if self.peak is not None:
+            facts["peak_flops_source"] = self.peak.source
         if measured and self.predicted_step_seconds:
             facts["measured_over_predicted"] = round(measured / self.predicted_step_seconds, 3)
         return facts
@@ -141,3 +143,25 @@ def _planner_step_seconds(hf_config, config, peak: DevicePeak, checkpointing: st
     }
     est = estimate(config, hf_config=hf_config)
     return float(estimated_step_seconds(changes, config, est, device_spec, hf_config))
+
+
+def speed_line(summary: dict) -> str | None:
+    """The end-of-run report's line on speed: tokens/s, MFU against which peak, the planner's prediction."""
+    mfu, measured = summary.get("mfu"), summary.get("measured_step_seconds")
+    if not measured:
+        return None
+    tokens = summary.get("tokens_seen") or 0
+    steps = summary.get("steps") or 0
+    parts = [f"step {measured:.3g} s"]
+    if tokens and steps:
+        parts.append(f"{tokens / steps / measured:,.0f} tokens/s")
+    if mfu is not None:
+        parts.append(f"MFU {100 * mfu:.1f}% of {summary.get('peak_flops_source', 'the peak')}")
+    if summary.get("predicted_step_seconds"):
+        parts.append(f"planner predicted {summary['predicted_step_seconds']:.3g} s")
+    kernels, compiled = summary.get("kernels"), summary.get("compile")
+    if kernels and kernels != "none":
+        parts.append(f"kernels {kernels}")
+    if compiled and compiled != "off":
+        parts.append(f"compiled {compiled}")
+    return "  speed: " + " | ".join(parts)

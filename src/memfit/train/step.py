@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from memfit.data import collate
+from memfit.data.prefetch import BatchPrefetcher
 from memfit.errors import DoesNotFitError
 from memfit.memory.cap import is_out_of_memory
 from memfit.techniques.loss import DEFAULT_LOSS_CHUNK_TOKENS, causal_lm_loss_sum, count_target_tokens
@@ -83,6 +84,7 @@ class StepRunner:
         oom_recovery: bool,
         checkpointing_on: bool,
         tracker=None,
+        loss_fn=causal_lm_loss_sum,
     ):
         self.model = model
         self.engine = engine
@@ -94,6 +96,10 @@ class StepRunner:
         self.oom_recovery = oom_recovery
         self.checkpointing_on = checkpointing_on
         self.tracker = tracker
+        self.loss_fn = loss_fn  # techniques.loss, or liger's fused loss (techniques.kernels)
+        # The next micro-batch is collated (and on CUDA copied on a side stream) while this one computes.
+        self.prefetcher = BatchPrefetcher(lambda samples: collate(samples, pad_token_id), device, drop_full_attention_mask=True)
+        self._upcoming: list[dict] | None = None
         self.trainable = [p for p in model.parameters() if p.requires_grad]
         self._touched: set[int] = set()
         self._recording = False
@@ -124,6 +130,7 @@ class StepRunner:
             oom_recovery=wanted and session.engine.recovers_from_oom and not memory.optimizer_in_backward,
             checkpointing_on=session.checkpointing != "off",
             tracker=tracker,
+            loss_fn=getattr(getattr(session, "kernels", None), "fused_loss", None) or causal_lm_loss_sum,
         )
 
     def close(self) -> None:
@@ -146,6 +153,7 @@ class StepRunner:
         while pending:
             piece = pending.popleft()
             self._touched = set()
+            self._upcoming = pending[0].samples if pending else None
             try:
                 loss_sum += self._forward_backward(piece, normalizer, last_micro_batch=not pending)
                 continue
@@ -190,15 +198,15 @@ class StepRunner:
         for parameter in frozen:
             parameter.requires_grad_(False)
         try:
-            batch = collate(piece.samples, self.pad_token_id)
-            if bool(batch["attention_mask"].all()):  # read on the CPU, before the batch moves
-                del batch["attention_mask"]  # no padding: lets SDPA take its causal fast path
-            batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+            # A mask without padding is dropped on the CPU, before the batch moves: SDPA's causal fast path.
+            batch = self.prefetcher.take(piece.samples)
             self._last_phase = "forward"
             with self._phase("forward"), self.precision.autocast(self.device):
-                loss_sum = causal_lm_loss_sum(
+                loss_sum = self.loss_fn(
                     self.model, batch["input_ids"], batch["labels"], batch.get("attention_mask"), self.loss_chunk_size
                 )
+            if self._upcoming:
+                self.prefetcher.prepare(self._upcoming)  # overlaps this micro-batch's compute on CUDA
             self._last_phase = "backward"
             self._recording = True
             with self._phase("backward"):
