@@ -9,9 +9,10 @@ selective, full) x chunked loss (off, 1024 tokens) x micro-batch (1 or 4 samples
 accumulation keeping 4 samples per step), plus 8-bit AdamW on two of them. For each
 configuration the planner's `estimated_step_seconds` gives a predicted step time (so a
 predicted tokens/s), and memfit trains it for a few steps: the measured tokens/s is the
-median of the metrics' per-step figure after warm-up. The grid runs twice, the second
-time in reverse order, and each configuration keeps the median of its passes, so a load
-that comes and goes on a shared machine does not favour one end of the grid.
+median of the metrics' per-step figure after warm-up. Every configuration runs between two
+runs of the reference configuration (the first of the grid) and counts as its ratio to
+their mean, so a load that drifts on a shared machine cancels; the grid runs twice, the
+second time in reverse order, and each ratio is the median of its passes.
 
 Reported: Spearman's rank correlation between predicted and measured tokens/s (1: the
 same order), the table, and the pairs the model orders wrongly by more than the noise.
@@ -151,7 +152,7 @@ def wrong_pairs(rows: list[dict[str, Any]], noise: float) -> list[str]:
     for i, a in enumerate(rows):
         for b in rows[i + 1 :]:
             predicted = a["predicted_tokens_per_second"] / b["predicted_tokens_per_second"]
-            measured = a["tokens_per_second"] / b["tokens_per_second"]
+            measured = a["relative"] / b["relative"]
             if (predicted > 1) != (measured > 1) and abs(measured - 1) > noise and abs(predicted - 1) > 0.01:
                 found.append(
                     f"{a['label']} vs {b['label']}: predicted {predicted:.2f}x, measured {measured:.2f}x"
@@ -192,18 +193,35 @@ def main(argv: list[str] | None = None) -> int:
         parameters = save_model(model_dir, shape)
         measured: dict[int, list[dict]] = {i: [] for i in range(len(configurations))}
         predicted: dict[int, float] = {}
+        runs = 0
+
+        def run(i: int, tag: str) -> dict:
+            nonlocal runs
+            runs += 1
+            changes = configurations[i]
+            config = _config(model_dir, workdir, f"run-{runs}", changes, args)
+            predicted.setdefault(i, predicted_seconds(config, changes))
+            result = measure(config, args.warmup)
+            print(f"[{tag}] {label_of(changes)}: {result['tokens_per_second']:.0f} tokens/s"
+                  f" (predicted step {predicted[i]:.3g} s; {result['seconds']:.0f} s)", file=sys.stderr)
+            return result
+
+        # Paired design: the reference configuration (index 0) runs before and after every other
+        # one, and each is measured as a ratio to the mean of its two neighbours, so a load that
+        # drifts over minutes cancels out of the ratios.
         for number in range(args.passes):
-            order = list(range(len(configurations)))
+            order = list(range(1, len(configurations)))
             if number % 2:
                 order.reverse()
+            before = run(0, f"pass {number + 1}, reference")
+            measured[0].append({**before, "relative": 1.0})
             for i in order:
-                changes = configurations[i]
-                config = _config(model_dir, workdir, f"run-{number}-{i}", changes, args)
-                predicted.setdefault(i, predicted_seconds(config, changes))
-                result = measure(config, args.warmup)
-                measured[i].append(result)
-                print(f"[pass {number + 1}] {label_of(changes)}: {result['tokens_per_second']:.0f} tokens/s"
-                      f" (predicted step {predicted[i]:.3g} s; {result['seconds']:.0f} s)", file=sys.stderr)
+                result = run(i, f"pass {number + 1}")
+                after = run(0, f"pass {number + 1}, reference")
+                reference = (before["tokens_per_second"] + after["tokens_per_second"]) / 2
+                measured[i].append({**result, "relative": result["tokens_per_second"] / reference})
+                measured[0].append({**after, "relative": 1.0})
+                before = after
         compile_ratio = None
         if args.compile:
             base = {"gradient_checkpointing": "off", "loss_chunk_size": 0, "batch_size": 4}
@@ -225,25 +243,25 @@ def main(argv: list[str] | None = None) -> int:
             "predicted_seconds": predicted[i],
             "predicted_tokens_per_second": tokens_per_step / predicted[i],
             "tokens_per_second": median([r["tokens_per_second"] for r in runs]),
-            "per_pass": [r["tokens_per_second"] for r in runs],
+            "relative": median([r["relative"] for r in runs]),
+            "per_pass": [r["relative"] for r in runs],
             "mfu": median([r["mfu"] for r in runs if r["mfu"] is not None]),
             "optimizer_ran": runs[0]["optimizer"],
         })
-    rho = spearman([r["predicted_tokens_per_second"] for r in rows], [r["tokens_per_second"] for r in rows])
+    rho = spearman([r["predicted_tokens_per_second"] for r in rows], [r["relative"] for r in rows])
     wrong = wrong_pairs(rows, args.noise)
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": rows, "spearman": rho, "compile": compile_ratio,
                                                "load": [load_start, load_end]}, indent=1))
-    best_predicted = max(r["predicted_tokens_per_second"] for r in rows)
-    best_measured = max(r["tokens_per_second"] for r in rows)
+    reference_predicted = rows[0]["predicted_tokens_per_second"]
     table = markdown_table(
-        ["configuration", "predicted (relative)", "measured tokens/s", "measured (relative)", "MFU", "per pass"],
+        ["configuration", "predicted vs reference", "measured vs reference", "measured tokens/s", "MFU",
+         "ratio per pass"],
         [[r["label"] + ("" if str(r["optimizer_ran"]).startswith(r["changes"].get("optimizer", "adamw")) else
                         f" ({r['optimizer_ran']} ran)"),
-          f"{r['predicted_tokens_per_second'] / best_predicted:.2f}",
-          f"{r['tokens_per_second']:.0f}", f"{r['tokens_per_second'] / best_measured:.2f}",
-          f"{r['mfu']:.3f}" if r["mfu"] is not None else "-",
-          ", ".join(f"{v:.0f}" for v in r["per_pass"])] for r in rows],
+          f"{r['predicted_tokens_per_second'] / reference_predicted:.2f}", f"{r['relative']:.2f}",
+          f"{r['tokens_per_second']:.0f}", f"{r['mfu']:.4f}" if r["mfu"] is not None else "-",
+          ", ".join(f"{v:.2f}" for v in r["per_pass"])] for r in rows],
     )
     command = "python benchmarks/bench_speed_ranking.py " + " ".join(argv if argv is not None else sys.argv[1:])
     shape_text = MODEL_SHAPES[shape]
@@ -251,7 +269,9 @@ def main(argv: list[str] | None = None) -> int:
         f"Model: Llama-shaped, {parameters / 1e6:.1f}M parameters ({shape_text['num_hidden_layers']} blocks of width"
         f" {shape_text['hidden_size']}, vocabulary {shape_text['vocab_size']}), fp32, seq-len {args.seq_len},"
         f" {EFFECTIVE_BATCH} samples per optimizer step, {args.steps} steps per run of which {args.warmup} warm-up,"
-        f" {args.passes} passes over the grid (the second reversed), medians"
+        f" {args.passes} passes over the grid (the second reversed); every configuration runs between two runs of"
+        " the reference (the first row) and is measured as a ratio to their mean, so a load that drifts cancels;"
+        " medians of the passes"
         f"{f'; {args.threads} torch thread(s)' if args.threads else ''}.",
         "",
         f"**Spearman rank correlation, predicted vs measured tokens/s: {rho:.2f}** over {len(rows)} configurations.",
