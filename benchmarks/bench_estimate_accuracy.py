@@ -22,7 +22,8 @@ import torch
 
 from memfit.config_loading import load_config
 from memfit.memory.estimator import estimate, resolve_run
-from memfit.memory.traced import StepSetup, measure_step_with_allocator, measure_step_with_tracker
+from memfit.memory.traced import StepSetup
+from memfit.train.traced import measure_step_with_allocator, measure_step_with_tracker
 
 
 def architectures() -> dict:

@@ -20,6 +20,7 @@ def __getattr__(name: str):
 
         return train
     if name == "estimate":
+        import memfit.train.traced  # noqa: F401  (registers the step method="traced" runs)
         from memfit.memory.estimator import estimate
 
         return estimate

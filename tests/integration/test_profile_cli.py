@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from memfit.memory.categories import CATEGORIES
 from memfit_cli import run_memfit
 
 
@@ -16,7 +17,7 @@ def test_profile_json_and_plot(llama_dir, text_file, tmp_path):
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert {"device", "steps", "peak_bytes", "breakdown", "phases", "top_modules", "advice"} <= set(report)
-    assert set(report["breakdown"]) == {"parameters", "gradients", "optimizer_states", "activations", "other"}
+    assert set(report["breakdown"]) == set(CATEGORIES)
     assert report["steps"] == 2 and report["device"] == "cpu"
     assert [phase["name"] for phase in report["phases"]] == ["forward", "backward", "optimizer"]
     assert sum(report["breakdown"].values()) == report["peak_bytes"]

@@ -28,6 +28,7 @@ def run(argv: list[str]) -> int:
     if "--help" in argv or "-h" in argv:
         print(help_text("estimate", SUMMARY, [EstimateOptions]))
         return 0
+    import memfit.train.traced  # noqa: F401  (registers the step --method traced runs)
     from memfit.memory.estimator import estimate
 
     config, extras = parse_command_line(argv, extras=[EstimateOptions])

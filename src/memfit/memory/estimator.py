@@ -35,6 +35,7 @@ from memfit.memory.activations import (
     layer_bytes_per_token,
     logits_bytes,
 )
+from memfit.memory.categories import CATEGORIES
 from memfit.models.state_bytes import (  # noqa: F401  (re-exported: the estimator's public closed forms)
     BNB_8BIT_BLOCK,
     BNB_8BIT_MIN_SIZE,
@@ -46,7 +47,7 @@ from memfit.models.state_bytes import (  # noqa: F401  (re-exported: the estimat
 )
 from memfit.units import GIB
 
-BREAKDOWN_KEYS = ("parameters", "gradients", "optimizer_states", "activations", "logits", "other")
+BREAKDOWN_KEYS = CATEGORIES  # the one category set: estimate, traced estimate and profile report the same
 SHARDINGS = ("none", "ddp", "zero1", "zero2", "zero3", "fsdp")
 
 # Relative error measured against real CPU training steps (docs/accuracy.md).
@@ -314,7 +315,7 @@ def estimate(
     }
     return Estimate(
         model=config.model.model, method=method, peak_bytes=peak,
-        breakdown={k: int(moment[k]) for k in BREAKDOWN_KEYS}, budget_bytes=budget_bytes, fits=fits,
+        breakdown={k: int(moment.get(k, 0)) for k in BREAKDOWN_KEYS}, budget_bytes=budget_bytes, fits=fits,
         headroom_bytes=headroom, error_band=ERROR_BAND[method], per_layer_activation_bytes=int(per_layer),
         details=details, host_bytes=sum(host.values()), host_breakdown=host,
         host_available_bytes=host_available_bytes() if sum(host.values()) else None,
@@ -467,7 +468,7 @@ def _analytical_peak(config, run: RunShape, hf_config, inventory, parts) -> tupl
 def _traced_peak(config, run: RunShape, hf_config, inventory, parts) -> tuple[dict, float, dict]:
     import torch
 
-    from memfit.memory.traced import StepSetup, trace_step
+    from memfit.memory.traced import StepSetup, step_tracer
 
     dtypes = {4: torch.float32, 2: torch.bfloat16}
     # Fake tensors cannot be 4-bit quantized: trace the 16-bit base and swap in the quantized bytes.
@@ -482,7 +483,7 @@ def _traced_peak(config, run: RunShape, hf_config, inventory, parts) -> tuple[di
         run.device_type == "cuda" and getattr(config.optimizer, "optimizer_impl", "auto") == "auto") else config
     if quantized:
         traced_config = traced_config.replace(quantize="none")
-    step = trace_step(hf_config, traced_config, setup, fake=True)
+    step = step_tracer()(hf_config, traced_config, setup, fake=True)  # memfit.train.traced: the real step
     moment = {k: float(v) for k, v in step.breakdown.items()}
     if quantized:
         moment["parameters"] += parts["parameters"] - (inventory.total * 2 + 4 * parts["trainable_count"])

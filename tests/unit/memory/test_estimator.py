@@ -10,6 +10,7 @@ import torch
 from transformers import LlamaConfig
 
 from memfit.config_loading import load_config
+from memfit.memory.categories import CATEGORIES
 from memfit.memory.estimator import (
     BNB_8BIT_BLOCK,
     BNB_8BIT_MIN_SIZE,
@@ -18,11 +19,12 @@ from memfit.memory.estimator import (
     optimizer_state_bytes_for_shapes,
     resolve_run,
 )
-from memfit.memory.traced import StepSetup, measure_step_with_tracker
+from memfit.memory.traced import StepSetup
 from memfit.models.presets import MODEL_PRESETS, build_meta_model, parameter_count, preset_config
+from memfit.train.traced import measure_step_with_tracker
 
 SCHEMA = {"model", "method", "peak_bytes", "breakdown", "budget_bytes", "fits", "headroom_bytes", "error_band"}
-BREAKDOWN = {"parameters", "gradients", "optimizer_states", "activations", "logits", "other"}
+BREAKDOWN = set(CATEGORIES)  # the tracker's categories: estimate and profile report the same
 
 
 def small_llama(layers: int = 2) -> LlamaConfig:
@@ -138,7 +140,7 @@ def test_traced_7b_step_runs_in_seconds_without_memory():
 
 @pytest.mark.parametrize("impl", ["foreach", "for-loop", "fused"])
 def test_adamw_step_temporaries_match_torch(impl):
-    from memfit.memory.traced import trace_step
+    from memfit.train.traced import trace_step
 
     hf_config = small_llama()
     config = load_config(overrides={"seq_len": 8, "batch_size": 1, "optimizer_impl": impl})
