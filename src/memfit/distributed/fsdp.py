@@ -72,7 +72,6 @@ class FullyShardedEngine(RankMetrics):
 
     name = "fsdp"
     recovers_from_oom = False  # every pass exchanges shards: a rank cannot redo a micro-batch alone
-    supports_chunked_loss = True  # the chunked loss runs the root's forward, so the root unit gathers the head
 
     def __init__(self, local, config: TrainConfig, dist: DistContext, device: torch.device, precision, fallbacks: dict):
         self.local = local

@@ -121,7 +121,6 @@ class DataParallelEngine(RankMetrics):
 
     name = "ddp"
     recovers_from_oom = True
-    supports_chunked_loss = True
 
     def __init__(self, local, dist: DistContext, device: torch.device):
         self.local = local

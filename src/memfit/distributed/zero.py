@@ -199,7 +199,6 @@ class DeepSpeedEngine(RankMetrics):
 
     name = "deepspeed"
     recovers_from_oom = False  # ZeRO's buffers and collectives cannot take a half-done micro-batch back
-    supports_chunked_loss = True
     scaler = None  # DeepSpeed scales fp16 losses itself
 
     def __init__(

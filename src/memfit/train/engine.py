@@ -52,8 +52,6 @@ class Engine(Protocol):
     """Short name for the metrics: single, ddp, fsdp, deepspeed."""
     recovers_from_oom: bool
     """A rank can split and redo a micro-batch on its own: no collective runs in the middle of a pass."""
-    supports_chunked_loss: bool
-    """The chunked loss runs under this engine (else it is switched off, visibly)."""
     scaler: torch.amp.GradScaler | None
     """fp16 loss scaling run by memfit (None when off, or when the engine scales by itself)."""
     model: torch.nn.Module
@@ -124,7 +122,6 @@ class SingleProcessEngine:
 
     name = "single"
     recovers_from_oom = True
-    supports_chunked_loss = True
 
     def __init__(
         self, device: torch.device, precision: PrecisionChoice, max_grad_norm: float, updates_in_backward: bool = False
@@ -210,7 +207,7 @@ def choose_engine(
     """The engine that `config` and the launcher ask for; UsageError for combinations that cannot run.
 
     Runs before the model is prepared and the optimizer built, so that every choice an
-    engine makes (its own optimizer, no grad scaler, no chunked loss) is made once.
+    engine makes (its own optimizer, no grad scaler, no OOM recovery) is made once.
     """
     from memfit.distributed.parallel import apply_cap_rank, check_supported
 

@@ -10,7 +10,7 @@
 Everything that can fail because of the user's input (a missing model, bad data, a
 precision the device cannot run) fails here, before anything is written to the output
 directory. Each choice is made once, with the engine's needs known (its own optimizer,
-no grad scaler, no chunked loss): nothing is changed after the session is built.
+no grad scaler, no OOM recovery): nothing is changed after the session is built.
 """
 
 from __future__ import annotations
@@ -145,12 +145,8 @@ def build_session(config: TrainConfig) -> TrainingSession:
     total_steps = (
         schedule.steps_for_epochs(config.training.epochs) if config.training.epochs is not None else config.training.max_steps
     )
-    _note_offloads(config, device, fallbacks)
     head = model.get_output_embeddings()
     loss_chunk_size = resolve_loss_chunk_size(config, head.weight.shape[0] if head is not None else 0)
-    if loss_chunk_size and not engine.supports_chunked_loss:
-        fallbacks["loss_chunk_size"] = f"chunked loss does not run under the {engine.name} engine: the plain loss ran"
-        loss_chunk_size = 0
     return TrainingSession(
         config=config,
         device=device,
@@ -180,6 +176,7 @@ def apply_model_techniques(config: TrainConfig, model: torch.nn.Module) -> tuple
 
     1. gradient checkpointing (off, full, selective, or auto under a budget)   techniques/checkpointing.py
     2. LoRA adapters (after checkpointing, which they must know about)          techniques/lora.py
+    3. tiled MLP past 8192 tokens or with --tiled-mlp (adapters inside included) techniques/tiled_mlp.py
     The engine shards or wraps the result afterwards (engine.prepare). Precision (autocast),
     attention, the chunked loss and the optimizer techniques are chosen in build_session
     and applied by the step.
@@ -195,6 +192,11 @@ def apply_model_techniques(config: TrainConfig, model: torch.nn.Module) -> tuple
 
         model, summary = apply_lora(model, config.lora, gradient_checkpointing=checkpointing != "off")
         log.info("memfit: %s", summary.describe())
+    from memfit.techniques.tiled_mlp import apply_tiled_mlp, tiles_for
+
+    tiles = tiles_for(config.data.seq_len, config.memory.tiled_mlp)
+    if tiles > 1:
+        log.info("memfit: tiled MLP: %s", apply_tiled_mlp(model, tiles))
     return model, checkpointing
 
 
@@ -223,9 +225,12 @@ def _build_optimizer(
             made.append(choice)
             return choice.optimizer
 
+        offload = config.memory.optimizer_offload  # each parameter's step then runs on a host copy of it
+        if offload:
+            from memfit.techniques.offload import host_stepped
         # The groups' options (no weight decay on norms and biases) are applied to each per-parameter optimizer.
-        optimizer = OptimizerInBackward(groups, make)
-        name = (made[0].name if made else config.optimizer.optimizer) + " in backward"
+        optimizer = OptimizerInBackward(groups, host_stepped(make, device) if offload else make)
+        name = (made[0].name if made else config.optimizer.optimizer) + " in backward" + (" on the host" if offload else "")
         return OptimizerChoice(optimizer, name, made[0].reason if made else "")
     choice = build_optimizer(groups, config.optimizer, device)
     if config.memory.optimizer_offload:
@@ -240,12 +245,6 @@ def _build_optimizer(
     if choice.reason:
         fallbacks["optimizer"] = choice.reason
     return choice
-
-
-def _note_offloads(config: TrainConfig, device: torch.device, fallbacks: dict) -> None:
-    if config.memory.activation_offload and device.type != "cuda":
-        fallbacks["activation_offload"] = "activation offload has no effect on CPU: activations already live in host memory"
-        log.warning("memfit: %s; running without it", fallbacks["activation_offload"])
 
 
 def _auto_checkpointing(config: TrainConfig, model: torch.nn.Module) -> str:
