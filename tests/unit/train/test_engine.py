@@ -141,3 +141,22 @@ def _fp32():
     from memfit.techniques.precision import resolve_precision
 
     return resolve_precision("fp32", torch.device("cpu"))
+
+
+def test_every_engine_has_every_member_of_the_interface():
+    """The distributed engines satisfy the Protocol by their members (they cannot import train/ to subclass it)."""
+    from memfit.distributed.fsdp import FullyShardedEngine
+    from memfit.distributed.parallel import DataParallelEngine
+    from memfit.distributed.zero import DeepSpeedEngine
+    from memfit.train.engine import Engine
+
+    members = {name for name in vars(Engine) if not name.startswith("_")} | set(Engine.__annotations__)
+    assert {"prepare", "backward", "reduce_gradients", "clip_and_step", "save_checkpoint", "load_checkpoint",
+            "save_final_model", "step_metrics", "summary_metrics"} <= members
+    for engine in (SingleProcessEngine, DataParallelEngine, FullyShardedEngine, DeepSpeedEngine):
+        instance_attributes = {"model", "optimizer", "scaler"}  # set in __init__ / prepare, or properties
+        missing = {name for name in members if not hasattr(engine, name)} - instance_attributes
+        assert not missing, f"{engine.__name__} lacks {sorted(missing)}"
+        for name in members - instance_attributes:
+            if callable(getattr(Engine, name, None)):
+                assert callable(getattr(engine, name)), f"{engine.__name__}.{name} is not a method"
