@@ -60,6 +60,15 @@ def render(result) -> str:
         lines.append(f"  {name.replace('_', ' '):<28} {value / 1024**3:>10.3f} {100 * value / peak:>6.1f}%")
     lines.append(f"  {'peak':<28} {result.peak_bytes / 1024**3:>10.3f}  (+-{100 * result.error_band:.0f}%)")
     lines.append(f"  activations per layer: {format_bytes(result.per_layer_activation_bytes)}")
+    if result.host_bytes:
+        parts = ", ".join(f"{name.replace('_', ' ')} {format_bytes(value)}" for name, value in result.host_breakdown.items()
+                          if value)
+        lines.append(f"  host memory (not in the peak): {format_bytes(result.host_bytes)} ({parts})")
+        if result.host_available_bytes is not None:
+            verdict = "enough" if result.host_fits else "NOT enough"
+            lines.append(f"  this machine has {format_bytes(result.host_available_bytes)} available: {verdict}")
+    for name in d.get("not_traced", []):
+        lines.append(f"  not traced: {name} (the traced step runs without it: an upper bound; see --method analytical)")
     if result.budget_bytes is not None:
         verdict = "fits" if result.fits else "does NOT fit"
         lines.append(

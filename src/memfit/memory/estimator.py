@@ -32,7 +32,6 @@ from memfit.memory.activations import (
     Precision,
     activation_bytes,
     architecture_of,
-    layer_bytes_per_token,
     logits_bytes,
 )
 from memfit.memory.categories import CATEGORIES
@@ -384,14 +383,8 @@ def _layer_per_token(run: RunShape, arch, hf_config, precision: Precision, seq_l
     from memfit.memory.layer_probe import probed_layer_bytes_per_token
 
     attention = run.attention.replace("flash", "sdpa")
-    measured = probed_layer_bytes_per_token(hf_config, run.weight_bytes, bool(run.autocast), attention, seq_len)
-    if run.lora_r:
-        # The probe trains every weight; LoRA's difference (frozen norms keep less, adapters
-        # keep their rank-r activations) is the closed forms'.
-        full = Precision(precision.compute, precision.residual, precision.attention, 0)
-        measured += (layer_bytes_per_token(arch, precision, run.attention, seq_len)
-                     - layer_bytes_per_token(arch, full, run.attention, seq_len))
-    return measured
+    return probed_layer_bytes_per_token(hf_config, run.weight_bytes, bool(run.autocast), attention, seq_len,
+                                        run.lora_r)
 
 
 def _analytical_peak(config, run: RunShape, hf_config, inventory, parts) -> tuple[dict, float, dict]:
@@ -450,7 +443,9 @@ def _analytical_peak(config, run: RunShape, hf_config, inventory, parts) -> tupl
         gradients = head + in_flight_grads + (largest_grad if run.optimizer_in_backward else 0)
         moment = {"parameters": parts["parameters"], "gradients": gradients if in_backward else 0,
                   "optimizer_states": parts["optimizer_states"],
-                  "activations": (backward_activations + recompute) if in_backward else activations + cache,
+                  "activations": backward_activations if in_backward else activations + cache,
+                  # the block being recomputed (checkpointing) or brought back from host memory (offload)
+                  "recomputed_activations": recompute if in_backward else 0,
                   "logits": 0 if in_backward else logits,
                   "other": other + (step_temporaries if in_backward and run.optimizer_in_backward else 0)}
         phase = "backward" if in_backward else "forward"
