@@ -184,15 +184,25 @@ class LiveStorages:
             delta, record.nbytes = nbytes - record.nbytes, nbytes
             self._apply(record.place, record.category, delta)
 
-    def adopt_inputs(self, args: tuple, kwargs: dict) -> None:
-        """Count the storages an operator reads that were made before counting saw them."""
+    def adopt_inputs(self, args: tuple, kwargs: dict) -> bool:
+        """Count the storages an operator reads that were made before counting saw them.
+
+        Returns whether it reads a host copy (an offloaded tensor being brought back).
+        """
         self.flush()
+        reads_host = False
         for leaf in tree_leaves((args, kwargs)):
             if isinstance(leaf, torch.Tensor):
-                self.track(leaf)
+                record = self.track(leaf)
+                reads_host = reads_host or (record is not None and record.place == HOST)
+        return reads_host
 
-    def count_outputs(self, func, out) -> torch.OutOfMemoryError | None:
-        """Count the outputs of `func`; return the cap error instead if they do not fit."""
+    def count_outputs(self, func, out, from_host: bool = False) -> torch.OutOfMemoryError | None:
+        """Count the outputs of `func`; return the cap error instead if they do not fit.
+
+        `from_host`: the operator read a host copy; its new device storages are restored
+        activations (offloaded ones coming back for backward).
+        """
         self.flush()
         new: dict[int, tuple[torch.UntypedStorage, torch.Tensor, str]] = {}
         requested = 0
@@ -215,7 +225,9 @@ class LiveStorages:
         if error is None and new:
             op = str(func.overloadpacket)
             for storage, tensor, place in new.values():
-                self._new_record(storage, tensor, op, place)
+                record = self._new_record(storage, tensor, op, place)
+                if from_host and place == DEVICE:
+                    self.update(record, restored=True)
         if self.after_operator is not None:
             self.after_operator()
         return error
@@ -312,9 +324,9 @@ class _CountingMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        self.storages.adopt_inputs(args, kwargs)
+        from_host = self.storages.adopt_inputs(args, kwargs)
         out = func(*args, **kwargs)
-        error = self.storages.count_outputs(func, out)
+        error = self.storages.count_outputs(func, out, from_host)
         if error is not None:
             del out  # the traceback must not keep the refused outputs alive
             try:

@@ -21,12 +21,13 @@ class StorageRecord:
     """What the counter knows about one live storage.
 
     Its category follows from the fields: a role (parameters, gradients, optimizer
-    state) first, then logits-shaped, then saved for backward, then what made it
-    (a checkpoint's recompute, backward), else other.
+    state) first, then logits-shaped, then made by a checkpoint's recompute, then saved
+    for backward or brought back from an offloaded host copy, then made by backward,
+    else other.
     """
 
     __slots__ = (
-        "key", "born", "ref", "nbytes", "place", "role", "saved", "logits", "recomputed", "backward",
+        "key", "born", "ref", "nbytes", "place", "role", "saved", "logits", "recomputed", "restored", "backward",
         "shape", "dtype", "op", "module", "phase",
     )  # fmt: skip
 
@@ -42,6 +43,7 @@ class StorageRecord:
         self.saved = 0  # how many saved-for-backward references are alive
         self.logits = False
         self.recomputed = False  # made by a checkpointed block's recompute in backward
+        self.restored = False  # brought back from a host copy (offloaded activations) for backward
         self.backward = False  # made by backward outside a recompute
         # A storage first seen through a resize has no tensor: describe it as raw bytes.
         self.shape = tuple(tensor.shape) if tensor is not None else (nbytes,)
@@ -58,7 +60,7 @@ class StorageRecord:
             return LOGITS
         if self.recomputed:
             return RECOMPUTED_ACTIVATIONS
-        if self.saved > 0:
+        if self.saved > 0 or self.restored:
             return ACTIVATIONS
         if self.backward:
             return ACTIVATION_GRADIENTS

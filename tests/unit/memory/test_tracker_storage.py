@@ -171,3 +171,16 @@ def test_mark_host_moves_bytes_and_the_cap_counts_device_bytes_only():
         assert tracker.host_bytes == 0
         assert tracker.current_bytes - start == 8000
         del kept
+
+
+def test_a_tensor_brought_back_from_a_host_copy_is_an_activation():
+    tracker = MemoryTracker("cpu")
+    with tracker:
+        with host_allocations():
+            offloaded = torch.ones(1000)
+        fetched = offloaded.clone()  # what offloading hands back to backward
+        assert tracker.breakdown()[ACTIVATIONS] == 4000 and tracker.host_bytes == 4000
+        del fetched
+        assert tracker.breakdown()[ACTIVATIONS] == 0
+        assert (torch.ones(10) + 1).sum().item() == 20  # made from device tensors: not restored
+        assert tracker.breakdown()[ACTIVATIONS] == 0
