@@ -68,6 +68,8 @@ class PlanResult:
     trades: list[str] = field(default_factory=list)
     """What each chosen technique costs, in words."""
     maximize: str | None = None
+    memory_limit_seq_len: int | None = None
+    """With --maximize seq-len: the longest sequence memory allows, even past the model's positions."""
 
     @property
     def host_fits(self) -> bool | None:
@@ -91,6 +93,7 @@ class PlanResult:
             "host_limit_bytes": self.host_limit_bytes,
             "trades": list(self.trades),
             "maximize": self.maximize,
+            "memory_limit_seq_len": self.memory_limit_seq_len,
         }
 
 
@@ -254,8 +257,8 @@ SEQ_STEP = 256
 MAX_SEQ_LEN = 1 << 23
 
 
-def _longest(search: _Search, mode: str, micro: int, accumulation: int) -> list[Candidate]:
-    """For each technique combination, the longest sequence (a multiple of 256) that fits."""
+def _longest(search: _Search, mode: str, micro: int, accumulation: int, limit: int = MAX_SEQ_LEN) -> list[Candidate]:
+    """For each technique combination, the longest sequence (a multiple of 256, at most `limit`) that fits."""
     best_seq, found = 0, []
     grid = technique_grid(mode, search.config, search.gpu, 1 << 20, accumulation, long_context=True)
     for changes in grid:
@@ -266,13 +269,17 @@ def _longest(search: _Search, mode: str, micro: int, accumulation: int) -> list[
             return search.candidate({**changes, "tiled_mlp": max(2, math.ceil(seq / 8192)) if tiles else 0},
                                     micro, accumulation, seq)
 
-        floor = max(SEQ_STEP, best_seq)
+        floor = min(max(SEQ_STEP, best_seq), limit)
         if not search.fits(at(floor)):
             continue  # cannot beat (or match) the best found so far
         low, high = floor, floor * 2
-        while high <= MAX_SEQ_LEN and search.fits(at(high)):
+        while high <= limit and search.fits(at(high)):
             low, high = high, high * 2
-        high = min(high, MAX_SEQ_LEN + SEQ_STEP)
+        if high > limit:
+            if search.fits(at(limit)):
+                low, high = limit, limit + 1
+            else:
+                high = limit
         while high - low > SEQ_STEP:
             middle = (low + high) // 2 // SEQ_STEP * SEQ_STEP
             low, high = (middle, high) if search.fits(at(middle)) else (low, middle)
@@ -378,12 +385,19 @@ def plan(
                      "auto" if gpu_spec is not None else config.memory.precision, host_limit)
     chosen: list[Candidate] = []
     everything: list[Candidate] = []
+    trained_positions = getattr(hf_config, "max_position_embeddings", None) or getattr(hf_config, "n_positions", None)
+    memory_seq_len = None
     for mode in _modes(allow):
         if maximize == "seq-len":
             micro = config.training.batch_size if _user_set(config, "batch_size") else 1
             accumulation = config.training.gradient_accumulation_steps if _user_set(
                 config, "gradient_accumulation_steps") else 1
             fitting = _longest(search, mode, micro, accumulation)
+            if fitting and trained_positions and fitting[0].changes["seq_len"] > trained_positions:
+                # memfit train refuses windows past the model's positions: plan the longest it runs,
+                # and report how far memory alone would go
+                memory_seq_len = max(memory_seq_len or 0, fitting[0].changes["seq_len"])
+                fitting = _longest(search, mode, micro, accumulation, limit=trained_positions)
             found = fitting or [search.candidate(technique_grid(mode, config, gpu_spec, SEQ_STEP, accumulation)[-1],
                                                  micro, accumulation, SEQ_STEP)]
         elif maximize == "batch-size":
@@ -419,12 +433,13 @@ def plan(
         command=train_command(config, best.changes, gpu_spec, budget_bytes, world_size),
         alternatives=alternatives, tokens_per_second=best.tokens_per_second,
         host_bytes=est.host_bytes, host_available_bytes=est.host_available_bytes, host_limit_bytes=host_limit,
-        trades=trade_offs(best, config, hf_config, gpu_spec, host_limit), maximize=maximize,
+        trades=trade_offs(best, config, hf_config, gpu_spec, host_limit, memory_seq_len), maximize=maximize,
+        memory_limit_seq_len=memory_seq_len or (seq_len if maximize == "seq-len" else None),
     )
 
 
 def trade_offs(candidate: Candidate, config: TrainConfig, hf_config: Any, gpu: GpuSpec | None,
-               host_limit: int | None = None) -> list[str]:
+               host_limit: int | None = None, memory_seq_len: int | None = None) -> list[str]:
     """What each technique of the plan costs, in plain words with the figures that matter."""
     c, est = candidate.changes, candidate.estimate
     link = (gpu.host_link_gbps if gpu is not None else 16.0) * 1e9
@@ -470,11 +485,10 @@ def trade_offs(candidate: Candidate, config: TrainConfig, hf_config: Any, gpu: G
             verdict = "enough" if est.host_bytes <= available else "NOT enough"
             lines.append(f"needs {host_gib:.1f} GiB of host memory{limit}; this machine has {available / GIB:.1f} GiB"
                          f" available now ({verdict} here)")
-    seq = c.get("seq_len", config.data.seq_len)
     trained = getattr(hf_config, "max_position_embeddings", None) or getattr(hf_config, "n_positions", None)
-    if trained and seq > trained:
-        lines.append(f"{seq:,} tokens is beyond the model's trained context ({trained:,}): quality needs RoPE scaling"
-                     " or long-context training data")
+    if memory_seq_len and trained and memory_seq_len > trained:
+        lines.append(f"memory alone would allow {memory_seq_len:,} tokens, but the model handles {trained:,} positions"
+                     " (memfit train refuses longer windows; longer contexts need RoPE scaling in the model config)")
     return lines
 
 
