@@ -157,8 +157,10 @@ def probe_matmul_flops(device: torch.device, dtype: torch.dtype = torch.float32,
     key = (str(device), dtype)
     if key in _PROBED:
         return _PROBED[key]
-    a = torch.randn(size, size, device=device, dtype=torch.float32).to(dtype)
-    b = torch.randn(size, size, device=device, dtype=torch.float32).to(dtype)
+    # A generator of its own: drawing from the global one would shift a resumed run's dropout masks.
+    generator = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(size, size, device=device, dtype=torch.float32, generator=generator).to(dtype)
+    b = torch.randn(size, size, device=device, dtype=torch.float32, generator=generator).to(dtype)
     torch.matmul(a, b)  # warm-up: thread pool, kernel selection
     best = float("inf")
     for _ in range(repeats):
