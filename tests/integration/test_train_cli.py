@@ -37,7 +37,11 @@ def test_train_cli_end_to_end(model_fixture, request, text_file, tmp_path):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(out / "final")
-    assert sum(p.numel() for p in model.parameters()) > 0
+    initial = AutoModelForCausalLM.from_pretrained(model_dir)
+    # The final directory holds the whole trained model: every tensor of the original, moved by training.
+    assert model.state_dict().keys() == initial.state_dict().keys()
+    moved = [name for name, p in model.named_parameters() if not torch.equal(p, initial.get_parameter(name))]
+    assert len(moved) == len(list(initial.parameters())), set(dict(initial.named_parameters())) - set(moved)
 
 
 def test_ai_os_style_command_line(llama_dir, text_file, tmp_path):
