@@ -245,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
             "tokens_per_second": median([r["tokens_per_second"] for r in runs]),
             "relative": median([r["relative"] for r in runs]),
             "per_pass": [r["relative"] for r in runs],
+            "spread": [r["tokens_per_second"] for r in runs],
             "mfu": median([r["mfu"] for r in runs if r["mfu"] is not None]),
             "optimizer_ran": runs[0]["optimizer"],
         })
@@ -261,7 +262,8 @@ def main(argv: list[str] | None = None) -> int:
                         f" ({r['optimizer_ran']} ran)"),
           f"{r['predicted_tokens_per_second'] / reference_predicted:.2f}", f"{r['relative']:.2f}",
           f"{r['tokens_per_second']:.0f}", f"{r['mfu']:.4f}" if r["mfu"] is not None else "-",
-          ", ".join(f"{v:.2f}" for v in r["per_pass"])] for r in rows],
+          (", ".join(f"{v:.2f}" for v in r["per_pass"]) if r is not rows[0] else
+           f"{len(r['spread'])} runs, {min(r['spread']):.0f} to {max(r['spread']):.0f} tokens/s")] for r in rows],
     )
     command = "python benchmarks/bench_speed_ranking.py " + " ".join(argv if argv is not None else sys.argv[1:])
     shape_text = MODEL_SHAPES[shape]

@@ -75,9 +75,11 @@ def compile_blocks(
     """
     reason = compile_unavailable_reason(device, backend)
     if reason:
-        log.warning("memfit: --compile: %s; running eager", reason)
+        reason = f"{reason}; the blocks ran eager"
         if fallbacks is not None:
-            fallbacks["compile"] = reason
+            fallbacks["compile"] = reason  # the training loop logs it once and writes it to the metrics
+        else:
+            log.warning("memfit: --compile: %s", reason)
         return CompileChoice("off", 0, reason)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     blocks = transformer_blocks(base)

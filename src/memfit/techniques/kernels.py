@@ -77,12 +77,16 @@ def apply_kernels(model: torch.nn.Module, requested: str, device: torch.device,
     """Patch liger's kernels into `model` (in place) as `requested` (auto, liger, none) allows.
 
     Call it on the loaded Hugging Face model, with or without LoRA (a PEFT wrapper is looked through).
-    `liger` that cannot run logs one warning (and notes why in `fallbacks["kernels"]`);
-    `auto` falls back silently; the returned choice says what runs either way.
+    `liger` that cannot run says why once: in `fallbacks["kernels"]` when given (the training
+    loop logs those and writes them to the metrics), else as a log warning. `auto` falls back
+    silently; the returned choice says what runs either way.
     """
     choice = _apply_kernels(model, requested, device)
-    if requested == "liger" and choice.reason and fallbacks is not None:
-        fallbacks["kernels"] = choice.reason
+    if requested == "liger" and choice.reason:
+        if fallbacks is not None:
+            fallbacks["kernels"] = choice.reason
+        else:
+            log.warning("memfit: --kernels liger: %s", choice.reason)
     return choice
 
 
@@ -92,9 +96,7 @@ def _apply_kernels(model: torch.nn.Module, requested: str, device: torch.device)
     model_type = getattr(getattr(model, "config", None), "model_type", "") or ""
     reason = liger_unavailable_reason(device, model_type)
     if reason:
-        if requested == "liger":
-            log.warning("memfit: --kernels liger: %s; running PyTorch's kernels", reason)
-        return KernelChoice(reason=reason)
+        return KernelChoice(reason=f"{reason}; PyTorch's kernels ran")
     from liger_kernel.transformers.monkey_patch import _apply_liger_kernel_to_instance
 
     # memfit takes the loss itself (summed, for exact accumulation): liger must not replace the
@@ -107,9 +109,7 @@ def _apply_kernels(model: torch.nn.Module, requested: str, device: torch.device)
     kernels = BLOCK_KERNELS
     head_problem = fused_loss_problem(model)
     if head_problem:
-        if requested == "liger":
-            log.warning("memfit: --kernels liger: no fused loss: %s", head_problem)
-        return KernelChoice(kernels, head_problem)
+        return KernelChoice(kernels, f"no fused loss: {head_problem}")
     return KernelChoice(kernels + (FUSED_LOSS,), "", fused_loss_sum)
 
 

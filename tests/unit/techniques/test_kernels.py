@@ -49,11 +49,20 @@ def test_liger_on_cpu_falls_back_with_one_log_line(caplog):
     assert len(lines) == 1 and lines[0].levelno == logging.WARNING
 
 
-def test_auto_on_cpu_falls_back_quietly(caplog):
+def test_liger_on_cpu_in_a_run_is_noted_once_in_the_fallbacks(caplog):
+    fallbacks = {}
     with caplog.at_level(logging.INFO, logger="memfit"):
-        choice = apply_kernels(_model(), "auto", CPU)
+        apply_kernels(_model(), "liger", CPU, fallbacks)
+    assert "CUDA" in fallbacks["kernels"] and "PyTorch's kernels ran" in fallbacks["kernels"]
+    assert not caplog.records  # the loop logs the fallbacks, once
+
+
+def test_auto_on_cpu_falls_back_quietly(caplog):
+    fallbacks = {}
+    with caplog.at_level(logging.INFO, logger="memfit"):
+        choice = apply_kernels(_model(), "auto", CPU, fallbacks)
     assert choice.description == "none" and "CUDA" in choice.reason
-    assert not caplog.records
+    assert not caplog.records and not fallbacks
 
 
 def _reference_fused_loss_module():
