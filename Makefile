@@ -14,7 +14,7 @@ EXTRAS ?= all,dev,deepspeed
 # ~/.cache/memfit/torch-extensions, so later runs and fresh clones reuse it.
 export DS_ACCELERATOR ?= cpu
 
-.PHONY: demo test setup lint bench clean
+.PHONY: demo test setup lint bench bench-gpu clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv --system-site-packages $(VENV)
@@ -40,6 +40,10 @@ lint: setup
 
 bench: setup
 	$(BIN)/python benchmarks/bench_engine.py
+
+# Every GPU figure of docs/techniques.md and docs/accuracy.md (needs a CUDA device).
+bench-gpu: setup
+	$(BIN)/python benchmarks/bench_gpu.py --out docs/benchmarks.md
 
 clean:
 	rm -rf $(VENV) runs
