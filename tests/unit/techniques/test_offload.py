@@ -158,3 +158,40 @@ def test_optimizer_offload_keeps_adam_state_off_the_gpu():
     assert measured[False][0] - measured[True][0] > 1.5 * parameter_bytes
     for expected, actual in zip(measured[False][1], measured[True][1], strict=True):
         torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("layers", [8])
+def test_offloaded_checkpoints_keep_two_block_inputs_on_the_device(layers):
+    """Full checkpointing + offload: the block inputs wait in host memory, two come back at a time."""
+    from memfit.memory.tracker import MemoryTracker
+    from memfit.techniques.checkpointing import apply_gradient_checkpointing
+    from memfit.techniques.tiled_mlp import apply_tiled_mlp
+
+    seq, hidden = 4096, 64
+    model = tiny_llama(hidden=hidden, layers=layers)
+    apply_gradient_checkpointing(model, "full")
+    apply_tiled_mlp(model, 8)  # so that the block inputs, not one block's MLP, decide the peak
+    model.train()
+    input_ids = torch.randint(0, 256, (1, seq), generator=torch.Generator().manual_seed(0))
+    measured = {}
+    for offload in (False, True):
+        model.zero_grad(set_to_none=True)
+        context = ActivationOffload(model, device="cpu") if offload else contextlib.nullcontext()
+        tracker = MemoryTracker("cpu")
+        tracker.attach(model)
+        with tracker:
+            with context:
+                loss = model(input_ids=input_ids, labels=input_ids).loss
+            loss.backward()
+        grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+        measured[offload] = (tracker.peak_bytes, tracker.host_peak_bytes, loss.detach(), grads)
+        tracker.detach()
+
+    block_input = seq * hidden * 4
+    (plain_peak, _, plain_loss, plain_grads), (peak, host_peak, loss, grads) = measured[False], measured[True]
+    print(f"offloaded checkpoints, {layers} blocks: device peak {plain_peak} -> {peak} B, host peak {host_peak} B")
+    assert plain_peak - peak >= (layers - 3) * block_input  # all but about two (plus the one in flight)
+    assert host_peak >= layers * block_input
+    assert torch.equal(loss, plain_loss)
+    for name, grad in plain_grads.items():
+        assert torch.equal(grads[name], grad), name
