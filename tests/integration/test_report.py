@@ -134,3 +134,18 @@ def test_profile_writes_its_report(llama_dir, text_file, tmp_path):
     assert "timeline" not in json.loads(result.stdout)  # the report's data stays out of the JSON object
     page = (out / "report.html").read_text()
     assert "memfit profile" in page and 'id="timeline"' in page and remote_references(page) == []
+
+
+@needs_chromium
+def test_browser_check_catches_errors_and_remote_loads(tmp_path):
+    """The checks above can fail: a console error, an exception and a remote image are all reported."""
+    page = tmp_path / "bad.html"
+    page.write_text(
+        "<html><body><img src='http://example.invalid/x.png'>"
+        "<script>console.error('boom'); undefinedFunction();</script></body></html>"
+    )
+    check = check_page(page)
+    assert any("boom" in error for error in check.console_errors)
+    assert any("undefinedFunction" in error for error in check.console_errors)
+    assert check.blocked_requests == ["http://example.invalid/x.png"]
+    assert remote_references(page.read_text()) != []
