@@ -143,3 +143,15 @@ def test_without_plotly_report_says_so_in_one_line(make_run):
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "pip install 'memfit[report]'" in lines[0], result.stderr
     assert not (run_dir / "report.html").exists()
+
+
+def test_run_killed_before_its_first_step_still_has_a_report(tmp_path):
+    from conftest import start_record
+
+    run_dir = tmp_path / "killed"
+    run_dir.mkdir()
+    lines = [start_record(), {"step": 1, "loss": None, "lr": "inf", "grad_norm": None}]  # NaN and inf as JSON writes them
+    (run_dir / "metrics.jsonl").write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    page = write_report(run_dir).read_text()
+    assert "no summary: the run did not finish" in page
+    assert remote_references(page) == []
