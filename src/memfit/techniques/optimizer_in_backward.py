@@ -11,6 +11,10 @@ parameter instead of a fused multi-tensor kernel is a little slower on GPU). It 
 what needs all gradients at once: gradient accumulation over micro-batches, global
 gradient-norm clipping, and fp16 loss scaling (see `check_optimizer_in_backward`).
 
+With `--optimizer-offload` too, each per-parameter optimizer steps a host copy of its
+parameter (`memfit.techniques.offload.host_stepped`): the device then holds no optimizer
+state either, only the weights and one gradient at a time.
+
 The loop uses `OptimizerInBackward` like any optimizer: it calls `loss.backward()`, then
 `step()` and `zero_grad()`, which are no-ops. It is a `torch.optim.Optimizer` whose
 `param_groups` are the per-parameter optimizers' own groups, so an LR scheduler
