@@ -153,7 +153,11 @@ def test_report_from_synthetic_records_without_torch_run():
     steps = [StepMemory(step=0, peak_bytes=100, breakdown=breakdown, phases=[], live_bytes_at_end=40)]
     report = build_report(steps, snapshot, "cpu")
     assert report.peak_bytes == 100 and report.leak is None
-    assert render(report)
+    text = render(report).splitlines()
+    assert text[1] == "peak 0.10 KiB in step 0 (backward)"
+    # Each category's line carries its share of the peak.
+    shares = {line.split()[0]: line.split()[-1] for line in text[2:2 + len(CATEGORIES)]}
+    assert shares == {c: f"{100 * breakdown.get(c, 0) // 100}%" for c in CATEGORIES}
 
 
 def test_report_without_closed_steps_uses_the_snapshot():

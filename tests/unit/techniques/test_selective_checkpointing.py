@@ -244,7 +244,13 @@ def test_auto_checkpointing_fits_the_budget_with_the_fewest_blocks():
         description = auto_checkpointing(model, config, budget)
         checkpointed = [layer.gradient_checkpointing for layer in model.model.layers]
         assert sum(checkpointed) == blocks, description
-        assert measured_training_peak(model, input_ids) <= budget, description
+        # What fits is the promise: the measured peak stays within the budget. The prediction itself
+        # is off by at most 8% either way (with 3 of 4 blocks checkpointed the measured peak is 7%
+        # above it): the 10% the budget keeps back (AUTO_BUDGET_SHARE) covers that, and no more.
+        measured = measured_training_peak(model, input_ids)
+        print(f"{blocks} blocks checkpointed: predicted {predicted[blocks]} B, measured {measured} B")
+        assert measured <= budget, description
+        assert abs(measured - predicted[blocks]) <= 0.08 * predicted[blocks], description
 
     model = tiny_llama(layers=4).train()
     description = auto_checkpointing(model, config, min(predicted) // 2)
