@@ -169,6 +169,8 @@ def curves_figure(run: RunData):
         figure.update_xaxes(title_text="step" if position >= len(panels) - columns else None, row=row, col=col)
     _mark_events(go, figure, run)
     figure.update_xaxes(matches="x")  # one step axis: zooming one panel zooms them all
+    if run.steps and run.steps[-1]["step"] <= 12:
+        figure.update_xaxes(dtick=1)  # whole steps, not 1.2, 1.4, ...
     figure.update_layout(
         height=300 * rows,
         margin={"l": 60, "r": 20, "t": 50, "b": 40},
