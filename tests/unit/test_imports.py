@@ -5,7 +5,10 @@ from __future__ import annotations
 import subprocess
 import sys
 
-OPTIONAL = ("peft", "bitsandbytes", "torchao", "deepspeed", "matplotlib", "pyarrow", "datasets", "tensorboard", "flash_attn")
+OPTIONAL = (
+    "peft", "bitsandbytes", "torchao", "deepspeed", "matplotlib", "pyarrow", "datasets", "tensorboard", "flash_attn",
+    "plotly", "wandb", "mlflow", "liger_kernel",
+)
 
 SCRIPT = f"""
 import importlib, pkgutil, sys
