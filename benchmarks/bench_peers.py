@@ -317,7 +317,9 @@ def p2(runner: Runner) -> tuple[str, list[list[str]]]:
                      f"{r['tokens_per_second']:.0f}", f"{r['peak_bytes'] / MIB:.0f}", fits])
     table = markdown_table(["run", "tokens/s", "peak RSS (MiB)", f"fits {budget / MIB:.0f} MiB"], rows)
     if best_hf is None:
-        headline = f"No Trainer setting fits {budget / MIB:.0f} MiB; memfit runs at {mf['tokens_per_second']:.0f} tokens/s."
+        headline = (f"No Trainer setting fits {budget / MIB:.0f} MiB; memfit runs at {mf['tokens_per_second']:.0f}"
+                    f" tokens/s with a peak of {mf['peak_bytes'] / MIB:.0f} MiB, which"
+                    f" {'fits' if mf['peak_bytes'] <= budget else 'does NOT fit either'}.")
     else:
         headline = (f"Budget {budget / MIB:.0f} MiB ({runner.args.budget_fraction:.0%} of the Trainer's plain peak):"
                     f" **memfit {mf['tokens_per_second'] / best_hf['tokens_per_second']:.2f}x the tokens/s of the"
