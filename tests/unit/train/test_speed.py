@@ -42,7 +42,7 @@ def test_full_checkpointing_predicts_a_longer_step_and_counts_hardware_flops():
     assert full.flops.hardware > full.flops.model == plain.flops.model
 
 
-def test_a_cpu_run_logs_mfu_per_step_and_the_prediction_beside_the_measurement(tmp_path):
+def test_a_cpu_run_logs_mfu_per_step_the_prediction_and_which_kernels_ran(tmp_path):
     from memfit.config_loading import load_config
     from memfit.train.loop import train
     from memfit.train.metrics import read_metrics
@@ -50,7 +50,7 @@ def test_a_cpu_run_logs_mfu_per_step_and_the_prediction_beside_the_measurement(t
 
     config = load_config(overrides={"model": "tiny", "max_steps": "3", "seq_len": "64", "batch_size": "2",
                                     "gradient_accumulation_steps": "2", "output_dir": str(tmp_path / "run"),
-                                    "report": "false"})
+                                    "report": "false", "kernels": "liger"})
     result = train(config)
     records = read_metrics(tmp_path / "run" / "metrics.jsonl")
     start, steps, summary = records[0], [r for r in records if "event" not in r], records[-1]
@@ -59,6 +59,8 @@ def test_a_cpu_run_logs_mfu_per_step_and_the_prediction_beside_the_measurement(t
     for record in steps:
         assert 0 < record["mfu"] <= record["hfu"] < 1
         assert record["tokens_per_second"] > 0
+    # Asked for liger on a CPU: PyTorch's kernels ran, and the metrics say so and why.
     assert summary["kernels"] == "none" and summary["compile"] == "off"
+    assert "CUDA" in summary["fallbacks"]["kernels"]
     assert summary["measured_step_seconds"] > 0 and summary["measured_over_predicted"] > 0
     assert "speed: step" in memory_report(result.summary)
