@@ -271,8 +271,11 @@ class Runner:
 
 def p1(runner: Runner) -> tuple[str, list[list[str]]]:
     same = {"precision": "fp32", "optimizer": "adamw"}
-    hf = runner.run("hf", "Hugging Face Trainer", {"batch_size": runner.args.effective_batch})
-    mf = runner.run("memfit", "memfit (defaults)", same)
+    hf_runs, mf_runs = [], []
+    for _ in range(runner.args.repeats):  # alternated, so a load that drifts does not favour one tool
+        hf_runs.append(runner.run("hf", "Hugging Face Trainer", {"batch_size": runner.args.effective_batch}))
+        mf_runs.append(runner.run("memfit", "memfit (defaults)", same))
+    hf, mf = _median_run(hf_runs), _median_run(mf_runs)
     rows = [[r["label"], f"{r['tokens_per_second']:.1f}", f"{r['peak_bytes'] / MIB:.0f}",
              f"{r['tokens_per_second'] / hf['tokens_per_second']:.2f}", f"{r['peak_bytes'] / hf['peak_bytes']:.2f}",
              f"{r['first_loss']:.4f}"] for r in (hf, mf)]
@@ -281,6 +284,15 @@ def p1(runner: Runner) -> tuple[str, list[list[str]]]:
     headline = (f"memfit: **{mf['tokens_per_second'] / hf['tokens_per_second']:.2f}x the Trainer's tokens/s at"
                 f" {mf['peak_bytes'] / hf['peak_bytes']:.2f}x its peak RSS** (what ran: {_ran(mf)}).")
     return headline + "\n\n" + table, rows
+
+
+def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The runs' median tokens/s and peak (each taken separately), labelled with their count."""
+    if len(runs) == 1:
+        return runs[0]
+    return {**runs[0], "label": f"{runs[0]['label']} (median of {len(runs)})",
+            "tokens_per_second": median([r["tokens_per_second"] for r in runs]),
+            "peak_bytes": median([r["peak_bytes"] for r in runs])}
 
 
 def trainer_settings(effective: int) -> list[tuple[str, dict[str, Any]]]:
@@ -368,6 +380,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int)
     parser.add_argument("--threads", type=int, help="CPU threads per run (default torch's; 1 keeps a crowded machine"
                         " from thrashing)")
+    parser.add_argument("--repeats", type=int, default=1, help="p1: runs of each tool, alternated (default 1)")
     parser.add_argument("--budget-fraction", type=float, default=0.5, help="p2: budget / Trainer plain peak (0.5)")
     parser.add_argument("--out", help="markdown file to write the results into (e.g. docs/benchmarks.md)")
     parser.add_argument("--json", help="also write the raw results to this JSON file")
