@@ -324,13 +324,15 @@ def run_all(args: argparse.Namespace, device: str, workdir: Path) -> tuple[dict[
         }
         started = time.perf_counter()
         result = run_worker(__file__, spec, env=env)
+        # The 1-minute load average as the run ends: timings on a shared machine are read beside it.
+        result["load_average"] = os.getloadavg()[0]
         results[name].append(result)
         if args.json:  # kept up to date, so an interrupted run leaves what it measured
             Path(args.json).write_text(json.dumps({"runs": results}, indent=1))
         print(
             f"[{number}/{len(plan)}] {label}: {result['tokens_per_second']:.0f} tokens/s,"
             f" peak {result['peak_bytes'] / MIB:.0f} MiB, first loss {result['first_loss']:.4f}"
-            f" ({time.perf_counter() - started:.0f} s)",
+            f" ({time.perf_counter() - started:.0f} s, load average {result['load_average']:.1f})",
             file=sys.stderr,
         )
     return results, parameters
@@ -343,6 +345,7 @@ def summarize(results: dict[str, list[dict]]) -> dict[str, dict[str, float]]:
             "peak_bytes": median([r["peak_bytes"] for r in runs]),
             "first_loss": median([r["first_loss"] for r in runs]),
             "import_rss_bytes": median([r["import_rss_bytes"] for r in runs]),
+            "load_average": max(r.get("load_average", 0.0) for r in runs),
             "runs": len(runs),
             "ran": runs[0]["ran"],
         }
@@ -385,10 +388,11 @@ def report(
                 ratio(figures["tokens_per_second"], hf.get("tokens_per_second")),
                 ratio(figures["peak_bytes"], hf.get("peak_bytes")),
                 f"{figures['first_loss']:.4f}",
+                f"{figures['load_average']:.1f}",
             ]
         )
     table = markdown_table(
-        ["configuration", "tokens/s", peak_name, "tokens/s vs HF", "peak vs HF", "loss at step 1"], rows
+        ["configuration", "tokens/s", peak_name, "tokens/s vs HF", "peak vs HF", "loss at step 1", "load"], rows
     )
     precision = "bf16 autocast" if device == "cuda" else "fp32"
     lines = [
@@ -405,7 +409,9 @@ def report(
         " process; the reference and the baseline alternate and their figures are medians.",
         "",
         "tokens/s: median over the steps after warm-up of the step's tokens divided by the time from the end of"
-        " the previous step to the end of this one (start-up and the end-of-run save excluded). "
+        " the previous step to the end of this one (start-up and the end-of-run save excluded). load: the"
+        f" machine's 1-minute load average as the row's runs ended (the largest over its runs; {os.cpu_count()}"
+        " logical CPUs here): tokens/s measured under a load above that count are not a measurement of the trainer. "
         + (
             "Peak: `torch.cuda.max_memory_allocated` from process start to the end of the last step."
             if device == "cuda"

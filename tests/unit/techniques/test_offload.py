@@ -125,6 +125,7 @@ def test_activation_offload_frees_gpu_memory_after_forward_and_keeps_numerics():
     offloaded_bytes, loss = held_after_forward(context)
     grads = {name: p.grad for name, p in model.named_parameters()}
 
+    print(f"held after forward: {plain_bytes / 2**20:.1f} MiB without offload, {offloaded_bytes / 2**20:.1f} MiB with")
     assert reason is None and context.offloaded_bytes > 0
     assert offloaded_bytes < 0.5 * plain_bytes, (offloaded_bytes, plain_bytes)
     torch.testing.assert_close(loss, reference_loss, rtol=0, atol=0)
@@ -154,6 +155,8 @@ def test_optimizer_offload_keeps_adam_state_off_the_gpu():
         measured[offload] = (torch.cuda.memory_allocated(), [p.detach().cpu() for p in model.parameters()])
         del model, optimizer
     parameter_bytes = sum(p.numel() * 4 for p in measured[False][1])
+    print(f"device bytes freed by optimizer offload: {(measured[False][0] - measured[True][0]) / parameter_bytes:.2f}"
+          " x the parameter bytes")
     # AdamW keeps two fp32 moments per parameter: about 2 x parameter bytes leave the GPU.
     assert measured[False][0] - measured[True][0] > 1.5 * parameter_bytes
     for expected, actual in zip(measured[False][1], measured[True][1], strict=True):
