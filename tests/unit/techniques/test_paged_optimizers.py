@@ -225,3 +225,36 @@ def test_paged_8bit_adamw_on_cuda_equals_unpaged_and_keeps_state_out_of_the_allo
     print(
         f"allocator bytes held after 3 steps: adamw-8bit {results['adamw-8bit'][1]}, paged {results['paged-adamw-8bit'][1]}"
     )
+
+
+def test_training_with_offload_and_step_in_backward_equals_step_in_backward(llama_dir, text_file, tmp_path):
+    """Through memfit.train: --optimizer-offload with --optimizer-in-backward steps on the host, same weights."""
+    from safetensors.torch import load_file
+
+    from memfit.config_loading import load_config
+    from memfit.train.loop import train
+    from memfit.train.metrics import read_metrics
+
+    results = {}
+    for offload in (False, True):
+        out = tmp_path / str(offload)
+        config = load_config(
+            overrides=dict(
+                model=str(llama_dir),
+                dataset=str(text_file),
+                seq_len=64,
+                batch_size=2,
+                max_steps=2,
+                optimizer="sgd",
+                lr=0.5,
+                max_grad_norm=0.0,
+                optimizer_in_backward=True,
+                optimizer_offload=offload,
+                output_dir=str(out),
+            )
+        )
+        result = train(config)
+        results[offload] = load_file(str(result.final_dir / "model.safetensors"))
+        start = read_metrics(out / "metrics.jsonl")[0]
+        assert start["optimizer"].endswith(" in backward on the host" if offload else " in backward")
+    assert_same_weights(results[True], results[False])
