@@ -126,9 +126,9 @@ class MemoryConfig:
     optimizer_in_backward: bool = False
     """Update each parameter as soon as its gradient is ready and free the gradient."""
     activation_offload: bool = False
-    """Move tensors saved for backward to CPU memory (CUDA only)."""
+    """Move tensors saved for backward to host memory (with checkpointing: each block's input, two kept on the device); on CPU the copies count as host memory."""
     optimizer_offload: bool = False
-    """Keep optimizer state and run the optimizer step on the CPU (CUDA only)."""
+    """Keep optimizer state and run the optimizer step on the CPU (CUDA; with --optimizer-in-backward on any device)."""
     memory_cap: int | None = field(default=None, metadata=SIZE)
     """Behave as if the device had only this much memory (e.g. 16GiB), to rehearse a smaller GPU."""
     memory_budget: int | None = field(default=None, metadata=SIZE)

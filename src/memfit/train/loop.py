@@ -232,7 +232,7 @@ def _oom_is_fatal(runner: StepRunner, config: TrainConfig):
 
 
 def _activation_offload_context(session: TrainingSession):
-    if not session.config.memory.activation_offload or session.device.type != "cuda":
+    if not session.config.memory.activation_offload:
         return contextlib.nullcontext()
     from memfit.techniques.offload import activation_offload
 
