@@ -41,26 +41,14 @@ from torch import nn
 
 from memfit.config import OptimizerConfig
 from memfit.errors import UsageError
+from memfit.techniques.host_memory import host_allocations, mark_host
 
 OPTIMIZER_NO_EFFECT_ON_CPU = "optimizer offload has no effect on CPU: optimizer state already lives in host memory"
 DEFAULT_MIN_OFFLOAD_BYTES = 1 << 16  # smaller tensors cost more in copy latency than they free
 
 
-def _host_allocations() -> contextlib.AbstractContextManager:
-    """Where host copies are allocated: memfit's accounting then files them as host memory."""
-    try:
-        from memfit.techniques.host_memory import host_allocations
-    except ImportError:  # accounting without a host/device split: the copies count where they are
-        return contextlib.nullcontext()
-    return host_allocations()
-
-
 def _mark_host(tensors) -> None:
-    """File tensors made outside `_host_allocations` (e.g. from Python numbers) as host memory."""
-    try:
-        from memfit.techniques.host_memory import mark_host
-    except ImportError:
-        return
+    """File tensors made outside `host_allocations` (e.g. from Python numbers) as host memory."""
     for tensor in tensors:
         if isinstance(tensor, torch.Tensor):
             mark_host(tensor)
@@ -69,10 +57,10 @@ def _mark_host(tensors) -> None:
 def _to_host(tensor: torch.Tensor, pin: bool) -> torch.Tensor:
     """An empty host tensor shaped like `tensor` (contiguous), filed as host memory.
 
-    Filed both ways: allocated inside `_host_allocations` for a counter running now, and
+    Filed both ways: allocated inside `host_allocations` for a counter running now, and
     marked for one that starts later (an optimizer is built before tracking starts).
     """
-    with _host_allocations():
+    with host_allocations():
         host = torch.empty(tensor.size(), dtype=tensor.dtype, device="cpu", pin_memory=pin)
     _mark_host([host])
     return host
@@ -359,7 +347,7 @@ class HostSteppedOptimizer:
         master.copy_(parameter.detach())
         self.master = nn.Parameter(master)
         self.master.grad = _to_host(parameter, pin)
-        with _host_allocations():
+        with host_allocations():
             self.inner = make_optimizer([self.master])
         self._synced_version = parameter._version
 
@@ -379,7 +367,7 @@ class HostSteppedOptimizer:
         if parameter._version != self._synced_version:
             self.master.copy_(parameter)
         self.master.grad.copy_(parameter.grad)  # blocking on CUDA: the host step reads it next
-        with _host_allocations():  # the optimizer's state and temporaries are host memory
+        with host_allocations():  # the optimizer's state and temporaries are host memory
             self.inner.step()
         _mark_host(value for state in self.inner.state.values() for value in state.values())
         parameter.copy_(self.master, non_blocking=self._pin)
@@ -393,7 +381,7 @@ class HostSteppedOptimizer:
         return self.inner.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        with _host_allocations():
+        with host_allocations():
             self.inner.load_state_dict(state_dict)
         _mark_host(value for state in self.inner.state.values() for value in state.values())
 
