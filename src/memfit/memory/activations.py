@@ -118,8 +118,9 @@ def layer_bytes_per_token(arch: Architecture, precision: Precision, attention: s
                           mlp_tiles: int = 0) -> float:
     """Bytes one block keeps for backward, per token of the micro-batch.
 
-    `mlp_tiles` > 1: the MLP runs over that many sequence tiles and keeps only its input;
-    one tile's intermediates are alive at a time (in forward and in its backward).
+    `mlp_tiles` > 1: the MLP runs each tile without keeping anything but its input (the
+    norm's output, counted with the norm); one tile's intermediates exist at a time, in
+    forward and again in backward (`activation_bytes` adds them to the backward peak).
     """
     c, r = precision.compute, precision.residual
     a = precision.attention or c
@@ -148,7 +149,7 @@ def layer_bytes_per_token(arch: Architecture, precision: Precision, attention: s
         attention_bytes += probabilities * (4 + (c if c != 4 else 0))
         if arch.attention_dropout > 0:
             attention_bytes += probabilities * (1 + c)
-    mlp = mlp_bytes_per_token(arch, precision) / max(1, mlp_tiles)
+    mlp = mlp_bytes_per_token(arch, precision) if mlp_tiles <= 1 else 0.0
     dropout = 2 * h if arch.dropout > 0 else 0  # masks after attention and after the MLP
     adapters = 7 * 4 * precision.lora_rank if frozen else 0  # lora_A outputs kept for lora_B
     if frozen and c == 2 and r == 2:
@@ -245,22 +246,27 @@ def activation_bytes(
     tokens = batch_size * seq_len
     per_token = layer_per_token if layer_per_token is not None else layer_bytes_per_token(
         arch, precision, attention, seq_len)
-    if layer_per_token is not None and mlp_tiles > 1:
-        per_token -= mlp_bytes_per_token(arch, precision) * (1 - 1 / mlp_tiles)
-    elif layer_per_token is None and mlp_tiles > 1:
-        per_token = layer_bytes_per_token(arch, precision, attention, seq_len, mlp_tiles)
+    mlp = mlp_bytes_per_token(arch, precision)
+    tile_backward = 0.0
+    if mlp_tiles > 1:
+        # the MLP keeps only its input; its backward recomputes one tile at a time and holds that
+        # tile's intermediates with their gradients (measured on CPU: about 2 x a tile's share)
+        per_token -= mlp if layer_per_token is not None else 0.0
+        if layer_per_token is None:
+            per_token = layer_bytes_per_token(arch, precision, attention, seq_len, mlp_tiles)
+        tile_backward = 2 * mlp / mlp_tiles * tokens
     full_layer = max(per_token, 0.0) * tokens
     edges = model_edge_bytes_per_token(arch, precision) * tokens
     if checkpointing == "off":
-        kept_one, recompute, blocks_kept = full_layer, 0.0, arch.layers * full_layer
+        kept_one, recompute, blocks_kept = full_layer, tile_backward, arch.layers * full_layer
     elif checkpointing == "selective":
         kept_one = selective_layer_bytes_per_token(arch, precision) * tokens
-        recompute, blocks_kept = full_layer - kept_one, arch.layers * kept_one
+        recompute, blocks_kept = full_layer - kept_one + tile_backward, arch.layers * kept_one
     else:
         checkpointed = math.ceil(arch.layers / max(1, checkpoint_every))
         kept_one = checkpointed_layer_bytes_per_token(arch, precision) * tokens
         # One block is recomputed at a time in backward: its full activations come back.
-        recompute = full_layer
+        recompute = full_layer + tile_backward
         blocks_kept = checkpointed * kept_one + (arch.layers - checkpointed) * full_layer
     if not offload:
         return ActivationTerms(blocks_kept + edges, recompute, full_layer, kept_one)
@@ -268,6 +274,12 @@ def activation_bytes(
     host = blocks_kept + edges - ids_and_labels
     if checkpointing == "off":
         largest = precision.compute * max(arch.intermediate / max(1, mlp_tiles), arch.q_width) * tokens
-        # in backward a block's saved tensors come back (one block prefetched ahead of use)
-        return ActivationTerms(2 * largest + ids_and_labels, full_layer, full_layer, 0.0, host)
+        # In backward the saved tensors come back one operation ahead of use: the peak is the
+        # MLP's backward, its tensors and half of them again as gradients, plus the hidden-wide
+        # gradient in and out (measured on CPU with the tracker).
+        working = (1.5 * mlp / max(1, mlp_tiles) + 2 * precision.compute * arch.hidden) * tokens
+        # (the forward's two copies in flight are gone by then: backward holds the working set alone)
+        in_flight = 2 * largest
+        return ActivationTerms(in_flight + ids_and_labels, max(0.0, working + tile_backward - in_flight), full_layer,
+                               0.0, host)
     return ActivationTerms(2 * kept_one + ids_and_labels, recompute, full_layer, 0.0, host)

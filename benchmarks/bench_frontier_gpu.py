@@ -1,0 +1,188 @@
+"""The frontier runs, measured: the planner's longest QLoRA context and the full fine-tune at batch 2.
+
+On a GPU (the figures of docs/long-context.md): random weights of the Llama-3.1-8B preset
+shape, under `--memory-cap 24GiB`, train 3 steps of
+
+1. QLoRA (rank 32, every linear) at the longest context `memfit plan --maximize seq-len`
+   finds for the cap, and
+2. the full fine-tune at batch 2, seq 2048, as `memfit plan --allow full` configures it,
+
+and record torch.cuda.max_memory_allocated / max_memory_reserved, the tracker's peak and
+host peak, and tokens/s beside the planner's estimate (device and host).
+
+On a CPU the same script runs the same two plans at reduced shapes (4 blocks of width 256,
+a 4096-token vocabulary, a 256 MiB cap, sequence 512 for the full fine-tune), so that the
+path is tested wherever the tests run:
+
+    python benchmarks/bench_frontier_gpu.py                       # CUDA when present
+    python benchmarks/bench_frontier_gpu.py --device cpu --out docs/benchmarks.md
+    make bench-frontier
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import default_label, machine_description, markdown_table, resolve_device, today, write_section  # noqa: E402
+
+GIB = 1024**3
+MIB = 1024**2
+
+CPU_SHAPE = {"hidden_size": 256, "intermediate_size": 704, "num_hidden_layers": 4, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "vocab_size": 4096, "max_position_embeddings": 65536}
+
+
+def _cpu_model(directory: Path) -> str:
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from memfit.models.tiny import byte_tokenizer
+
+    config = LlamaConfig(**CPU_SHAPE, eos_token_id=256, pad_token_id=256, bos_token_id=256)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    byte_tokenizer().save_pretrained(directory)
+    return str(directory)
+
+
+def _corpus(directory: Path, tokens: int) -> str:
+    """Byte-tokenized text: one token per character, enough for every window of the runs."""
+    words = "memory gradient batch token model layer training fits device loss step context offload tile "
+    path = directory / "corpus.txt"
+    path.write_text(words * (tokens // len(words) + 1))
+    return str(path)
+
+
+def _gpu_spec(cap: int, device: str):
+    """The local GPU as the planner sees it, with the cap as its memory (speeds only rank the plans)."""
+    import torch
+
+    from memfit.gpus import GpuSpec
+
+    if device != "cuda":
+        return None
+    return GpuSpec("local", cap, torch.cuda.is_bf16_supported(), 100.0, 100.0, 32.0)
+
+
+def _plans(model: str, cap: int, gpu, full_seq: int, host_memory: int | None) -> dict[str, Any]:
+    from memfit.config_loading import load_config
+    from memfit.memory.planner import plan
+
+    qlora = plan(load_config(overrides={"model": model, "lora_r": 32, "lora_targets": "all-linear"}),
+                 budget_bytes=cap, gpu=gpu, allow="qlora", maximize="seq-len", host_memory=host_memory)
+    full = plan(load_config(overrides={"model": model, "seq_len": full_seq, "batch_size": 2}),
+                budget_bytes=cap, gpu=gpu, allow="full", host_memory=host_memory)
+    return {"QLoRA r32 all-linear, longest context": qlora, f"full fine-tune, batch 2, seq {full_seq}": full}
+
+
+def _measure(model: str, result, cap: int, steps: int, workdir: Path, device: str) -> dict[str, Any]:
+    import torch
+
+    from memfit.config_loading import load_config
+    from memfit.memory.planner import plan_to_overrides
+    from memfit.train.profiling import profile_run
+
+    changes = plan_to_overrides(result)
+    seq = changes["seq_len"]
+    corpus = _corpus(workdir, seq * changes["batch_size"] * (steps + 2))
+    out = workdir / f"run-{seq}-{changes['batch_size']}"
+    config = load_config(overrides={
+        "model": model, "dataset": corpus, "max_steps": steps, "memory_cap": cap, "output_dir": str(out),
+        "report": False, "log_every": 1, "cache_dir": str(workdir / "cache"), **changes,
+    })
+    if device == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    started = time.perf_counter()
+    report, extra = profile_run(config)
+    wall = time.perf_counter() - started
+    data = report.to_dict()
+    tokens_per_second = _last_tokens_per_second(out)
+    row = {
+        "plan": changes, "estimated_peak_bytes": result.estimated_peak_bytes, "estimated_host_bytes": result.host_bytes,
+        "tracked_peak_bytes": data["peak_bytes"], "tracked_host_peak_bytes": data.get("host_peak_bytes", 0),
+        "tokens_per_second": tokens_per_second, "wall_seconds": wall, "losses": extra.get("losses"),
+        "command": result.command, "trades": result.trades,
+    }
+    if device == "cuda":
+        row["cuda_max_allocated_bytes"] = torch.cuda.max_memory_allocated()
+        row["cuda_max_reserved_bytes"] = torch.cuda.max_memory_reserved()
+    return row
+
+
+def _last_tokens_per_second(out: Path) -> float | None:
+    metrics = out / "metrics.jsonl"
+    if not metrics.exists():
+        return None
+    rates = [json.loads(line).get("tokens_per_second") for line in metrics.read_text().splitlines() if line.strip()]
+    rates = [r for r in rates if r]
+    return rates[-1] if rates else None
+
+
+def _table(rows: dict[str, dict[str, Any]], device: str) -> str:
+    headers = ["run", "seq x batch", "estimated peak", "tracked peak", "error"]
+    if device == "cuda":
+        headers += ["max allocated", "max reserved"]
+    headers += ["estimated host", "tracked host peak", "tokens/s"]
+    lines = []
+    for name, row in rows.items():
+        plan = row["plan"]
+        est, tracked = row["estimated_peak_bytes"], row["tracked_peak_bytes"]
+        cells = [name, f"{plan['seq_len']:,} x {plan['batch_size']}", f"{est / MIB:,.1f} MiB", f"{tracked / MIB:,.1f} MiB",
+                 f"{100 * (est / tracked - 1):+.1f}%"]
+        if device == "cuda":
+            cells += [f"{row['cuda_max_allocated_bytes'] / MIB:,.1f} MiB", f"{row['cuda_max_reserved_bytes'] / MIB:,.1f} MiB"]
+        rate = row["tokens_per_second"]
+        cells += [f"{row['estimated_host_bytes'] / MIB:,.1f} MiB", f"{row['tracked_host_peak_bytes'] / MIB:,.1f} MiB",
+                  f"{rate:,.0f}" if rate else "-"]
+        lines.append(cells)
+    commands = "\n".join(f"- {name}: `{row['command']}`" for name, row in rows.items())
+    return markdown_table(headers, lines) + "\n\nPlanned commands (before the cap and the step count were added):\n\n" + commands
+
+
+def main(argv: list[str] | None = None) -> int:
+    from memfit.units import parse_size
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument("--memory-cap", default=None, help="device memory to plan and train within (GPU: 24GiB; CPU: 256MiB)")
+    parser.add_argument("--host-memory", default=None, help="host memory the plans may use (default: this machine's)")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--out", default=None, help="write the table into this markdown file (section 'Frontier runs')")
+    parser.add_argument("--json", default=None, help="also write every figure to this JSON file")
+    args = parser.parse_args(argv)
+    device = resolve_device(args.device)
+    cap = parse_size(args.memory_cap or ("24GiB" if device == "cuda" else "256MiB"), "--memory-cap")
+    host_memory = parse_size(args.host_memory, "--host-memory") if args.host_memory else None
+    with tempfile.TemporaryDirectory(prefix="memfit-frontier-") as tmp:
+        workdir = Path(tmp)
+        model = "preset:llama-3.1-8b" if device == "cuda" else _cpu_model(workdir / "model")
+        full_seq = 2048 if device == "cuda" else 512
+        plans = _plans(model, cap, _gpu_spec(cap, device), full_seq, host_memory)
+        rows = {}
+        for name, result in plans.items():
+            print(f"{name}: {result.command}", file=sys.stderr)
+            rows[name] = _measure(model, result, cap, args.steps, workdir, device)
+    shape = "Llama-3.1-8B preset shape, random weights" if device == "cuda" else (
+        "reduced Llama: 4 blocks, hidden 256, vocabulary 4096, random weights")
+    command = "python benchmarks/bench_frontier_gpu.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    body = (f"{shape}; `--memory-cap {cap / MIB:,.0f}MiB`, {args.steps} steps. Command: `{command.strip()}`. "
+            f"Machine: {machine_description(device)}. Date: {today()}.\n\n" + _table(rows, device))
+    print(body)
+    if args.out:
+        write_section(args.out, "Frontier runs", body, subheading=default_label(device))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
