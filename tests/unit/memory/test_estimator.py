@@ -122,9 +122,11 @@ def test_estimates_stay_within_their_error_band_of_the_measured_peak(changes):
     config = load_config(overrides={"seq_len": 96, "batch_size": 2, **changes})
     truth = _measured(hf_config, config)
     traced = estimate(config, hf_config=hf_config, method="traced").peak_bytes
-    analytical = estimate(config, hf_config=hf_config).peak_bytes
-    assert abs(traced / truth - 1) <= 0.03
-    assert abs(analytical / truth - 1) <= 0.10
+    result = estimate(config, hf_config=hf_config)
+    analytical, band = result.peak_bytes, result.to_dict()["error_band"]
+    print(f"measured {truth} B, traced {traced} B, analytical {analytical} B ({analytical / truth - 1:+.1%}, band {band:.0%})")
+    assert traced == truth  # the same step on fake tensors, counted by the same tracker: to the byte
+    assert abs(analytical / truth - 1) <= band  # within the band the estimate itself states
 
 
 def test_traced_7b_step_runs_in_seconds_without_memory():
