@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 from torchrun_helpers import EXTENSIONS_CACHE, REPO, assert_same_weights, deepspeed_available, final_weights, single
 
 from fault_injection import SGD_FLAGS, largest_update
+from memfit.distributed.parallel import CAP_RANK_ENV
 from memfit.train.metrics import read_metrics
 
 pytestmark = pytest.mark.distributed
@@ -41,11 +42,11 @@ def sgd_single(sgd_args, tmp_path_factory) -> Path:
     return out
 
 
-def _launch_runs(runs: list[dict], tmp_path: Path) -> None:
+def _launch_runs(runs: list[dict], tmp_path: Path, env: dict | None = None) -> None:
     spec = tmp_path / "runs.json"
     spec.write_text(json.dumps(runs))
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(WORKER), str(spec)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_EXTENSIONS_DIR": str(EXTENSIONS_CACHE)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_EXTENSIONS_DIR": str(EXTENSIONS_CACHE), **(env or {})}
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
     assert done.returncode == 0, done.stderr[-4000:]
 
@@ -62,7 +63,8 @@ def engine_runs(sgd_args, tmp_path_factory) -> dict[str, Path]:
         for scale in (None, FAULT):
             name = engine if scale is None else f"{engine}-fault"
             outputs[name] = root / name
-            runs.append({"args": [*sgd_args, "--batch-size", "4", *flags, "--output-dir", str(root / name)],
+            tracking = ["--track-memory"] if engine == "ddp" and scale is None else []  # calibrates the cap below
+            runs.append({"args": [*sgd_args, "--batch-size", "4", *flags, *tracking, "--output-dir", str(root / name)],
                          "grad_scale": scale})
     _launch_runs(runs, root)
     return outputs
@@ -84,6 +86,34 @@ def test_engine_equals_single_process_under_sgd(engine, engine_runs, sgd_single)
 def test_engine_check_fails_on_a_2x_gradient_error(engine, engine_runs, sgd_single):
     with pytest.raises(AssertionError):
         assert_same_weights(final_weights(sgd_single), final_weights(engine_runs[f"{engine}-fault"]))
+
+
+@pytest.fixture(scope="module")
+def capped_runs(engine_runs, sgd_args, tmp_path_factory) -> dict[str, Path]:
+    """DDP with a memory cap on rank 1 only (it splits its micro-batch of 4), clean and with the fault."""
+    steps = [r for r in read_metrics(engine_runs["ddp"] / "metrics.jsonl") if "event" not in r]
+    rank = steps[-1]["ranks"][1]
+    static = rank["parameters"] + rank["gradients"] + rank["optimizer_states"]
+    peak = max(s["ranks"][1]["tracked_peak_bytes"] for s in steps)
+    cap = static + int(0.8 * (peak - static))  # fits a micro-batch of 2, not of 4
+    root = tmp_path_factory.mktemp("capped")
+    outputs = {"capped": root / "capped", "capped-fault": root / "capped-fault"}
+    runs = [{"args": [*sgd_args, "--batch-size", "4", "--sharding", "ddp", "--memory-cap", str(cap), "--output-dir",
+                      str(out)], "grad_scale": 2.0 if name.endswith("fault") else None} for name, out in outputs.items()]
+    _launch_runs(runs, root, env={CAP_RANK_ENV: "1"})
+    return outputs
+
+
+def test_ddp_oom_recovery_on_one_rank_equals_single_process_under_sgd(capped_runs, sgd_single):
+    ooms = [r for r in read_metrics(capped_runs["capped"] / "metrics.jsonl") if r.get("event") == "oom"]
+    assert ooms and {r["rank"] for r in ooms} == {1} and ooms[0]["new_micro_batch_size"] == 2
+    assert_same_weights(final_weights(sgd_single), final_weights(capped_runs["capped"]))
+
+
+def test_ddp_oom_recovery_check_fails_on_a_2x_gradient_error(capped_runs, sgd_single):
+    assert any(r.get("event") == "oom" for r in read_metrics(capped_runs["capped-fault"] / "metrics.jsonl"))
+    with pytest.raises(AssertionError):
+        assert_same_weights(final_weights(sgd_single), final_weights(capped_runs["capped-fault"]))
 
 
 @pytest.fixture(scope="module")
