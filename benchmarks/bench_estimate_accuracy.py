@@ -27,7 +27,7 @@ from memfit.train.traced import measure_step_with_allocator, measure_step_with_t
 
 
 def architectures() -> dict:
-    from transformers import GPT2Config, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config
+    from transformers import AutoConfig, GPT2Config, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config
 
     common = dict(hidden_size=128, intermediate_size=352, num_hidden_layers=4, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=1000, max_position_embeddings=1024)
@@ -37,6 +37,10 @@ def architectures() -> dict:
         "mistral": MistralConfig(**common, sliding_window=None),
         "phi3": Phi3Config(**{**common, "num_key_value_heads": 4}, pad_token_id=0),
         "gpt2": GPT2Config(n_embd=128, n_layer=4, n_head=4, vocab_size=1000, n_positions=1024),
+        # families outside the closed forms: their blocks are measured (memfit.memory.layer_probe)
+        **{name: AutoConfig.for_model(name, **common, bos_token_id=1, eos_token_id=2, pad_token_id=0, **extra)
+           for name, extra in (("starcoder2", {}), ("gemma3_text", {"head_dim": 32}), ("gpt_neox", {}),
+                               ("qwen3", {"head_dim": 32}), ("olmo2", {}))},
     }
 
 
@@ -71,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=2)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cuda: measure with torch.cuda.max_memory_allocated instead of the tracker")
-    parser.add_argument("--archs", default=None, help="comma-separated subset of: llama, qwen2, mistral, phi3, gpt2")
+    parser.add_argument("--archs", default=None, help="comma-separated subset of: llama, qwen2, mistral, phi3, gpt2, starcoder2, gemma3_text, gpt_neox, qwen3, olmo2")
     args = parser.parse_args(argv)
     seq_lens = [int(s) for s in args.seq_lens.split(",")]
     rows, errors = [], {"analytical": [], "traced": []}
