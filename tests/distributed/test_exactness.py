@@ -32,7 +32,7 @@ FAULT = 0.5  # gradients half their size: the loss normalizer not divided by the
 
 @pytest.fixture(scope="module")
 def sgd_args(run_args) -> list[str]:
-    return [*run_args, *SGD_FLAGS, "--lr", "0.5"]
+    return [*run_args, *SGD_FLAGS, "--lr", "0.5", "--no-report"]
 
 
 @pytest.fixture(scope="module")

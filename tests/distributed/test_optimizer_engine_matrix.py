@@ -44,7 +44,7 @@ def _run_matrix(engine: str, llama_dir: Path, text_file: Path, tmp_path: Path) -
     flags, ranks = ENGINES[engine]
     results = tmp_path / "results.json"
     train_args = ["--model", str(llama_dir), "--dataset", str(text_file), "--seq-len", "32", "--batch-size", "2",
-                  "--max-steps", "2", "--loss-chunk-size", "0", "--lr", "1e-2", *flags]
+                  "--max-steps", "2", "--loss-chunk-size", "0", "--lr", "1e-2", "--no-report", *flags]
     worker = [str(WORKER), str(results), str(tmp_path / "runs"), ",".join(OPTIMIZERS), "--", *train_args]
     if ranks == 1:
         command = [sys.executable, *worker]

@@ -58,7 +58,7 @@ def test_each_link_trains_logs_checkpoints_and_resumes(hidden, ran, needs, llama
     if needs is not None and not _installed(needs):
         pytest.skip(f"{needs} is not installed")
     common = ["train", "--model", str(llama_dir), "--dataset", str(text_file), "--seq-len", "32", "--batch-size", "2",
-              "--max-steps", "3", "--optimizer", "adamw-8bit", "--lr", "1e-2", "--warmup-steps", "1"]
+              "--max-steps", "3", "--optimizer", "adamw-8bit", "--lr", "1e-2", "--warmup-steps", "1", "--no-report"]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     first = [*common, "--save-every", "1", "--output-dir", str(straight)]
     second = [*common, "--resume", "auto", "--output-dir", str(resumed)]

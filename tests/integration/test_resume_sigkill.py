@@ -46,7 +46,7 @@ def dropout_model(tmp_path_factory) -> Path:
 def _command(model: Path, text_file: Path, out: Path, *extra: str) -> list[str]:
     return [sys.executable, "-m", "memfit", "train", "--model", str(model), "--dataset", str(text_file),
             "--seq-len", "64", "--batch-size", "2", "--gradient-accumulation-steps", "2", "--max-steps", str(STEPS),
-            "--loss-chunk-size", "0", *SGD_FLAGS, "--momentum", "0.9", "--lr", "0.3", "--output-dir", str(out), *extra]
+            "--loss-chunk-size", "0", "--no-report", *SGD_FLAGS, "--momentum", "0.9", "--lr", "0.3", "--output-dir", str(out), *extra]
 
 
 def _run(command: list[str], env: dict | None = None) -> None:
