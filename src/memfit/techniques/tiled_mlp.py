@@ -96,8 +96,10 @@ def apply_tiled_mlp(model: nn.Module, tiles: int | None) -> str:
 def _make_tiled_forward(untiled: Callable, tiles: int | None) -> Callable:
     def forward(self, hidden: torch.Tensor, *args, **kwargs):
         count = tiles_for(hidden.shape[-2], tiles) if hidden.dim() >= 2 else 1
-        if count <= 1 or args or kwargs or not torch.is_grad_enabled():
+        if count <= 1 or args or kwargs:
             return untiled(hidden, *args, **kwargs)
+        if not torch.is_grad_enabled():  # evaluation: the tiles alone, nothing to save
+            return _tiles_without_graph(untiled, count, hidden)
         trainable = [p for p in self.parameters() if p.requires_grad]
         return TiledMLPFunction.apply(untiled, count, hidden, *trainable)
 
@@ -125,23 +127,16 @@ class TiledMLPFunction(torch.autograd.Function):
             torch.get_autocast_dtype(ctx.device_type),
         )
         ctx.rng = _RngState.capture(hidden.device)
-        ctx.save_for_backward(hidden, *parameters)
-        output = None
-        with torch.no_grad():
-            for index, piece in enumerate(hidden.tensor_split(tiles, dim=-2)):
-                result = mlp(piece)
-                if not isinstance(result, torch.Tensor):
-                    raise TypeError(f"a tiled MLP must return one tensor, got {type(result).__name__}")
-                if output is None:  # written in place: no list of tiles plus a concatenated copy
-                    shape = (*hidden.shape[:-1], result.shape[-1])
-                    output = result.new_empty(shape)
-                _tile(output, tiles, index).copy_(result)
-                del result
-        return output
+        ctx.save_for_backward(hidden)
+        # Held, not saved: the module holds them anyway, and a sharding engine that refills
+        # their storage between forward and backward must not trip autograd's version check.
+        ctx.parameters = parameters
+        return _tiles_without_graph(mlp, tiles, hidden)
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
-        hidden, *parameters = ctx.saved_tensors
+        (hidden,) = ctx.saved_tensors
+        parameters = ctx.parameters
         needs_input = ctx.needs_input_grad[2]
         wanted = [p for p, needed in zip(parameters, ctx.needs_input_grad[3:], strict=True) if needed]
         grad_hidden = torch.empty_like(hidden) if needs_input else None
@@ -176,6 +171,20 @@ class TiledMLPFunction(torch.autograd.Function):
         by_parameter = iter(grad_parameters)
         parameter_grads = [next(by_parameter) if needed else None for needed in ctx.needs_input_grad[3:]]
         return (None, None, grad_hidden, *parameter_grads)
+
+
+def _tiles_without_graph(mlp: Callable, tiles: int, hidden: torch.Tensor) -> torch.Tensor:
+    output = None
+    with torch.no_grad():
+        for index, piece in enumerate(hidden.tensor_split(tiles, dim=-2)):
+            result = mlp(piece)
+            if not isinstance(result, torch.Tensor):
+                raise TypeError(f"a tiled MLP must return one tensor, got {type(result).__name__}")
+            if output is None:  # written in place: no list of tiles plus a concatenated copy
+                output = result.new_empty((*hidden.shape[:-1], result.shape[-1]))
+            _tile(output, tiles, index).copy_(result)
+            del result
+    return output
 
 
 def _tile(tensor: torch.Tensor, tiles: int, index: int) -> torch.Tensor:

@@ -255,6 +255,7 @@ import os, sys, torch, torch.distributed as dist
 from transformers import LlamaConfig, LlamaForCausalLM
 from memfit.distributed.fsdp import fully_shard_model
 from memfit.techniques.loss import causal_lm_loss_sum
+from memfit.techniques.tiled_mlp import apply_tiled_mlp
 
 def tiny():
     torch.manual_seed(0)
@@ -274,6 +275,7 @@ reference = tiny()
 reference_loss = causal_lm_loss_sum(reference, input_ids, labels, chunk_size=0)
 reference_loss.backward()
 model = tiny()
+apply_tiled_mlp(model, int(sys.argv[3]))  # 0: plain MLPs
 fully_shard_model(model, dist.get_world_size(), torch.device("cpu"))
 for _ in range(2):  # the second step runs with the root's state set up by the first
     model.zero_grad(set_to_none=True)
@@ -289,9 +291,12 @@ dist.destroy_process_group()
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("head", ["untied", "tied"])
-def test_chunked_loss_under_fsdp2_equals_the_plain_single_process_loss(head, tmp_path):
-    """FSDP2 gathers the root unit's head in the root's forward, which the chunked loss now runs."""
+@pytest.mark.parametrize(("head", "tiles"), [("untied", 0), ("tied", 0), ("untied", 3)])
+def test_chunked_loss_under_fsdp2_equals_the_plain_single_process_loss(head, tiles, tmp_path):
+    """FSDP2 gathers the root unit's head in the root's forward, which the chunked loss now runs.
+
+    With `tiles`, the blocks' MLPs are tiled too: their recompute runs on the gathered weights.
+    """
     import os
     import subprocess
     import sys
@@ -299,7 +304,7 @@ def test_chunked_loss_under_fsdp2_equals_the_plain_single_process_loss(head, tmp
     script = tmp_path / "worker.py"
     script.write_text(FSDP_WORKER)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script), head]
-    command.append(str(tmp_path))
+    command += [str(tmp_path), str(tiles)]
     result = subprocess.run(
         command, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"}
     )
