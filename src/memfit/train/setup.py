@@ -3,9 +3,10 @@
     build_session(config)
       device, ranks, precision, attention            what runs, with fallbacks said
       choose_engine                                  one process, DDP, FSDP2 or DeepSpeed (train/engine.py)
-      load the model; apply_model_techniques         every memory technique on the model, in order
+      load the model, the data, the batch schedule   everything the user's input can get wrong
+      apply_model_techniques                         every memory technique on the model, in order
       engine.prepare(model, build_optimizer)         shard or wrap, then the optimizer over it
-      data, batch schedule, LR schedule, loss chunk
+      LR schedule, loss chunk
 
 Everything that can fail because of the user's input (a missing model, bad data, a
 precision the device cannot run) fails here, before anything is written to the output
@@ -114,6 +115,12 @@ def build_session(config: TrainConfig) -> TrainingSession:
     if attention.fell_back:
         fallbacks["attention"] = attention.reason
     engine = choose_engine(config, dist, device, precision, fallbacks)
+    if config.memory.optimizer_in_backward:  # refused combinations stop the run before the data is read
+        from memfit.techniques.optimizer_in_backward import check_optimizer_in_backward
+
+        check_optimizer_in_backward(
+            config.accumulation_for(dist.world_size), config.optimizer.max_grad_norm, uses_grad_scaler=precision.grad_scaler
+        )
     if config.lora.lora_r > 0 or config.lora.quantize != "none":
         from memfit.techniques.lora import quantization_config
 
@@ -126,11 +133,6 @@ def build_session(config: TrainConfig) -> TrainingSession:
     ran = attention_that_ran(loaded.model)
     if ran != attention.implementation:
         fallbacks["attention"] = f"{attention.implementation} requested, {ran} ran (the model does not support it)"
-    loaded.model, checkpointing = apply_model_techniques(config, loaded.model)
-    kernels = apply_kernels(loaded.model, config.memory.kernels, device, fallbacks)  # liger on CUDA, else PyTorch's
-    compiled = compile_blocks(loaded.model, device, fallbacks=fallbacks).description if config.memory.compile else "off"
-    model = loaded.model
-    chosen = engine.prepare(model, lambda m: _build_optimizer(config, m, device, fallbacks, precision.grad_scaler))
 
     if not dist.is_main:
         dist.barrier()  # rank 0 tokenizes into the shared cache first; the others then read it
@@ -145,6 +147,12 @@ def build_session(config: TrainConfig) -> TrainingSession:
     total_steps = (
         schedule.steps_for_epochs(config.training.epochs) if config.training.epochs is not None else config.training.max_steps
     )
+    # Only once the data is checked (its sequence length against the model too): techniques log what they do.
+    loaded.model, checkpointing = apply_model_techniques(config, loaded.model)
+    kernels = apply_kernels(loaded.model, config.memory.kernels, device, fallbacks)  # liger on CUDA, else PyTorch's
+    compiled = compile_blocks(loaded.model, device, fallbacks=fallbacks).description if config.memory.compile else "off"
+    model = loaded.model
+    chosen = engine.prepare(model, lambda m: _build_optimizer(config, m, device, fallbacks))
     head = model.get_output_embeddings()
     loss_chunk_size = resolve_loss_chunk_size(config, head.weight.shape[0] if head is not None else 0)
     return TrainingSession(
@@ -209,15 +217,11 @@ def _data_config(config: TrainConfig):
 
 
 def _build_optimizer(
-    config: TrainConfig, model: torch.nn.Module, device: torch.device, fallbacks: dict, precision_uses_scaler: bool = False
+    config: TrainConfig, model: torch.nn.Module, device: torch.device, fallbacks: dict
 ) -> OptimizerChoice:
     groups = parameter_groups(model, config.optimizer.weight_decay)
     if config.memory.optimizer_in_backward:
-        from memfit.techniques.optimizer_in_backward import OptimizerInBackward, check_optimizer_in_backward
-
-        check_optimizer_in_backward(
-            config.accumulation_for(), config.optimizer.max_grad_norm, uses_grad_scaler=precision_uses_scaler
-        )
+        from memfit.techniques.optimizer_in_backward import OptimizerInBackward
         made: list[OptimizerChoice] = []
 
         def make(params):

@@ -160,3 +160,25 @@ def test_every_engine_has_every_member_of_the_interface():
         for name in members - instance_attributes:
             if callable(getattr(Engine, name, None)):
                 assert callable(getattr(engine, name)), f"{engine.__name__}.{name} is not a method"
+
+
+def test_a_step_the_grad_scaler_skips_has_a_norm_that_is_not_finite():
+    """The runner counts a skipped fp16 step from the norm it reads anyway (no extra read of the scale)."""
+    import math
+
+    from memfit.techniques.optimizers import OptimizerChoice
+    from memfit.techniques.precision import PrecisionChoice
+
+    fp16 = PrecisionChoice("fp16", torch.float16, True, "test")
+    model = torch.nn.Linear(4, 1, bias=False)
+    engine = SingleProcessEngine(torch.device("cpu"), fp16, max_grad_norm=1.0)
+    assert engine.scaler is not None
+    engine.prepare(model, lambda m: OptimizerChoice(torch.optim.SGD(m.parameters(), lr=1.0), "sgd", ""))
+    before = model.weight.detach().clone()
+    engine.backward(model(torch.ones(1, 4)).sum(), last_micro_batch=True)
+    assert math.isfinite(float(engine.clip_and_step()))  # a finite step is taken
+    assert not torch.equal(model.weight.detach(), before)
+    before = model.weight.detach().clone()
+    engine.backward(model(torch.full((1, 4), float("inf"))).sum(), last_micro_batch=True)
+    assert not math.isfinite(float(engine.clip_and_step()))
+    torch.testing.assert_close(model.weight.detach(), before)  # the scaler skipped the update
