@@ -207,3 +207,13 @@ def test_automatic_tiles_and_switching_off(monkeypatch):
     assert seen == [3, 3]
     assert apply_tiled_mlp(model, 0) == "off"
     assert [mlp.forward for mlp in find_mlps(model)] == plain
+
+
+def test_evaluation_without_a_graph_runs_the_tiles_and_equals_the_plain_mlp():
+    model = tiny_llama().eval()
+    input_ids = tokens(2, 96)
+    with torch.no_grad():
+        plain = model(input_ids=input_ids).logits
+        apply_tiled_mlp(model, 5)
+        tiled = model(input_ids=input_ids).logits
+    torch.testing.assert_close(tiled, plain, rtol=1e-5, atol=1e-6)
