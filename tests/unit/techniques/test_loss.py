@@ -346,18 +346,14 @@ def test_every_preset_estimates_with_both_methods(preset):
 @pytest.mark.slow
 def test_traced_estimate_cli_on_llama_3_2_1b_at_2048_tokens():
     import json
-    import time
 
     from memfit_cli import run_memfit
 
-    started = time.perf_counter()
     result = run_memfit(
         "estimate", "--model", "llama-3.2-1b", "--seq-len", "2048", "--batch-size", "1", "--method", "traced", "--json"
     )
-    elapsed = time.perf_counter() - started
     assert result.returncode == 0, result.stderr[-2000:]
     data = json.loads(result.stdout)
     assert data["method"] == "traced" and data["details"]["loss_chunk_size"] == 1024
     # No [2047 x 128256] fp32 logits (1 GiB) at the peak: the chunked loss held one chunk.
     assert data["breakdown"]["logits"] < 2048 * 128256 * 4 / 4
-    assert elapsed < 120, elapsed
