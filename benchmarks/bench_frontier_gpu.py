@@ -38,15 +38,18 @@ MIB = 1024**2
 
 CPU_SHAPE = {"hidden_size": 256, "intermediate_size": 704, "num_hidden_layers": 4, "num_attention_heads": 4,
              "num_key_value_heads": 2, "vocab_size": 4096, "max_position_embeddings": 65536}
+QUICK_SHAPE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+               "num_key_value_heads": 2, "vocab_size": 512, "max_position_embeddings": 2048}
+"""--quick: a toy for the smoke test (a 24 MiB cap, sequence 128 for the full fine-tune)."""
 
 
-def _cpu_model(directory: Path) -> str:
+def _cpu_model(directory: Path, shape: dict) -> str:
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from memfit.models.tiny import byte_tokenizer
 
-    config = LlamaConfig(**CPU_SHAPE, eos_token_id=256, pad_token_id=256, bos_token_id=256)
+    config = LlamaConfig(**shape, eos_token_id=256, pad_token_id=256, bos_token_id=256)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(directory)
     byte_tokenizer().save_pretrained(directory)
@@ -150,7 +153,7 @@ def _table(rows: dict[str, dict[str, Any]], device: str) -> str:
     return markdown_table(headers, lines) + "\n\nPlanned commands (before the cap and the step count were added):\n\n" + commands
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
     from memfit.units import parse_size
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -160,21 +163,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--out", default=None, help="write the table into this markdown file (section 'Frontier runs')")
     parser.add_argument("--json", default=None, help="also write every figure to this JSON file")
+    parser.add_argument("--quick", action="store_true", help="CPU smoke run: a toy shape under a 24 MiB cap")
     args = parser.parse_args(argv)
     device = resolve_device(args.device)
-    cap = parse_size(args.memory_cap or ("24GiB" if device == "cuda" else "256MiB"), "--memory-cap")
+    if args.quick and device == "cuda":
+        parser.error("--quick is the CPU smoke run; drop it on a GPU")
+    default_cap = "24GiB" if device == "cuda" else ("24MiB" if args.quick else "256MiB")
+    cap = parse_size(args.memory_cap or default_cap, "--memory-cap")
     host_memory = parse_size(args.host_memory, "--host-memory") if args.host_memory else None
     with tempfile.TemporaryDirectory(prefix="memfit-frontier-") as tmp:
         workdir = Path(tmp)
-        model = "preset:llama-3.1-8b" if device == "cuda" else _cpu_model(workdir / "model")
-        full_seq = 2048 if device == "cuda" else 512
+        shape = QUICK_SHAPE if args.quick else CPU_SHAPE
+        model = "preset:llama-3.1-8b" if device == "cuda" else _cpu_model(workdir / "model", shape)
+        full_seq = 2048 if device == "cuda" else (128 if args.quick else 512)
         plans = _plans(model, cap, _gpu_spec(cap, device), full_seq, host_memory)
         rows = {}
         for name, result in plans.items():
             print(f"{name}: {result.command}", file=sys.stderr)
             rows[name] = _measure(model, result, cap, args.steps, workdir, device)
     shape = "Llama-3.1-8B preset shape, random weights" if device == "cuda" else (
-        "reduced Llama: 4 blocks, hidden 256, vocabulary 4096, random weights")
+        f"reduced Llama: {shape['num_hidden_layers']} blocks, hidden {shape['hidden_size']}, vocabulary"
+        f" {shape['vocab_size']}, random weights")
     command = "python benchmarks/bench_frontier_gpu.py " + " ".join(argv if argv is not None else sys.argv[1:])
     body = (f"{shape}; `--memory-cap {cap / MIB:,.0f}MiB`, {args.steps} steps. Command: `{command.strip()}`. "
             f"Machine: {machine_description(device)}. Date: {today()}.\n\n" + _table(rows, device))
@@ -183,8 +192,8 @@ def main(argv: list[str] | None = None) -> int:
         write_section(args.out, "Frontier runs", body, subheading=default_label(device))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1, default=str))
-    return 0
+    return rows
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

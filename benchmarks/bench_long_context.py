@@ -24,11 +24,12 @@ from _common import machine_description, markdown_table, today, write_section  #
 
 MIB, GIB = 1024**2, 1024**3
 
+_OFF = {"tiled_mlp": 0, "activation_offload": False, "optimizer_in_backward": False}
 LEVERS = {
-    "plain (AdamW, no checkpointing)": {"gradient_checkpointing": "off", "tiled_mlp": 0},
-    "full checkpointing": {"gradient_checkpointing": "full", "tiled_mlp": 0},
-    "+ tiled MLP (4 tiles)": {"gradient_checkpointing": "full", "tiled_mlp": 4},
-    "+ offloaded checkpoints": {"gradient_checkpointing": "full", "tiled_mlp": 4, "activation_offload": True},
+    "plain (AdamW, no checkpointing)": {**_OFF, "gradient_checkpointing": "off"},
+    "full checkpointing": {**_OFF, "gradient_checkpointing": "full"},
+    "+ tiled MLP (4 tiles)": {**_OFF, "gradient_checkpointing": "full", "tiled_mlp": 4},
+    "+ offloaded checkpoints": {**_OFF, "gradient_checkpointing": "full", "tiled_mlp": 4, "activation_offload": True},
     "+ optimizer in backward": {"gradient_checkpointing": "full", "tiled_mlp": 4, "activation_offload": True,
                                 "optimizer_in_backward": True},
 }

@@ -189,8 +189,9 @@ def logits_bytes(arch: Architecture, tokens: int, chunk_tokens: int, compute_byt
     Unchunked: the logits in the compute dtype, their flattened copy, the fp32 copy and
     the fp32 log-softmax kept for backward, then as much again for the gradients:
     about 12 bytes per token and vocabulary entry at the peak. Chunked: one chunk's
-    logits in the compute dtype, their fp32 copy and log-softmax, and in backward the
-    chunk's fp32 logit gradient: (compute + 12) bytes per chunk token and vocabulary entry.
+    logits in the compute dtype, their fp32 copy (16-bit compute only) and log-softmax,
+    and in backward the chunk's fp32 logit gradient: 14 bytes per chunk token and
+    vocabulary entry in 16 bits, 12 in fp32.
     Fused (liger-kernel's linear cross-entropy): no logits kept; it computes the input's
     gradient in forward (tokens x hidden x 4) and works on chunks of about
     tokens x hidden / vocabulary tokens, one fp32 chunk of logits at a time.
@@ -198,7 +199,8 @@ def logits_bytes(arch: Architecture, tokens: int, chunk_tokens: int, compute_byt
     if fused:
         return 2.0 * 4 * tokens * arch.hidden
     if chunk_tokens > 0 and chunk_tokens < tokens:
-        return (compute_bytes + 12.0) * chunk_tokens * arch.vocab
+        upcast = 4 if compute_bytes != 4 else 0  # fp32 logits need no fp32 copy
+        return (compute_bytes + upcast + 8.0) * chunk_tokens * arch.vocab
     return 12.0 * tokens * arch.vocab
 
 
@@ -229,6 +231,7 @@ def activation_bytes(
     mlp_tiles: int = 0,
     offload: bool = False,
     layer_per_token: float | None = None,
+    unchunked_loss: bool = False,
 ) -> ActivationTerms:
     """Activation bytes of a micro-batch.
 
@@ -240,6 +243,7 @@ def activation_bytes(
             memory; the device holds the block being worked on and the one being copied:
             two blocks' inputs. Without checkpointing every saved tensor goes to host; the
             device holds the two largest in flight, and in backward one block's worth.
+        unchunked_loss: the plain loss runs (its saved logits go to host memory under offload).
         layer_per_token: bytes one uncheckpointed block keeps per token, when measured
             from the model itself (`memfit.memory.layer_probe`) instead of the closed form.
     """
@@ -250,20 +254,22 @@ def activation_bytes(
     tile_backward = 0.0
     if mlp_tiles > 1:
         # the MLP keeps only its input; its backward recomputes one tile at a time and holds that
-        # tile's intermediates with their gradients (measured on CPU: about 2 x a tile's share)
+        # tile's intermediates (their gradients overlap what the block's backward frees: measured
+        # on CPU with the tracker, one tile's share at the peak)
         per_token -= mlp if layer_per_token is not None else 0.0
         if layer_per_token is None:
             per_token = layer_bytes_per_token(arch, precision, attention, seq_len, mlp_tiles)
-        tile_backward = 2 * mlp / mlp_tiles * tokens
+        tile_backward = mlp / mlp_tiles * tokens
     full_layer = max(per_token, 0.0) * tokens
     edges = model_edge_bytes_per_token(arch, precision) * tokens
+    checkpointed_blocks = 0
     if checkpointing == "off":
         kept_one, recompute, blocks_kept = full_layer, tile_backward, arch.layers * full_layer
     elif checkpointing == "selective":
         kept_one = selective_layer_bytes_per_token(arch, precision) * tokens
         recompute, blocks_kept = full_layer - kept_one + tile_backward, arch.layers * kept_one
     else:
-        checkpointed = math.ceil(arch.layers / max(1, checkpoint_every))
+        checkpointed = checkpointed_blocks = math.ceil(arch.layers / max(1, checkpoint_every))
         kept_one = checkpointed_layer_bytes_per_token(arch, precision) * tokens
         # One block is recomputed at a time in backward: its full activations come back.
         recompute = full_layer + tile_backward
@@ -272,6 +278,16 @@ def activation_bytes(
         return ActivationTerms(blocks_kept + edges, recompute, full_layer, kept_one)
     ids_and_labels = 16 * tokens
     host = blocks_kept + edges - ids_and_labels
+    if checkpointed_blocks:
+        # Offloaded checkpoints: one input per checkpointed block (the residual stream), the
+        # tensors of blocks left uncheckpointed, and outside the blocks the final norm's input,
+        # its normalised output and the head's input (measured on CPU with the tracker); an
+        # unchunked loss also saves its logits.
+        block_input = precision.residual * arch.hidden * tokens
+        uncheckpointed = blocks_kept - checkpointed_blocks * kept_one
+        host = (checkpointed_blocks + 3) * block_input + uncheckpointed
+        if unchunked_loss:
+            host += precision.compute * arch.vocab * tokens
     if checkpointing == "off":
         largest = precision.compute * max(arch.intermediate / max(1, mlp_tiles), arch.q_width) * tokens
         # In backward the saved tensors come back one operation ahead of use: the peak is the

@@ -328,6 +328,7 @@ def _host_activations(config: TrainConfig, run: RunShape, hf_config: Any) -> flo
         architecture_of(hf_config), _precision(run), batch_size=config.training.batch_size,
         seq_len=config.data.seq_len, attention=run.attention, checkpointing=run.checkpointing,
         checkpoint_every=run.checkpoint_every, mlp_tiles=run.mlp_tiles, offload=True,
+        unchunked_loss=not run.fused_loss and not 0 < run.loss_chunk_size < config.training.batch_size * (config.data.seq_len - 1),
     ).host
 
 
@@ -395,6 +396,7 @@ def _analytical_peak(config, run: RunShape, hf_config, inventory, parts) -> tupl
         arch, precision, batch_size=b, seq_len=s, attention=run.attention,
         checkpointing=run.checkpointing, checkpoint_every=run.checkpoint_every, mlp_tiles=run.mlp_tiles,
         offload=run.activation_offload, layer_per_token=_layer_per_token(run, arch, hf_config, precision, s),
+        unchunked_loss=not run.fused_loss and not 0 < run.loss_chunk_size < b * (s - 1),
     )
     activations, recompute, per_layer = terms.kept, terms.recompute, terms.per_layer
     logits = logits_bytes(arch, b * (s - 1), run.loss_chunk_size, precision.compute, fused=run.fused_loss)

@@ -162,5 +162,5 @@ def test_liger_fused_loss_never_holds_logits():
     common = {"model": "llama-3.1-8b", "seq_len": 8192, "batch_size": 1, "lora_r": 16, "dtype": "bf16"}
     chunked = estimate(load_config(overrides={**common, "kernels": "none", "loss_chunk_size": 1024}), gpu="h100-80gb")
     fused = estimate(load_config(overrides={**common, "kernels": "liger"}), gpu="h100-80gb")
-    assert chunked.details["logits_bytes"] == (2 + 12) * 1024 * 128256
+    assert chunked.details["logits_bytes"] == (2 + 4 + 8) * 1024 * 128256
     assert fused.details["logits_bytes"] == 2 * 4 * 8191 * 4096
