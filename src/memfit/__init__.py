@@ -6,6 +6,7 @@ Library entry points:
     result = train(load_config(overrides={"max_steps": 10}))
 """
 
+import memfit.train as _train_package  # noqa: F401  (see train() below)
 from memfit.config import TrainConfig
 from memfit.config_loading import load_config
 
@@ -13,12 +14,19 @@ __all__ = ["TrainConfig", "load_config", "train", "estimate", "plan"]
 __version__ = "0.1.0"
 
 
+def train(config: TrainConfig, **kwargs):
+    """Train as `config` says and return a TrainResult (memfit.train.loop.train; keyword arguments pass through).
+
+    A function here rather than a lazy attribute: the package memfit.train is loaded above (it imports nothing
+    heavy) so that importing one of its modules later cannot rebind the name `memfit.train` to the package.
+    """
+    from memfit.train.loop import train as run_training
+
+    return run_training(config, **kwargs)
+
+
 def __getattr__(name: str):
     # Heavy modules (torch, transformers) load only when these are used.
-    if name == "train":
-        from memfit.train.loop import train
-
-        return train
     if name == "estimate":
         import memfit.train.traced  # noqa: F401  (registers the step method="traced" runs)
         from memfit.memory.estimator import estimate
