@@ -45,3 +45,10 @@ def test_missing_optional_dependency_is_one_clear_line(tmp_path):
     lines = result.stderr.splitlines()
     assert len(lines) == 1 and "pip install" in lines[0], result.stderr[-2000:]
     assert not out.exists()
+
+
+def test_library_train_is_the_function_after_its_modules_were_imported():
+    """`from memfit import train` must not turn into the package once memfit.train.* is loaded."""
+    code = "import memfit.train.setup\nfrom memfit import train\nassert callable(train), type(train)\n"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
