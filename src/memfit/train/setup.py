@@ -17,6 +17,7 @@ no grad scaler, no OOM recovery): nothing is changed after the session is built.
 from __future__ import annotations
 
 import logging
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -101,7 +102,21 @@ def resolve_loss_chunk_size(config: TrainConfig, vocab_size: int) -> int:
 
 
 def build_session(config: TrainConfig) -> TrainingSession:
-    """Build the run described by `config`. Raises UsageError for anything the user must fix."""
+    """Build the run described by `config`. Raises UsageError for anything the user must fix.
+
+    Bad input leaves nothing behind: the output and cache directories that building made (the
+    token cache is written before, say, a missing package is found) are removed before the error.
+    """
+    made_here = [Path(p) for p in (config.output.output_dir, _data_config(config).cache_dir) if not Path(p).exists()]
+    try:
+        return _build_session(config)
+    except UsageError:
+        for path in made_here:
+            shutil.rmtree(path, ignore_errors=True)
+        raise
+
+
+def _build_session(config: TrainConfig) -> TrainingSession:
     if torch.cuda.is_available():
         configure_cuda_allocator()
     device = training_device()
