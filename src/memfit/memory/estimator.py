@@ -32,6 +32,7 @@ from memfit.memory.activations import (
     Precision,
     activation_bytes,
     architecture_of,
+    layer_bytes_per_token,
     logits_bytes,
 )
 from memfit.memory.categories import CATEGORIES
@@ -384,8 +385,15 @@ def _layer_per_token(run: RunShape, arch, hf_config, precision: Precision, seq_l
     from memfit.memory.layer_probe import probed_layer_bytes_per_token
 
     attention = run.attention.replace("flash", "sdpa")
-    return probed_layer_bytes_per_token(hf_config, run.weight_bytes, bool(run.autocast), attention, seq_len,
-                                        run.lora_r)
+    if not (run.autocast and run.weight_bytes == 4):
+        return probed_layer_bytes_per_token(hf_config, run.weight_bytes, False, attention, seq_len, run.lora_r)
+    # Autocast over fp32 weights: a fake-tensor probe under CPU autocast misses the casts it
+    # saves (it counted 40 % of a Llama block); probe in fp32 and scale by the closed forms'
+    # autocast/fp32 ratio for this block shape (checked on Llama, Starcoder2, Gemma 3, GPT-NeoX).
+    fp32 = probed_layer_bytes_per_token(hf_config, 4, False, attention, seq_len, run.lora_r)
+    plain = Precision(4, 4, 4, precision.lora_rank, precision.adapter_input)
+    return fp32 * (layer_bytes_per_token(arch, precision, run.attention, seq_len)
+                   / layer_bytes_per_token(arch, plain, run.attention, seq_len))
 
 
 def _analytical_peak(config, run: RunShape, hf_config, inventory, parts) -> tuple[dict, float, dict]:
