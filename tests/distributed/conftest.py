@@ -1,11 +1,26 @@
-"""Fixtures of the distributed tests: the run arguments and the single-process reference."""
+"""Fixtures of the distributed tests: the run arguments, the single-process references, the shared launches.
+
+Starting two ranks (interpreters importing torch and transformers, a process group) costs
+more than a 3-step run of the tiny model, so the runs of test_exactness.py and
+test_torchrun.py share launches: one for the DDP and FSDP2 runs, one for the runs that
+need an earlier run's output (OOM recovery calibrated on a tracked run, resuming a
+checkpoint), one for DeepSpeed. Each run keeps its own flags and output directory.
+"""
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
-from torchrun_helpers import single
+from torchrun_helpers import deepspeed_available, run_many
+
+from fault_injection import SGD_FLAGS
+from memfit.distributed.parallel import CAP_RANK_ENV
+from memfit.train.metrics import read_metrics
+
+FAULT = 0.5  # gradients half their size: the loss normalizer not divided by the world size
 
 
 @pytest.fixture(scope="session")
@@ -22,12 +37,133 @@ def run_args(llama_dir, text_file) -> list[str]:
         "3",
         "--loss-chunk-size",
         "0",
+        "--no-report",
     ]
 
 
 @pytest.fixture(scope="session")
-def single_run(run_args, tmp_path_factory) -> Path:
-    """The reference: one process, micro-batch 4 x 2 accumulation."""
-    out = tmp_path_factory.mktemp("single")
-    single(*run_args, "--batch-size", "4", "--gradient-accumulation-steps", "2", "--output-dir", out)
-    return out
+def sgd_args(run_args) -> list[str]:
+    """The same run under plain SGD without clipping: the final weights are the gradients' sum."""
+    return [*run_args, *SGD_FLAGS, "--lr", "0.5"]
+
+
+@pytest.fixture(scope="session")
+def references(run_args, sgd_args, tmp_path_factory) -> dict[str, Path]:
+    """The references, both in one plain process: micro-batch 4 x 2 accumulation, AdamW and SGD."""
+    root = tmp_path_factory.mktemp("single")
+    runs = [{"name": name, "args": [*args, "--batch-size", "4", "--gradient-accumulation-steps", "2",
+                                     "--output-dir", str(root / name)]}
+            for name, args in (("adamw", run_args), ("sgd", sgd_args))]
+    run_many(runs, root, nproc=1)
+    return {name: root / name for name in ("adamw", "sgd")}
+
+
+@pytest.fixture(scope="session")
+def single_run(references) -> Path:
+    """The AdamW reference (default clipping at 1.0)."""
+    return references["adamw"]
+
+
+@pytest.fixture(scope="session")
+def sgd_single(references) -> Path:
+    """The SGD reference."""
+    return references["sgd"]
+
+
+ENGINES = {"ddp": ["--sharding", "ddp"], "fsdp": ["--sharding", "fsdp"]}
+
+
+@pytest.fixture(scope="session")
+def engine_runs(run_args, sgd_args, tmp_path_factory) -> dict[str, Path]:
+    """One torchrun launch: per engine an SGD run and its twin with the fault; the AdamW runs of test_torchrun.py."""
+    root = tmp_path_factory.mktemp("engines")
+    runs = []
+    for engine, flags in ENGINES.items():
+        for scale in (None, FAULT):
+            name = engine if scale is None else f"{engine}-fault"
+            tracking = ["--track-memory"] if engine == "ddp" and scale is None else []  # calibrates the cap below
+            runs.append({"name": name, "args": [*sgd_args, "--batch-size", "4", *flags, *tracking], "grad_scale": scale})
+    at = run_args.index("--loss-chunk-size") + 1
+    chunked = [*run_args[:at], "16", *run_args[at + 1 :]]
+    runs += [
+        {"name": "adamw-fsdp", "args": [*run_args, "--batch-size", "4", "--sharding", "fsdp", "--save-every", "2"]},
+        {"name": "adamw-ddp", "args": [*run_args, "--batch-size", "4", "--sharding", "ddp", "--track-memory"]},
+        {"name": "adamw-fsdp-chunked", "args": [*chunked, "--batch-size", "4", "--sharding", "fsdp"]},
+    ]
+    for run in runs:
+        run["args"] += ["--output-dir", str(root / run["name"])]
+    run_many(runs, root)
+    return {run["name"]: root / run["name"] for run in runs}
+
+
+def steps_of(out: Path) -> list[dict]:
+    return [r for r in read_metrics(out / "metrics.jsonl") if "event" not in r]
+
+
+def state_bytes(rank: dict) -> int:
+    return rank["parameters"] + rank["gradients"] + rank["optimizer_states"]
+
+
+def rank1_split_cap(tracked_run: Path) -> int:
+    """A memory cap for rank 1 that fits a micro-batch of 2, not of 4 (from a --track-memory run)."""
+    steps = steps_of(tracked_run)
+    static = state_bytes(steps[-1]["ranks"][1])
+    peak = max(s["ranks"][1]["tracked_peak_bytes"] for s in steps)
+    return static + int(0.8 * (peak - static))
+
+
+@pytest.fixture(scope="session")
+def later_runs(engine_runs, run_args, sgd_args, tmp_path_factory) -> dict:
+    """One launch with a memory cap on rank 1 only (MEMFIT_MEMORY_CAP_RANK=1), for the runs that need engine_runs.
+
+    capped / capped-fault: SGD under DDP, rank 1 splits its micro-batch of 4 (the fault: gradients 2x);
+    adamw-capped: the same under AdamW; adamw-fsdp-resumed: the step-2 checkpoint of adamw-fsdp resumed
+    in a copy of its output directory (no --memory-cap: the cap rank does not apply).
+    """
+    root = tmp_path_factory.mktemp("later")
+    resumed = root / "adamw-fsdp-resumed"
+    shutil.copytree(engine_runs["adamw-fsdp"], resumed, ignore=shutil.ignore_patterns("final", "step-3", "metrics.jsonl"))
+    sgd_cap, adamw_cap = rank1_split_cap(engine_runs["ddp"]), rank1_split_cap(engine_runs["adamw-ddp"])
+    runs = [
+        {"name": "capped", "args": [*sgd_args, "--memory-cap", str(sgd_cap)]},
+        {"name": "capped-fault", "args": [*sgd_args, "--memory-cap", str(sgd_cap)], "grad_scale": 2.0},
+        {"name": "adamw-capped", "args": [*run_args, "--memory-cap", str(adamw_cap)]},
+    ]
+    for run in runs:
+        run["args"] += ["--batch-size", "4", "--sharding", "ddp", "--output-dir", str(root / run["name"])]
+    runs.append({"name": "adamw-fsdp-resumed", "args": [*run_args, "--batch-size", "4", "--sharding", "fsdp",
+                                                        "--resume", "auto", "--output-dir", str(resumed)]})
+    logs = run_many(runs, root, env={CAP_RANK_ENV: "1"})
+    return {**{run["name"]: root / run["name"] for run in runs}, "adamw-fsdp-resumed": resumed, "logs": logs}
+
+
+@pytest.fixture(scope="session")
+def zero_runs(run_args, sgd_args, tmp_path_factory) -> dict[str, Path]:
+    """One launch: ZeRO-2 and ZeRO-3 + CPU offload under SGD, each with its faulty twin; then under AdamW."""
+    if not deepspeed_available():
+        pytest.skip("deepspeed is not installed (pip install memfit[deepspeed]; make test installs it)")
+    root = tmp_path_factory.mktemp("zero")
+    zero = {"zero2": ["--zero-stage", "2"], "zero3-offload": ["--zero-stage", "3", "--zero-offload"]}
+    runs = []
+    for name, flags in zero.items():
+        for scale in (None, FAULT):
+            runs.append({"name": name if scale is None else f"{name}-fault", "grad_scale": scale,
+                         "args": [*sgd_args, "--batch-size", "2", "--gradient-accumulation-steps", "2", *flags]})
+    ds_file = root / "ds.json"
+    ds_file.write_text(json.dumps({
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "train_batch_size": "auto",
+        "gradient_clipping": "auto",
+        "bf16": {"enabled": "auto"},
+        "zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"},
+    }))
+    runs += [
+        {"name": "adamw-zero2-file",
+         "args": [*run_args, "--batch-size", "2", "--gradient-accumulation-steps", "2", "--deepspeed", str(ds_file)]},
+        {"name": "adamw-zero3-offload", "args": [*run_args, "--batch-size", "4", "--zero-stage", "3", "--zero-offload"]},
+    ]
+    for run in runs:
+        run["args"] += ["--output-dir", str(root / run["name"])]
+    run_many(runs, root)
+    return {run["name"]: root / run["name"] for run in runs}

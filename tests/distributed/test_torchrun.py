@@ -8,15 +8,16 @@ run's in fp32 to 1e-5.
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
-from torchrun_helpers import assert_same_weights, deepspeed_available, final_weights, launch
+from torchrun_helpers import assert_same_weights, final_weights
 
-from memfit.distributed.parallel import CAP_RANK_ENV
 from memfit.train.metrics import read_metrics
 
 pytestmark = pytest.mark.distributed
+
+# The runs are launched by the session fixtures of conftest.py (engine_runs, later_runs, zero_runs),
+# together with the SGD runs of test_exactness.py.
 
 
 def _steps(out):
@@ -28,17 +29,15 @@ def _state_bytes(rank: dict) -> int:
 
 
 @pytest.fixture(scope="module")
-def fsdp_run(run_args, tmp_path_factory):
-    out = tmp_path_factory.mktemp("fsdp")
-    launch(*run_args, "--batch-size", "4", "--sharding", "fsdp", "--save-every", "2", "--output-dir", out)
-    return out
+def fsdp_run(engine_runs):
+    """AdamW under FSDP2, micro-batch 4 per rank, a checkpoint every 2 steps."""
+    return engine_runs["adamw-fsdp"]
 
 
 @pytest.fixture(scope="module")
-def ddp_run(run_args, tmp_path_factory):
-    out = tmp_path_factory.mktemp("ddp")
-    launch(*run_args, "--batch-size", "4", "--sharding", "ddp", "--track-memory", "--output-dir", out)
-    return out
+def ddp_run(engine_runs):
+    """AdamW under DDP, micro-batch 4 per rank, memory tracked."""
+    return engine_runs["adamw-ddp"]
 
 
 def test_fsdp_equals_single_process(fsdp_run, single_run):
@@ -51,12 +50,11 @@ def test_fsdp_equals_single_process(fsdp_run, single_run):
     assert all(s["max_peak_memory_bytes"] >= s["peak_memory_bytes"] > 0 for s in steps)
 
 
-def test_fsdp_with_chunked_loss_equals_single_process(run_args, single_run, tmp_path):
+def test_fsdp_with_chunked_loss_equals_single_process(engine_runs, single_run):
     """The chunked loss runs the model's own forward, so FSDP2's root unit gathers the head: same update."""
-    args = ["16" if previous == "--loss-chunk-size" else arg for previous, arg in zip(["", *run_args], run_args)]
-    launch(*args, "--batch-size", "4", "--sharding", "fsdp", "--output-dir", tmp_path)
-    assert_same_weights(final_weights(single_run), final_weights(tmp_path))
-    start = read_metrics(tmp_path / "metrics.jsonl")[0]
+    out = engine_runs["adamw-fsdp-chunked"]
+    assert_same_weights(final_weights(single_run), final_weights(out))
+    start = read_metrics(out / "metrics.jsonl")[0]
     assert start["loss_chunk_size"] == 16 and "loss_chunk_size" not in start["fallbacks"]
 
 
@@ -75,80 +73,43 @@ def test_fsdp_holds_half_the_state_per_rank(fsdp_run, ddp_run):
     assert sum(_state_bytes(r) for r in ranks) == pytest.approx(whole, rel=0.01)
 
 
-def test_fsdp_resumes_from_its_sharded_checkpoint(fsdp_run, run_args, tmp_path):
+def test_fsdp_resumes_from_its_sharded_checkpoint(fsdp_run, later_runs):
     """Resuming the step-2 checkpoint (as if killed after it) ends with the uninterrupted weights."""
     checkpoint = fsdp_run / "checkpoints" / "step-2"
     assert (checkpoint / "trainer_state.json").is_file() and (checkpoint / "shards").is_dir()
     assert not list((fsdp_run / "checkpoints").glob(".tmp-*"))
     state = json.loads((checkpoint / "trainer_state.json").read_text())
     assert state["step"] == 2 and state["world_size"] == 2
-    copy = tmp_path / "run"
-    shutil.copytree(fsdp_run, copy, ignore=shutil.ignore_patterns("final", "step-3", "metrics.jsonl"))
-    result = launch(*run_args, "--batch-size", "4", "--sharding", "fsdp", "--resume", "auto", "--output-dir", copy)
-    assert "resumed from" in result.stderr
+    copy = later_runs["adamw-fsdp-resumed"]  # a copy of fsdp_run without step 3, resumed with --resume auto
+    assert "resumed from" in later_runs["logs"]["adamw-fsdp-resumed"]
     assert [r["step"] for r in _steps(copy)] == [3]
     assert_same_weights(final_weights(fsdp_run), final_weights(copy), atol=1e-6)
 
 
-def test_oom_on_one_rank_is_recovered_in_step(ddp_run, run_args, single_run, tmp_path):
+def test_oom_on_one_rank_is_recovered_in_step(later_runs, single_run):
     """A memory cap on rank 1 only: it splits its micro-batch, rank 0 follows, the update stays exact."""
-    steps = _steps(ddp_run)
-    static = _state_bytes(steps[-1]["ranks"][1])
-    peak = max(s["ranks"][1]["tracked_peak_bytes"] for s in steps)
-    cap = static + int(0.8 * (peak - static))  # fits a micro-batch of 2, not of 4
-    launch(
-        *run_args,
-        "--batch-size",
-        "4",
-        "--sharding",
-        "ddp",
-        "--memory-cap",
-        cap,
-        "--output-dir",
-        tmp_path,
-        env={CAP_RANK_ENV: "1"},
-    )
-    records = read_metrics(tmp_path / "metrics.jsonl")
+    out = later_runs["adamw-capped"]
+    records = read_metrics(out / "metrics.jsonl")
     ooms = [r for r in records if r.get("event") == "oom"]
     assert ooms and {r["rank"] for r in ooms} == {1}
     assert ooms[0]["old_micro_batch_size"] == 4 and ooms[0]["new_micro_batch_size"] == 2
-    assert _steps(tmp_path)[-1]["micro_batch_size"] == 2  # rank 0 agreed
-    assert_same_weights(final_weights(single_run), final_weights(tmp_path))
+    assert _steps(out)[-1]["micro_batch_size"] == 2  # rank 0 agreed
+    assert_same_weights(final_weights(single_run), final_weights(out))
 
 
-needs_deepspeed = pytest.mark.skipif(not deepspeed_available(), reason="deepspeed is not installed")
-
-
-@needs_deepspeed
-def test_deepspeed_zero2_equals_single_process(run_args, single_run, tmp_path):
-    config = tmp_path / "ds.json"
-    config.write_text(
-        json.dumps(
-            {
-                "train_micro_batch_size_per_gpu": "auto",
-                "gradient_accumulation_steps": "auto",
-                "train_batch_size": "auto",
-                "gradient_clipping": "auto",
-                "bf16": {"enabled": "auto"},
-                "zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"},
-            }
-        )
-    )
-    out = tmp_path / "run"
-    launch(
-        *run_args, "--batch-size", "2", "--gradient-accumulation-steps", "2", "--deepspeed", config, "--output-dir", out
-    )
+def test_deepspeed_zero2_equals_single_process(zero_runs, single_run):
+    """A DeepSpeed file with "auto" values, ZeRO-2."""
+    out = zero_runs["adamw-zero2-file"]
     assert_same_weights(final_weights(single_run), final_weights(out))
     assert "zero-2" in read_metrics(out / "metrics.jsonl")[-1]["parallel"]
 
 
-@needs_deepspeed
-def test_deepspeed_zero3_cpu_offload_equals_single_process(run_args, single_run, tmp_path):
-    launch(*run_args, "--batch-size", "4", "--zero-stage", "3", "--zero-offload", "--output-dir", tmp_path)
-    assert_same_weights(final_weights(single_run), final_weights(tmp_path))
-    summary = read_metrics(tmp_path / "metrics.jsonl")[-1]
+def test_deepspeed_zero3_cpu_offload_equals_single_process(zero_runs, single_run):
+    out = zero_runs["adamw-zero3-offload"]
+    assert_same_weights(final_weights(single_run), final_weights(out))
+    summary = read_metrics(out / "metrics.jsonl")[-1]
     assert "offload optimizer+param" in summary["parallel"]
     whole = sum(t.numel() * 4 for t in final_weights(single_run).values())
-    for rank in _steps(tmp_path)[-1]["ranks"]:  # ZeRO-3: each rank keeps half of the weights
+    for rank in _steps(out)[-1]["ranks"]:  # ZeRO-3: each rank keeps half of the weights
         assert rank["parameters"] == pytest.approx(whole / 2, rel=0.05)
         assert rank["master_weights"] == pytest.approx(whole / 2, rel=0.05)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -14,24 +15,28 @@ REPO = Path(__file__).resolve().parents[2]
 EXTENSIONS_CACHE = Path.home() / ".cache" / "memfit" / "torch-extensions"
 
 
-def launch(*args: str, nproc: int = 2, env: dict | None = None, timeout: int = 240) -> subprocess.CompletedProcess:
-    """`torchrun --standalone --nproc_per_node N -m memfit train ARGS` (a free port is picked)."""
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={nproc}",
-        "-m",
-        "memfit",
-        "train",
-    ]
-    environment = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_EXTENSIONS_DIR": str(EXTENSIONS_CACHE), **(env or {})}
-    result = subprocess.run(
-        [*command, *map(str, args)], capture_output=True, text=True, timeout=timeout, cwd=REPO, env=environment
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    return result
+WORKER = Path(__file__).with_name("exactness_worker.py")
+
+
+def run_many(runs: list[dict], root: Path, nproc: int = 2, env: dict | None = None, timeout: int = 600) -> dict:
+    """Several `memfit train` runs in one torchrun launch of `nproc` ranks (or one plain process when 1).
+
+    `runs`: [{"name": NAME, "args": [...], "grad_scale": None | float}]; returns {NAME: rank 0's stderr}.
+    """
+    root.mkdir(parents=True, exist_ok=True)
+    spec = root / "runs.json"
+    spec.write_text(json.dumps([{"grad_scale": None, **run} for run in runs], default=str))
+    if nproc == 1:
+        command = [sys.executable, str(WORKER), str(spec)]
+    else:  # --standalone: torchrun picks a free port
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                   str(WORKER), str(spec)]
+    environment = {**os.environ, "TORCH_EXTENSIONS_DIR": str(EXTENSIONS_CACHE), **(env or {})}
+    if nproc > 1:
+        environment["OMP_NUM_THREADS"] = "1"  # one thread per rank on a 2-core machine
+    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=environment)
+    assert done.returncode == 0, done.stderr[-6000:]
+    return {run["name"]: (root / f"{run['name']}.rank0.log").read_text() for run in runs}
 
 
 def single(*args: str) -> subprocess.CompletedProcess:
