@@ -62,3 +62,15 @@ def text_file(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("data") / "corpus.txt"
     path.write_text("\n\n".join(documents))
     return path
+
+
+@pytest.fixture(scope="session")
+def warm_memfit(llama_dir, text_file):
+    """`warm_memfit.run(*args)`: the real `memfit` command in a process forked from one that imported torch already."""
+    from memfit_cli import WarmMemfit
+
+    # Warm-up: loads the model's config and tokenizer and tokenizes the corpus before it is refused.
+    server = WarmMemfit("train", "--model", llama_dir, "--dataset", text_file, "--seq-len", "256", "--batch-size", "512",
+                        "--max-steps", "1", "--output-dir", "{scratch}/warmup")
+    yield server
+    server.close()

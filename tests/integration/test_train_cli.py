@@ -84,8 +84,12 @@ BAD_INPUT = [
 
 @pytest.mark.parametrize("existing", [False, True], ids=["new-output-dir", "existing-output-dir"])
 @pytest.mark.parametrize("args, expected", BAD_INPUT, ids=[" ".join(a) for a, _ in BAD_INPUT])
-def test_bad_input_is_one_line_exit_2_nothing_written(args, expected, existing, tmp_path, llama_dir, text_file):
-    """Exactly one line on stderr, exit 2, and the output directory not created (or left as it was)."""
+def test_bad_input_is_one_line_exit_2_nothing_written(args, expected, existing, tmp_path, llama_dir, text_file,
+                                                      warm_memfit):
+    """Exactly one line on stderr, exit 2, and the output directory not created (or left as it was).
+
+    Each case is its own `memfit` process (forked from one that imported torch already: see memfit_cli.py).
+    """
     (tmp_path / "empty.txt").write_text("\n\n")
     (tmp_path / "short.txt").write_text("a few words only")
     values = {"empty": tmp_path / "empty.txt", "short": tmp_path / "short.txt", "text": text_file}
@@ -98,7 +102,7 @@ def test_bad_input_is_one_line_exit_2_nothing_written(args, expected, existing, 
     base = ["train", "--output-dir", out, "--max-steps", "1"]
     if "--model" not in args:
         base += ["--model", llama_dir]
-    result = run_memfit(*base, *args)
+    result = warm_memfit.run(*base, *args)
     assert result.returncode == 2, result.stderr
     lines = result.stderr.splitlines()
     assert len(lines) == 1 and "error:" in lines[0] and expected in lines[0], result.stderr
@@ -119,10 +123,10 @@ OTHER_COMMANDS_BAD_INPUT = [
 
 
 @pytest.mark.parametrize("args, expected", OTHER_COMMANDS_BAD_INPUT, ids=[a[0] + ":" + e for a, e in OTHER_COMMANDS_BAD_INPUT])
-def test_other_commands_bad_input_is_one_line_exit_2_nothing_written(args, expected, tmp_path):
+def test_other_commands_bad_input_is_one_line_exit_2_nothing_written(args, expected, tmp_path, warm_memfit):
     (tmp_path / "empty.txt").write_text("\n\n")
     out = tmp_path / "out"
-    result = run_memfit(*[arg.format(out=out, empty=tmp_path / "empty.txt") for arg in args])
+    result = warm_memfit.run(*[arg.format(out=out, empty=tmp_path / "empty.txt") for arg in args])
     assert result.returncode == 2, result.stderr
     lines = result.stderr.splitlines()
     assert len(lines) == 1 and "error:" in lines[0] and expected in lines[0], result.stderr
