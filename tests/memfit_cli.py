@@ -1,9 +1,10 @@
 """Run the real `memfit` command in a subprocess (importable from any test: tests/ is on pytest's path).
 
-`run_memfit` starts a fresh interpreter per command. `WarmMemfit` serves the many short
-commands of the bad-input tests: one server process imports torch, transformers and memfit's
-training modules once, then forks a child per command, which runs `python -m memfit ARGS`
-(the package's __main__, its exit code, its own stdout and stderr) in a process of its own.
+`run_memfit` starts a fresh interpreter per command. `WarmMemfit` (the `warm_memfit` fixture)
+saves that start for the many short commands of the CLI tests: one server process imports
+torch, transformers and memfit's training modules once, then forks a child per command, which
+runs `python -m memfit ARGS` (the package's __main__, with the caller's environment, its exit
+code, its own stdout and stderr) in a process of its own.
 What the server printed while importing is put in front of every child's stdout and stderr, as
 a fresh interpreter would print it, so "exactly one line on stderr" stays as strict.
 """
@@ -47,7 +48,8 @@ class WarmMemfit:
 
     def run(self, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
         command = ["memfit", *map(str, args)]
-        self._server.stdin.write(json.dumps({"args": command[1:], "timeout": timeout}) + "\n")
+        request = {"args": command[1:], "timeout": timeout, "env": dict(os.environ)}  # the caller's environment now
+        self._server.stdin.write(json.dumps(request) + "\n")
         self._server.stdin.flush()
         answer = json.loads(self._server.stdout.readline() or "null")
         assert answer is not None, "the memfit server died"
@@ -61,11 +63,15 @@ class WarmMemfit:
         self._server.wait(timeout=30)
 
 
-def _child(args: list[str], stdout_path: str, stderr_path: str) -> None:
+def _child(args: list[str], stdout_path: str, stderr_path: str, env: dict | None = None) -> None:
     """In the forked child: `python -m memfit ARGS`, exit as the interpreter would."""
     import atexit
     import runpy
     import traceback
+
+    if env is not None:
+        os.environ.clear()
+        os.environ.update(env)
 
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
@@ -165,7 +171,7 @@ def _serve() -> None:
         out, err = os.path.join(scratch, "stdout"), os.path.join(scratch, "stderr")
         pid = os.fork()
         if pid == 0:
-            _child(request["args"], out, err)
+            _child(request["args"], out, err, request.get("env"))
         deadline, status, timed_out = time.monotonic() + request["timeout"], None, False
         while status is None:
             done, raw = os.waitpid(pid, os.WNOHANG)

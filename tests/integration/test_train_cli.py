@@ -44,10 +44,10 @@ def test_train_cli_end_to_end(model_fixture, request, text_file, tmp_path):
     assert len(moved) == len(list(initial.parameters())), set(dict(initial.named_parameters())) - set(moved)
 
 
-def test_ai_os_style_command_line(llama_dir, text_file, tmp_path):
+def test_ai_os_style_command_line(llama_dir, text_file, tmp_path, warm_memfit):
     """AI-OS's conservative VRAM profile (`aios hrm-hf train-actv1`), with its exact switches."""
     log_file = tmp_path / "run" / "metrics.jsonl"
-    result = run_memfit(
+    result = warm_memfit.run(
         "train", "--model", llama_dir, "--dataset-file", text_file, "--steps", "3", "--batch-size", "1",
         "--gradient-accumulation-steps", "8", "--gradient-checkpointing", "--amp", "--use-8bit-optimizer",
         "--window-size", "64", "--log-file", log_file, "--output-dir", tmp_path / "run",
@@ -133,9 +133,9 @@ def test_other_commands_bad_input_is_one_line_exit_2_nothing_written(args, expec
     assert result.stdout == "" and not out.exists()
 
 
-def test_optimizer_in_backward_switches_default_clipping_off_visibly(llama_dir, text_file, tmp_path):
+def test_optimizer_in_backward_switches_default_clipping_off_visibly(llama_dir, text_file, tmp_path, warm_memfit):
     """Clipping is on by default, and --optimizer-in-backward cannot clip: it trains, and says it did not clip."""
-    result = run_memfit("train", "--model", llama_dir, "--dataset", text_file, "--seq-len", "32", "--max-steps", "2",
+    result = warm_memfit.run("train", "--model", llama_dir, "--dataset", text_file, "--seq-len", "32", "--max-steps", "2",
                         "--batch-size", "2", "--optimizer-in-backward", "--output-dir", tmp_path)
     assert result.returncode == 0, result.stderr
     said = [line for line in result.stderr.splitlines() if line.startswith("memfit:") and "clipping is off" in line]
@@ -169,8 +169,8 @@ def test_metrics_record_what_really_ran_when_8bit_is_missing(llama_dir, text_fil
     assert json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])["fallbacks"]["optimizer"]
 
 
-def test_flash_attention_falls_back_visibly_on_cpu(llama_dir, text_file, tmp_path):
-    result = run_memfit("train", "--model", llama_dir, "--dataset", text_file, "--seq-len", "32", "--max-steps", "1",
+def test_flash_attention_falls_back_visibly_on_cpu(llama_dir, text_file, tmp_path, warm_memfit):
+    result = warm_memfit.run("train", "--model", llama_dir, "--dataset", text_file, "--seq-len", "32", "--max-steps", "1",
                         "--attention", "flash", "--output-dir", tmp_path)
     assert result.returncode == 0, result.stderr
     assert "SDPA ran instead" in result.stderr
@@ -178,20 +178,20 @@ def test_flash_attention_falls_back_visibly_on_cpu(llama_dir, text_file, tmp_pat
     assert start["attention"] == "sdpa" and "flash-attn" in start["fallbacks"]["attention"]
 
 
-def test_embedded_default_trains(tmp_path):
+def test_embedded_default_trains(tmp_path, warm_memfit):
     """`memfit train` with only a step count: the built-in tiny model on the bundled corpus."""
-    result = run_memfit("train", "--max-steps", "3", "--output-dir", tmp_path)
+    result = warm_memfit.run("train", "--max-steps", "3", "--output-dir", tmp_path)
     assert result.returncode == 0, result.stderr
     assert "built-in tiny" in result.stderr and "bundled corpus" in result.stderr
     steps = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "event" not in r]
     assert steps[-1]["loss"] < steps[0]["loss"]
 
 
-def test_tensorboard_without_the_package_is_refused_before_writing(tmp_path, llama_dir):
+def test_tensorboard_without_the_package_is_refused_before_writing(tmp_path, llama_dir, warm_memfit):
     import importlib.util
 
     if importlib.util.find_spec("tensorboard") is not None:
         pytest.skip("tensorboard is installed here")
-    result = run_memfit("train", "--model", llama_dir, "--tensorboard", "--max-steps", "1", "--output-dir", tmp_path / "out")
+    result = warm_memfit.run("train", "--model", llama_dir, "--tensorboard", "--max-steps", "1", "--output-dir", tmp_path / "out")
     assert result.returncode == 2 and "pip install tensorboard" in result.stderr
     assert not (tmp_path / "out").exists()

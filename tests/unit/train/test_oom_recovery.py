@@ -18,7 +18,6 @@ from memfit.checkpoint_files import list_checkpoints
 from memfit.config_loading import load_config
 from memfit.train.loop import train
 from memfit.train.metrics import read_metrics
-from memfit_cli import run_memfit
 
 
 def _config(llama_dir, text_file, out, **extra):
@@ -158,15 +157,15 @@ def test_one_sample_too_big_turns_on_checkpointing(peaks, llama_dir, text_file, 
     _assert_same(_weights(peaks[8]["result"]), _weights(result))
 
 
-def test_hopeless_cap_exits_3_and_keeps_the_checkpoint(peaks, llama_dir, text_file, tmp_path):
+def test_hopeless_cap_exits_3_and_keeps_the_checkpoint(peaks, llama_dir, text_file, tmp_path, warm_memfit):
     out = tmp_path / "run"
     common = ["train", "--model", llama_dir, "--dataset", text_file, "--seq-len", "128", "--output-dir", out, *SGD_FLAGS]
-    assert run_memfit(*common, "--max-steps", "2", "--save-every", "1").returncode == 0
+    assert warm_memfit.run(*common, "--max-steps", "2", "--save-every", "1").returncode == 0
     before = list_checkpoints(out)[-1]
     breakdown = [r for r in read_metrics(peaks[1]["result"].output_dir / "metrics.jsonl") if "event" not in r][-1]["tracked_breakdown"]
     model_states = breakdown["parameters"] + breakdown["gradients"] + breakdown["optimizer_states"]
     cap = model_states + 64 * 1024  # the weights fit; one sample's activations never do
-    result = run_memfit(*common, "--max-steps", "4", "--resume", "auto", "--memory-cap", str(cap))
+    result = warm_memfit.run(*common, "--max-steps", "4", "--resume", "auto", "--memory-cap", str(cap))
     assert result.returncode == 3, result.stderr
     assert "Traceback" not in result.stderr
     error_lines = [line for line in result.stderr.splitlines() if "error:" in line]
@@ -174,9 +173,9 @@ def test_hopeless_cap_exits_3_and_keeps_the_checkpoint(peaks, llama_dir, text_fi
     assert list_checkpoints(out)[-1] == before and (before / "model.safetensors").is_file()
 
 
-def test_no_oom_recovery_stops_with_a_clear_message(peaks, llama_dir, text_file, tmp_path):
+def test_no_oom_recovery_stops_with_a_clear_message(peaks, llama_dir, text_file, tmp_path, warm_memfit):
     cap = peaks[2]["peak"]
-    result = run_memfit("train", "--model", llama_dir, "--dataset", text_file, "--seq-len", "128", "--max-steps", "1",
+    result = warm_memfit.run("train", "--model", llama_dir, "--dataset", text_file, "--seq-len", "128", "--max-steps", "1",
                         "--memory-cap", str(cap), "--no-oom-recovery", "--loss-chunk-size", "0", "--output-dir", tmp_path)
     assert result.returncode == 3, result.stderr
     assert "memory cap" in result.stderr and "Traceback" not in result.stderr
