@@ -7,8 +7,9 @@ BIN := $(VENV)/bin
 # The CPU build of torch when none is installed; a torch you already have (CUDA
 # included, seen through --system-site-packages) is kept.
 TORCH_SPEC ?= torch==2.13.0
-# deepspeed is in the test extras so that its ZeRO equality tests run on CPU too.
-EXTRAS ?= all,dev,deepspeed
+# deepspeed is in the test extras so that its ZeRO equality tests run on CPU too, and the
+# --report-to trackers so that their tests read each tracker's own files back.
+EXTRAS ?= all,dev,deepspeed,tensorboard,wandb,mlflow
 # DeepSpeed's tests run on its CPU accelerator. It compiles its CPU communication op on
 # first use (about 35 s on 2 cores); tests/distributed keeps the build in
 # ~/.cache/memfit/torch-extensions, so later runs and fresh clones reuse it.
