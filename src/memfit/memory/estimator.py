@@ -167,10 +167,28 @@ def tiled_mlp_available() -> bool:
     return importlib.util.find_spec("memfit.techniques.tiled_mlp") is not None
 
 
-def liger_available() -> bool:
+def _fused_loss_runs(kernels: str, device_type: str, hf_config: Any) -> bool:
+    """Whether the run would use liger's fused loss (the logits never held), by techniques.kernels' rule.
+
+    Never on a CPU, where `--kernels liger` falls back. On a GPU: `auto` only where liger-kernel is
+    installed here and covers the family; an explicit `liger` also when it is not installed on the
+    planning machine (the user asked for it on the GPU machine), unless it is installed and says the
+    family is not covered.
+    """
+    if kernels == "none" or device_type != "cuda":
+        return False
     import importlib.util
 
-    return importlib.util.find_spec("liger_kernel") is not None
+    import torch
+
+    from memfit.techniques.kernels import liger_unavailable_reason
+
+    if importlib.util.find_spec("liger_kernel") is None:
+        return kernels == "liger"
+    try:
+        return liger_unavailable_reason(torch.device("cuda"), getattr(hf_config, "model_type", "")) == ""
+    except ImportError:  # liger-kernel installed without what it needs (Triton) on this machine
+        return kernels == "liger"
 
 
 def resolve_mlp_tiles(tiled_mlp: int | None, seq_len: int) -> int:
@@ -204,8 +222,7 @@ def resolve_run(config: TrainConfig, hf_config: Any, gpu: GpuSpec | None) -> Run
     if chunk is None:
         chunk = default_loss_chunk_size(hf_config.vocab_size, config.data.seq_len, config.training.batch_size)
     offload = config.memory.optimizer_offload or config.distributed.zero_offload or config.distributed.fsdp_offload
-    kernels = getattr(config.memory, "kernels", "none")
-    fused_loss = kernels == "liger" or (kernels == "auto" and device_type == "cuda" and liger_available())
+    fused_loss = _fused_loss_runs(config.memory.kernels, device_type, hf_config)
     return RunShape(
         device_type, _BYTES[config.model.dtype], autocast, attention, checkpointing, config.memory.checkpoint_every,
         chunk, config.optimizer.optimizer, getattr(config.optimizer, "optimizer_impl", "auto"),

@@ -164,3 +164,12 @@ def test_liger_fused_loss_never_holds_logits():
     fused = estimate(load_config(overrides={**common, "kernels": "liger"}), gpu="h100-80gb")
     assert chunked.details["logits_bytes"] == (2 + 4 + 8) * 1024 * 128256
     assert fused.details["logits_bytes"] == 2 * 4 * 8191 * 4096
+
+
+def test_liger_on_a_cpu_holds_the_logits_as_the_run_does():
+    """`--kernels liger` falls back on a CPU (techniques.kernels), so the estimate keeps the logits there."""
+    common = {"model": "tiny", "seq_len": 256, "batch_size": 2, "loss_chunk_size": 0}
+    plain = estimate(load_config(overrides={**common, "kernels": "none"}))
+    liger = estimate(load_config(overrides={**common, "kernels": "liger"}))
+    assert liger.details["logits_bytes"] == plain.details["logits_bytes"] > 0
+    assert liger.peak_bytes == plain.peak_bytes
