@@ -16,6 +16,11 @@ Two methods:
 The breakdown is what is alive at the peak moment, so its parts add up to the peak:
 at a forward/backward peak the gradients are (mostly) not allocated yet; at an
 optimizer peak the activations are gone. `details` gives the full size of each part.
+
+Why this module is longer than the others (about 530 lines): resolving a run's shape, the
+state bytes, the activation moment and sharding are one computation over one `RunShape`; the
+per-token activation terms live in `activations.py` and the probe of unknown families in
+`layer_probe.py`.
 """
 
 from __future__ import annotations
