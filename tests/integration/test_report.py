@@ -16,40 +16,40 @@ pytest.importorskip("plotly")
 
 from memfit.reporting.browser import check_page, find_chromium, remote_references  # noqa: E402
 from memfit.train.metrics import read_metrics  # noqa: E402
-from memfit_cli import run_memfit  # noqa: E402
 
-pytestmark = pytest.mark.slow  # real training runs in subprocesses: tens of seconds on a busy 2-core machine
+pytestmark = pytest.mark.slow  # real training runs in their own processes: seconds each
 needs_chromium = pytest.mark.skipif(find_chromium() is None, reason="no Chromium binary (apt-get install chromium)")
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
-def _train(llama_dir, text_file, out, *extra):
-    return run_memfit(
+def _train(memfit, llama_dir, text_file, out, *extra):
+    """`memfit train` on the tiny Llama (through `memfit`: the warm_memfit fixture)."""
+    return memfit.run(
         "train", "--model", llama_dir, "--dataset", text_file, "--seq-len", "64", "--batch-size", "4",
         "--lr", "3e-3", "--output-dir", out, *extra,
     )
 
 
 @pytest.fixture(scope="module")
-def tracked_run(llama_dir, text_file, tmp_path_factory):
+def tracked_run(llama_dir, text_file, tmp_path_factory, warm_memfit):
     out = tmp_path_factory.mktemp("report") / "tracked"
-    result = _train(llama_dir, text_file, out, "--max-steps", "6", "--track-memory")
+    result = _train(warm_memfit, llama_dir, text_file, out, "--max-steps", "6", "--track-memory")
     assert result.returncode == 0, result.stderr
     return out, result
 
 
 @pytest.fixture(scope="module")
-def oom_resumed_run(tracked_run, llama_dir, text_file, tmp_path_factory):
+def oom_resumed_run(tracked_run, llama_dir, text_file, tmp_path_factory, warm_memfit):
     """A run whose micro-batch of 4 does not fit under the cap (split to 2), stopped at step 4, resumed to 6."""
     summary = read_metrics(tracked_run[0] / "metrics.jsonl")[-1]
     breakdown = summary["tracked_breakdown"]
     state = breakdown["parameters"] + breakdown["gradients"] + breakdown["optimizer_states"]
     cap = state + (summary["tracked_peak_bytes"] - state) * 3 // 4  # a micro-batch of 2 needs about half
     out = tmp_path_factory.mktemp("report") / "oom"
-    first = _train(llama_dir, text_file, out, "--max-steps", "4", "--save-every", "2", "--memory-cap", str(cap))
+    first = _train(warm_memfit, llama_dir, text_file, out, "--max-steps", "4", "--save-every", "2", "--memory-cap", str(cap))
     assert first.returncode == 0, first.stderr
     shutil.rmtree(out / "checkpoints" / "step-4")  # as if the run died after its step-2 checkpoint
-    second = _train(llama_dir, text_file, out, "--max-steps", "6", "--memory-cap", str(cap), "--resume", "auto")
+    second = _train(warm_memfit, llama_dir, text_file, out, "--max-steps", "6", "--memory-cap", str(cap), "--resume", "auto")
     assert second.returncode == 0, second.stderr
     return out
 
@@ -107,8 +107,8 @@ def test_oom_and_resume_markers_draw_in_chromium(oom_resumed_run):
 
 
 @needs_chromium
-def test_compare_of_two_real_runs_renders(tracked_run, oom_resumed_run, tmp_path):
-    result = run_memfit("compare", tracked_run[0], oom_resumed_run, "-o", tmp_path / "compare.html")
+def test_compare_of_two_real_runs_renders(tracked_run, oom_resumed_run, tmp_path, warm_memfit):
+    result = warm_memfit.run("compare", tracked_run[0], oom_resumed_run, "-o", tmp_path / "compare.html")
     assert result.returncode == 0, result.stderr
     check = check_page(tmp_path / "compare.html")
     assert check.console_errors == [] and check.blocked_requests == []
@@ -117,16 +117,16 @@ def test_compare_of_two_real_runs_renders(tracked_run, oom_resumed_run, tmp_path
     assert charts["compare-breakdown"]["drawn"] == charts["compare-breakdown"]["series"] > 0
 
 
-def test_no_report_writes_none(llama_dir, text_file, tmp_path):
-    result = _train(llama_dir, text_file, tmp_path / "run", "--max-steps", "1", "--no-report")
+def test_no_report_writes_none(llama_dir, text_file, tmp_path, warm_memfit):
+    result = _train(warm_memfit, llama_dir, text_file, tmp_path / "run", "--max-steps", "1", "--no-report")
     assert result.returncode == 0, result.stderr
     assert not (tmp_path / "run" / "report.html").exists()
     assert (tmp_path / "run" / "metrics.jsonl").exists()
 
 
-def test_profile_writes_its_report(llama_dir, text_file, tmp_path):
+def test_profile_writes_its_report(llama_dir, text_file, tmp_path, warm_memfit):
     out = tmp_path / "profile"
-    result = run_memfit(
+    result = warm_memfit.run(
         "profile", "--model", llama_dir, "--dataset", text_file, "--seq-len", "64", "--batch-size", "2", "--steps", "2",
         "--output-dir", out, "--json",
     )
