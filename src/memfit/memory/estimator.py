@@ -461,9 +461,15 @@ def _analytical_peak(config, run: RunShape, hf_config, inventory, parts) -> tupl
         # The driver brings the state of the tensor being stepped onto the device and pages the rest out.
         other += parts["optimizer_states_full"] * parts["largest_trainable"] / max(1, parts["trainable_count"])
     resident = parts["parameters"] + parts["optimizer_states"] + other
-    forward_end = resident + activations + cache + logits
+    # Micro-batches after the first of an optimizer step run with the earlier ones' gradients
+    # accumulated: the whole gradient is live through their forward and backward, and backward
+    # adds each new gradient (one tensor at a time) into it.
+    accumulated = parts["gradients"] if config.accumulation_for() > 1 and not run.optimizer_in_backward else 0.0
+    forward_end = resident + accumulated + activations + cache + logits
     backward_activations = max(at_first_block, at_last_block) - in_flight_grads
-    backward = resident + backward_activations + recompute + head + in_flight_grads
+    if accumulated:
+        head, in_flight_grads = largest_grad, 0.0
+    backward = resident + accumulated + backward_activations + recompute + head + in_flight_grads
     if run.optimizer_in_backward:
         backward += largest_grad + step_temporaries
         optimizer_step = 0.0  # the steps ran inside backward
@@ -473,7 +479,7 @@ def _analytical_peak(config, run: RunShape, hf_config, inventory, parts) -> tupl
     if max(forward_end, backward) >= optimizer_step:
         in_backward = backward > forward_end
         gradients = head + in_flight_grads + (largest_grad if run.optimizer_in_backward else 0)
-        moment = {"parameters": parts["parameters"], "gradients": gradients if in_backward else 0,
+        moment = {"parameters": parts["parameters"], "gradients": accumulated + (gradients if in_backward else 0),
                   "optimizer_states": parts["optimizer_states"],
                   "activations": backward_activations if in_backward else activations + cache,
                   # the block being recomputed (checkpointing) or brought back from host memory (offload)
