@@ -116,9 +116,9 @@ def _peak(device: str) -> int:
 
 
 def memfit_worker(spec: dict[str, Any]) -> dict[str, Any]:
-    from memfit.train import metrics  # (`import memfit.train.metrics as ...` would find the memfit.train function)
     from memfit.config_loading import load_config
     from memfit.memory.stats import process_rss_bytes
+    from memfit.train import metrics  # (`import memfit.train.metrics as ...` would find the memfit.train function)
     from memfit.train.loop import train
 
     device = spec["device"]
