@@ -70,7 +70,7 @@ class SpeedMeter:
         meter = cls(flops, peak, world_size)
         try:
             meter.predicted_step_seconds = _planner_step_seconds(
-                hf_config, config, peak, checkpointing, chunked_loss, accumulation_steps, compute_dtype
+                hf_config, config, peak, checkpointing, chunked_loss, accumulation_steps, device.type
             )
         except Exception as error:  # the speed model is a check, never a reason to stop training
             meter.note = f"no predicted step time: {type(error).__name__}: {str(error)[:120]}"
@@ -121,8 +121,9 @@ class SpeedMeter:
 
 
 def _planner_step_seconds(hf_config, config, peak: DevicePeak, checkpointing: str, chunked_loss: bool,
-                          accumulation_steps: int, compute_dtype) -> float:
-    """The planner's step time for this run's settings, on a device of this run's peak."""
+                          accumulation_steps: int, device_type: str) -> float:
+    """The planner's step time for this run's settings, on a device of this run's peak and type
+    (the planner's CPU and GPU terms differ: feeding, 8-bit AdamW, the chunked loss)."""
     from memfit.gpus import GpuSpec
     from memfit.memory.estimator import estimate
     from memfit.memory.planner import estimated_step_seconds
@@ -142,7 +143,7 @@ def _planner_step_seconds(hf_config, config, peak: DevicePeak, checkpointing: st
         "optimizer_offload": config.memory.optimizer_offload,
     }
     est = estimate(config, hf_config=hf_config)
-    return float(estimated_step_seconds(changes, config, est, device_spec, hf_config))
+    return float(estimated_step_seconds(changes, config, est, device_spec, hf_config, device=device_type))
 
 
 def speed_line(summary: dict) -> str | None:

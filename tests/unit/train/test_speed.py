@@ -23,6 +23,22 @@ def test_start_facts_name_the_flops_the_peak_and_the_prediction():
     assert facts["predicted_step_seconds"] > 0
 
 
+def test_a_cpu_run_is_predicted_with_the_planners_cpu_terms(monkeypatch):
+    """The planner's CPU and GPU terms differ (feeding, 8-bit AdamW, chunked loss): a CPU run asks for CPU's."""
+    import memfit.memory.planner as planner
+
+    asked = []
+    real = planner.estimated_step_seconds
+
+    def spy(*args, **kwargs):
+        asked.append(kwargs.get("device"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(planner, "estimated_step_seconds", spy)
+    assert _meter().start_facts()["predicted_step_seconds"] > 0
+    assert asked == ["cpu"]
+
+
 def test_step_mfu_is_model_flops_over_the_peak():
     meter = _meter()
     tokens = 512
