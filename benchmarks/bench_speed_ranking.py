@@ -95,7 +95,7 @@ def _config(model_dir: Path, workdir: Path, name: str, changes: dict[str, Any], 
 def predicted_seconds(config, changes: dict[str, Any]) -> float:
     """The planner's step time for `changes` (no GPU preset: its nominal rate; only the order matters)."""
     from memfit.memory.estimator import estimate
-    from memfit.memory.planner import estimated_step_seconds
+    from memfit.memory.speed_model import estimated_step_seconds
     from memfit.models.presets import resolve_model_config
 
     hf_config = resolve_model_config(config.model.model, False)

@@ -8,7 +8,7 @@
 MFU is model FLOPs per second over the device's peak (models.flops: vendor figures for
 GPU presets, a matmul probe on CPU); HFU adds what checkpointing and the chunked loss
 recompute. The predicted step time is the planner's own speed model
-(`memory.planner.estimated_step_seconds`) run against this device's peak instead of its
+(`memory.speed_model.estimated_step_seconds`) run against this device's peak instead of its
 nominal rate, so the ratio measured / predicted checks that model on every run.
 """
 
@@ -126,7 +126,7 @@ def _planner_step_seconds(hf_config, config, peak: DevicePeak, checkpointing: st
     (the planner's CPU and GPU terms differ: feeding, 8-bit AdamW, the chunked loss)."""
     from memfit.gpus import GpuSpec
     from memfit.memory.estimator import estimate
-    from memfit.memory.planner import estimated_step_seconds
+    from memfit.memory.speed_model import estimated_step_seconds
 
     tflops = peak.flops_per_second / 1e12
     # The planner rates a GPU by its 16-bit peak; give it this device's peak in the dtype that runs.

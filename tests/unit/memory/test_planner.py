@@ -141,7 +141,7 @@ def _relative_speeds(gpu_name: str | None) -> dict[str, float]:
     from transformers import LlamaConfig
 
     from memfit.gpus import get_gpu
-    from memfit.memory.planner import estimated_step_seconds
+    from memfit.memory.speed_model import estimated_step_seconds
 
     hf_config = LlamaConfig(hidden_size=384, intermediate_size=1024, num_hidden_layers=6, num_attention_heads=6,
                             num_key_value_heads=6, vocab_size=32000, tie_word_embeddings=True)

@@ -25,16 +25,16 @@ def test_start_facts_name_the_flops_the_peak_and_the_prediction():
 
 def test_a_cpu_run_is_predicted_with_the_planners_cpu_terms(monkeypatch):
     """The planner's CPU and GPU terms differ (feeding, 8-bit AdamW, chunked loss): a CPU run asks for CPU's."""
-    import memfit.memory.planner as planner
+    import memfit.memory.speed_model as speed_model
 
     asked = []
-    real = planner.estimated_step_seconds
+    real = speed_model.estimated_step_seconds
 
     def spy(*args, **kwargs):
         asked.append(kwargs.get("device"))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(planner, "estimated_step_seconds", spy)
+    monkeypatch.setattr(speed_model, "estimated_step_seconds", spy)
     assert _meter().start_facts()["predicted_step_seconds"] > 0
     assert asked == ["cpu"]
 
