@@ -120,6 +120,7 @@ def memfit_worker(spec: dict[str, Any]) -> dict[str, Any]:
     from memfit.memory.stats import process_rss_bytes
     from memfit.train import metrics  # (`import memfit.train.metrics as ...` would find the memfit.train function)
     from memfit.train.loop import train
+    from memfit.train.planned import apply_plan_if_asked
 
     device = spec["device"]
     base_rss = int(process_rss_bytes() or 0)
@@ -152,7 +153,9 @@ def memfit_worker(spec: dict[str, Any]) -> dict[str, Any]:
         overrides["memory_budget"] = budget
         if spec.get("cap"):
             overrides["memory_cap"] = budget
-    result = train(load_config(overrides={k: str(v) for k, v in overrides.items()}))
+    config = load_config(overrides={k: str(v) for k, v in overrides.items()})
+    # train() trains the config as given; `memfit train` plans first when a budget is set, and so does this run.
+    result = train(apply_plan_if_asked(config))
     warm = records[spec["warmup"]:]
     summary = result.summary
     rss = max(peaks) if peaks else None
