@@ -52,20 +52,46 @@ LINKS = [
 ]
 
 
+def _common(llama_dir, text_file) -> list[str]:
+    return ["train", "--model", str(llama_dir), "--dataset", str(text_file), "--seq-len", "32", "--batch-size", "2",
+            "--max-steps", "3", "--optimizer", "adamw-8bit", "--lr", "1e-2", "--warmup-steps", "1", "--no-report"]
+
+
+@pytest.fixture(scope="module")
+def link_runs(llama_dir, text_file, tmp_path_factory) -> dict:
+    """Every installed link's interpreter, started together (each mostly imports and waits on one core)."""
+    started = {}
+    for link in LINKS:
+        hidden, _, needs = link.values
+        if needs is not None and not _installed(needs):
+            continue
+        root = tmp_path_factory.mktemp(link.id)
+        straight, resumed = root / "straight", root / "resumed"
+        first = [*_common(llama_dir, text_file), "--save-every", "1", "--output-dir", str(straight)]
+        second = [*_common(llama_dir, text_file), "--resume", "auto", "--output-dir", str(resumed)]
+        log = root / "stderr.txt"
+        with open(log, "w") as stderr:  # a file, not a pipe: no run waits on a reader busy with another
+            process = subprocess.Popen([sys.executable, "-c", RUNNER, json.dumps([hidden, first, second, str(resumed)])],
+                                       stdout=subprocess.DEVNULL, stderr=stderr, cwd=REPO)
+        started[link.id] = (process, log, straight, resumed)
+    finished = {}
+    for name, (process, log, straight, resumed) in started.items():
+        try:
+            process.wait(timeout=600)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        finished[name] = (subprocess.CompletedProcess(process.args, process.returncode, "", log.read_text()), straight,
+                          resumed)
+    return finished
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("hidden, ran, needs", LINKS)
-def test_each_link_trains_logs_checkpoints_and_resumes(hidden, ran, needs, llama_dir, text_file, tmp_path):
+def test_each_link_trains_logs_checkpoints_and_resumes(hidden, ran, needs, link_runs, request):
     if needs is not None and not _installed(needs):
         pytest.skip(f"{needs} is not installed")
-    common = ["train", "--model", str(llama_dir), "--dataset", str(text_file), "--seq-len", "32", "--batch-size", "2",
-              "--max-steps", "3", "--optimizer", "adamw-8bit", "--lr", "1e-2", "--warmup-steps", "1", "--no-report"]
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    first = [*common, "--save-every", "1", "--output-dir", str(straight)]
-    second = [*common, "--resume", "auto", "--output-dir", str(resumed)]
-    result = subprocess.run(
-        [sys.executable, "-c", RUNNER, json.dumps([hidden, first, second, str(resumed)])],
-        capture_output=True, text=True, timeout=600, cwd=REPO,
-    )
+    result, straight, resumed = link_runs[request.node.callspec.id]
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Traceback" not in result.stderr
 
