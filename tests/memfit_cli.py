@@ -94,7 +94,13 @@ def _child(args: list[str], stdout_path: str, stderr_path: str, env: dict | None
         traceback.print_exc()
         code = 1
     try:
-        atexit._run_exitfuncs()  # what the interpreter runs on its way out
+        import threading
+
+        threading._shutdown()  # what the interpreter does on its way out: wait for non-daemon threads,
+        atexit._run_exitfuncs()  # then run the exit handlers
+    except BaseException:
+        traceback.print_exc()
+        code = code or 1
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -138,6 +144,7 @@ def _serve() -> None:
     """Import once, then fork a child per request line on stdin; answer one line per request on stdout."""
     import importlib
     import logging
+    import shutil
     import signal
     import tempfile
     import time
@@ -186,6 +193,7 @@ def _serve() -> None:
         replies.write(json.dumps({"returncode": code, "timed_out": timed_out, "stdout": Path(out).read_text(),
                                   "stderr": Path(err).read_text()}) + "\n")
         replies.flush()
+    shutil.rmtree(scratch, ignore_errors=True)
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--serve"]:
