@@ -17,12 +17,16 @@ __version__ = "0.1.0"
 def train(config: TrainConfig, **kwargs):
     """Train as `config` says and return a TrainResult (memfit.train.loop.train; keyword arguments pass through).
 
+    As `memfit train` does, a `memory_budget` or `gpu` plans the configuration first and
+    `auto_batch_size` probes the micro-batch first (memfit.train.planned).
+
     A function here rather than a lazy attribute: the package memfit.train is loaded above (it imports nothing
     heavy) so that importing one of its modules later cannot rebind the name `memfit.train` to the package.
     """
     from memfit.train.loop import train as run_training
+    from memfit.train.planned import decide_before_training
 
-    return run_training(config, **kwargs)
+    return run_training(decide_before_training(config), **kwargs)
 
 
 def __getattr__(name: str):

@@ -19,13 +19,10 @@ def run(argv: list[str]) -> int:
         return 0
     config, _ = parse_command_line(argv)
     from memfit.train.loop import train
-    from memfit.train.planned import apply_plan_if_asked
+    from memfit.train.planned import decide_before_training
     from memfit.train.run_summary import memory_report
 
-    config = apply_plan_if_asked(config)
-    if config.training.auto_batch_size:
-        config = _with_found_batch_size(config)
-    result = train(config)
+    result = train(decide_before_training(config))
     if result.final_dir is not None:
         summary = dict(result.summary)
         print(memory_report(summary), file=sys.stderr)
@@ -36,21 +33,3 @@ def run(argv: list[str]) -> int:
             report_after_run(result.output_dir, config.output.log_file)
     return 0
 
-
-def _with_found_batch_size(config):
-    """--auto-batch-size: probe first, then train at the recommended split (same effective batch)."""
-    import gc
-    import logging
-
-    from memfit.train.batch_size import find_batch_size
-
-    found = find_batch_size(config)
-    gc.collect()  # the probing session's model and optimizer go before training starts
-    logging.getLogger("memfit").info(
-        "memfit: --auto-batch-size: micro-batch %d x %d accumulation (largest that fits: %d)",
-        found.recommended_batch_size, found.gradient_accumulation_steps, found.max_batch_size,
-    )
-    changes = {"batch_size": found.recommended_batch_size, "auto_batch_size": False}
-    if config.training.effective_batch_size is None:
-        changes["gradient_accumulation_steps"] = found.gradient_accumulation_steps
-    return config.replace(**changes)

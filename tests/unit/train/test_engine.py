@@ -182,3 +182,21 @@ def test_a_step_the_grad_scaler_skips_has_a_norm_that_is_not_finite():
     engine.backward(model(torch.full((1, 4), float("inf"))).sum(), last_micro_batch=True)
     assert not math.isfinite(float(engine.clip_and_step()))
     torch.testing.assert_close(model.weight.detach(), before)  # the scaler skipped the update
+
+
+def test_library_train_plans_a_budget_as_the_cli_does(monkeypatch):
+    """`memfit.train(config)` with a memory budget consults the planner before it builds the run, as `memfit train` does."""
+    import memfit
+    import memfit.memory.planner as planner
+    from memfit.config_loading import load_config
+
+    class Planned(Exception):
+        pass
+
+    def plan(config, budget_bytes=None, gpu=None, **_):
+        raise Planned(budget_bytes)
+
+    monkeypatch.setattr(planner, "plan", plan)
+    with pytest.raises(Planned) as raised:
+        memfit.train(load_config(overrides={"memory_budget": "1GiB", "max_steps": 1}))
+    assert raised.value.args == (1 << 30,)
