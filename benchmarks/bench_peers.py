@@ -118,7 +118,7 @@ def _peak(device: str) -> int:
 def memfit_worker(spec: dict[str, Any]) -> dict[str, Any]:
     from memfit.config_loading import load_config
     from memfit.memory.stats import process_rss_bytes
-    from memfit.train import metrics  # (`import memfit.train.metrics as ...` would find the memfit.train function)
+    from memfit.train import metrics
     from memfit.train.loop import train
     from memfit.train.planned import apply_plan_if_asked
 

@@ -52,3 +52,10 @@ def test_library_train_is_the_function_after_its_modules_were_imported():
     code = "import memfit.train.setup\nfrom memfit import train\nassert callable(train), type(train)\n"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+def test_train_modules_import_by_their_dotted_names():
+    """The callable memfit.train package stays a package: `import memfit.train.loop as loop` works."""
+    code = "from memfit import train\nimport memfit.train.loop as loop\nassert loop.train is not train\n"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
