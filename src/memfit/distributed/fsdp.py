@@ -33,7 +33,7 @@ from memfit.config import TrainConfig
 from memfit.distributed.checkpoint_io import load_sharded, save_sharded
 from memfit.distributed.context import DistContext
 from memfit.distributed.memory import gradient_bytes
-from memfit.distributed.parallel import RankMetrics, gather_events
+from memfit.distributed.parallel import LocalStepEngine, gather_events
 from memfit.techniques.checkpointing import transformer_blocks
 
 log = logging.getLogger("memfit")
@@ -66,7 +66,7 @@ def fully_shard_model(
     return len(blocks) + 1
 
 
-class FullyShardedEngine(RankMetrics):
+class FullyShardedEngine(LocalStepEngine):
     """FSDP2 over all ranks (see the module docstring). The local step (backward, clipping over the
     sharded gradients, the optimizer step on the shards) is a one-process engine's (`local`)."""
 
@@ -74,11 +74,7 @@ class FullyShardedEngine(RankMetrics):
     recovers_from_oom = False  # every pass exchanges shards: a rank cannot redo a micro-batch alone
 
     def __init__(self, local, config: TrainConfig, dist: DistContext, device: torch.device, precision, fallbacks: dict):
-        self.local = local
-        """A memfit.train.engine.SingleProcessEngine."""
-        self.dist = dist
-        self.device = device
-        self.scaler = local.scaler
+        super().__init__(local, dist, device)
         self.compute_dtype = precision.autocast_dtype
         self.offload = config.distributed.fsdp_offload
         self.units = 0
@@ -87,14 +83,6 @@ class FullyShardedEngine(RankMetrics):
                 "off under --sharding fsdp: a rank cannot leave a collective midway; an OOM ends the run"
                 " (use --sharding ddp to recover from OOM across ranks)"
             )
-
-    @property
-    def model(self) -> torch.nn.Module:
-        return self.local.model
-
-    @property
-    def optimizer(self) -> torch.optim.Optimizer:
-        return self.local.optimizer
 
     def describe(self) -> str:
         offload = ", CPU offload" if self.offload else ""

@@ -115,12 +115,8 @@ class RankMetrics:
         return f"{self.name} over {self.dist.world_size} rank(s)"
 
 
-class DataParallelEngine(RankMetrics):
-    """Every rank holds the whole model and runs a one-process engine (`local`) on its slice of the
-    batch; gradients are summed once per optimizer step (see the module docstring)."""
-
-    name = "ddp"
-    recovers_from_oom = True
+class LocalStepEngine(RankMetrics):
+    """A multi-rank engine whose local step is a one-process engine's (`local`): DDP and FSDP2."""
 
     def __init__(self, local, dist: DistContext, device: torch.device):
         self.local = local
@@ -136,6 +132,14 @@ class DataParallelEngine(RankMetrics):
     @property
     def optimizer(self) -> torch.optim.Optimizer:
         return self.local.optimizer
+
+
+class DataParallelEngine(LocalStepEngine):
+    """Every rank holds the whole model and runs a one-process engine (`local`) on its slice of the
+    batch; gradients are summed once per optimizer step (see the module docstring)."""
+
+    name = "ddp"
+    recovers_from_oom = True
 
     def prepare(self, model: torch.nn.Module, build_optimizer):
         import torch.distributed as tdist
