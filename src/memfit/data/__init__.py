@@ -12,6 +12,7 @@ See docs/data.md for the formats, windows, packing, the cache and the order guar
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from memfit.config import DataConfig
@@ -41,7 +42,12 @@ __all__ = [
 
 
 def load_training_data(
-    data_cfg: DataConfig, tokenizer: Any, *, max_positions: int | None = None, min_samples: int = 1
+    data_cfg: DataConfig,
+    tokenizer: Any,
+    *,
+    max_positions: int | None = None,
+    min_samples: int = 1,
+    rope_positions: int | None = None,
 ) -> TokenizedDataset:
     """Read, tokenize (once; cached on disk) and window the training text of `data_cfg`.
 
@@ -51,6 +57,8 @@ def load_training_data(
             `get_vocab()` (any Hugging Face tokenizer does).
         max_positions: the most positions the model handles; seq_len must not exceed it.
         min_samples: the fewest windows a run can use (one effective batch).
+        rope_positions: the model's own positions when `--rope-scale` could extend them (a RoPE
+            model); the refusal of a too long seq_len then names the factor that would fit it.
 
     The data is checked before the token cache is written: data a run cannot use leaves
     no cache (and no cache directory) behind.
@@ -61,8 +69,13 @@ def load_training_data(
     """
     seq_len, stride = data_cfg.seq_len, data_cfg.stride
     if max_positions is not None and seq_len > max_positions:
+        extend = ""
+        if rope_positions:
+            factor = max(2, math.ceil(seq_len / rope_positions))
+            extend = (f", or extend the model's {rope_positions:,} positions with --rope-scale {factor}"
+                      " (RoPE scaling: a context-extension fine-tune)")
         raise UsageError(
-            f"--seq-len {seq_len} is too long: the model handles at most {max_positions} positions; lower --seq-len"
+            f"--seq-len {seq_len} is too long: the model handles at most {max_positions} positions; lower --seq-len{extend}"
         )
     if seq_len < 2:
         raise UsageError(f"--seq-len must be at least 2 (one token predicts the next), got {seq_len}")

@@ -2,7 +2,8 @@
 
 Weights are read with safetensors (transformers' default); `trust_remote_code` stays off
 unless the user asks. LoRA/QLoRA wrapping happens after loading (techniques.lora); a
-quantized base is loaded here because bitsandbytes quantizes at load time.
+quantized base is loaded here because bitsandbytes quantizes at load time. `--rope-scale`
+changes the model config's RoPE before the model is built (models.rope).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 
 from memfit.config import TrainConfig
 from memfit.errors import UsageError
+from memfit.models.rope import RopeScaling, apply_rope_scale, can_scale
 
 log = logging.getLogger("memfit")
 
@@ -44,7 +46,18 @@ class LoadedModel:
     source: str
     """Where the model came from, for the log ('built-in tiny', 'directory ./m', ...)."""
     max_positions: int | None
-    """Longest sequence the model handles, if it says."""
+    """Longest sequence the model handles, if it says (after --rope-scale)."""
+    rope_scaling: RopeScaling | None = None
+    """What --rope-scale changed, or None (the model's own positions)."""
+    rope_extendable: bool = False
+    """Whether --rope-scale could extend this model's positions (it has RoPE of a type memfit extends)."""
+
+    @property
+    def rope_positions(self) -> int | None:
+        """The positions --rope-scale multiplies (the model's own), or None when it cannot extend them."""
+        if not self.rope_extendable:
+            return None
+        return self.rope_scaling.positions_before if self.rope_scaling is not None else self.max_positions
 
 
 def _looks_like_path(name: str) -> bool:
@@ -84,12 +97,14 @@ def load_model_and_tokenizer(
     name = config.model.model
     dtype = DTYPES[config.model.dtype]
     torch.manual_seed(config.training.seed)  # the same initial weights for a from-scratch model
+    scale, kind = config.model.rope_scale, config.model.rope_scaling
+    rope: RopeScaling | None = None
     if name == "tiny":
         from memfit.models.tiny import tiny_config
 
-        model = AutoModelForCausalLM.from_config(
-            tiny_config(), dtype=dtype, attn_implementation=attention.hf_name
-        )
+        hf_config = tiny_config()
+        rope = apply_rope_scale(hf_config, scale, kind)
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation=attention.hf_name)
         source = "built-in tiny (Llama architecture, random init)"
     elif name.startswith(PRESET_PREFIX):
         # Only on request: 'gpt2' alone means the pretrained weights, not a random model of that shape.
@@ -98,17 +113,23 @@ def load_model_and_tokenizer(
         preset = name.removeprefix(PRESET_PREFIX)
         if not is_preset(preset):
             raise UsageError(f"unknown preset {preset!r}; memfit presets models lists them")
-        model = AutoModelForCausalLM.from_config(preset_config(preset), dtype=dtype, attn_implementation=attention.hf_name)
+        hf_config = preset_config(preset)
+        rope = apply_rope_scale(hf_config, scale, kind)
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation=attention.hf_name)
         source = f"preset {preset} (random init)"
     else:
         if _looks_like_path(name) and not Path(name).expanduser().exists():
             raise UsageError(f"model path {name} does not exist; give a directory saved with save_pretrained, a Hugging Face id, or 'tiny'")
         name = _hub_id(name)
-        model = _from_pretrained(name, config, dtype, attention, quantization_config)
+        hf_config = None
+        if scale is not None:  # without the flag the model loads exactly as before, its config untouched
+            hf_config = _pretrained_config(name, config)
+            rope = apply_rope_scale(hf_config, scale, kind)
+        model = _from_pretrained(name, config, dtype, attention, quantization_config, hf_config)
         source = f"directory {name}" if Path(name).exists() else f"Hugging Face {name}"
         quantization_config = None  # from_pretrained quantized it while loading
     if quantization_config is not None:
-        model = _quantized_copy(model, name, config, dtype, attention, quantization_config)
+        model = _quantized_copy(model, name, config, dtype, attention, quantization_config, rope)
     else:
         model.to(device)
     model.config.use_cache = False  # the KV cache is for generation; in training it only costs memory
@@ -118,7 +139,24 @@ def load_model_and_tokenizer(
         source += ", byte tokenizer (pass --tokenizer for the real one)"
     tokenizer = load_tokenizer(tokenizer_name, config.model.trust_remote_code)
     max_positions = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
-    return LoadedModel(model, tokenizer, source, max_positions)
+    if rope is not None:
+        source += f", RoPE scaling {rope.describe()}"
+        log.info("memfit: RoPE scaling %s; a context-extension fine-tune: the rotary numerics differ from the"
+                 " pretrained model's at every position", rope.describe())
+    return LoadedModel(model, tokenizer, source, max_positions, rope, can_scale(model.config))
+
+
+def _pretrained_config(name: str, config: TrainConfig):
+    """The config of a local directory or Hugging Face id, to scale before the weights are loaded."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(name, trust_remote_code=config.model.trust_remote_code)
+    except (OSError, ValueError) as error:
+        text = str(error).strip().splitlines()[0] if str(error).strip() else "not found"
+        raise UsageError(
+            f"cannot load model {name!r} ({text[:160]}); check the id or path, or use --model tiny"
+        ) from None
 
 
 def _hub_id(name: str) -> str:
@@ -131,16 +169,22 @@ def _hub_id(name: str) -> str:
     return preset.hf_id if preset is not None else name
 
 
-def _quantized_copy(model, name: str, config: TrainConfig, dtype, attention: AttentionChoice, quantization_config):
+def _quantized_copy(model, name: str, config: TrainConfig, dtype, attention: AttentionChoice, quantization_config,
+                    rope: RopeScaling | None = None):
     """bitsandbytes quantizes while loading: write a model built from a config once into the
-    run's cache, then load it back quantized (QLoRA on the built-in or a preset model)."""
-    directory = Path(config.output.output_dir) / "cache" / f"base-{name.replace('/', '-')}-seed{config.training.seed}"
+    run's cache, then load it back quantized (QLoRA on the built-in or a preset model).
+
+    The saved config holds the RoPE scaling already (it is not applied twice); the directory
+    name holds it too, so a copy saved without it is not read back for a scaled run."""
+    rope_tag = f"-rope-{rope.rope_type}{rope.scale:g}" if rope is not None else ""
+    directory = Path(config.output.output_dir) / "cache" / f"base-{name.replace('/', '-')}-seed{config.training.seed}{rope_tag}"
     if not (directory / "config.json").is_file():
         model.save_pretrained(directory, safe_serialization=True)
     return _from_pretrained(str(directory), config, dtype, attention, quantization_config)
 
 
-def _from_pretrained(name, config: TrainConfig, dtype, attention: AttentionChoice, quantization_config):
+def _from_pretrained(name, config: TrainConfig, dtype, attention: AttentionChoice, quantization_config, hf_config=None):
+    """`hf_config`: the model's config changed before loading (--rope-scale); None reads the saved one."""
     from transformers import AutoModelForCausalLM
 
     kwargs = dict(
@@ -148,6 +192,8 @@ def _from_pretrained(name, config: TrainConfig, dtype, attention: AttentionChoic
         trust_remote_code=config.model.trust_remote_code,
         attn_implementation=attention.hf_name,
     )
+    if hf_config is not None:
+        kwargs["config"] = hf_config
     if quantization_config is not None:
         kwargs["quantization_config"] = quantization_config
         kwargs["device_map"] = {"": 0} if torch.cuda.is_available() else {"": "cpu"}

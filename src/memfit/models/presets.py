@@ -9,6 +9,7 @@ meta device: every shape, no memory, a 70B model in well under a second.
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 from dataclasses import dataclass, field
@@ -52,13 +53,19 @@ class ModelPreset:
                 num_attention_heads=self.num_heads, num_key_value_heads=self.num_kv_heads,
                 intermediate_size=self.intermediate_size, max_position_embeddings=self.max_positions,
             )
-        fields.update(vocab_size=self.vocab_size, tie_word_embeddings=self.tie_embeddings, **self.extra)
+        # a copy: transformers keeps (and fills in) the rope_scaling dict it is given
+        fields.update(vocab_size=self.vocab_size, tie_word_embeddings=self.tie_embeddings, **copy.deepcopy(self.extra))
         config = AutoConfig.for_model(self.model_type, **fields)
         config.name_or_path = self.hf_id
         return config
 
 
 _LLAMA3_ROPE = {"rope_theta": 500000.0}
+# Llama 3.1 and 3.2 stretch Llama 3's 8192 pretraining positions with their own RoPE scaling (as published).
+_LLAMA31_ROPE = _LLAMA3_ROPE | {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}
+_LLAMA32_ROPE = _LLAMA3_ROPE | {"rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}
 _QWEN = {"rope_theta": 1000000.0}
 
 MODEL_PRESETS: dict[str, ModelPreset] = {
@@ -73,10 +80,10 @@ MODEL_PRESETS: dict[str, ModelPreset] = {
         ModelPreset("llama-2-70b", "meta-llama/Llama-2-70b-hf", "llama", 8192, 80, 64, 8, 28672, 32000, 4096, False),
         ModelPreset("llama-3-8b", "meta-llama/Meta-Llama-3-8B", "llama", 4096, 32, 32, 8, 14336, 128256, 8192, False, _LLAMA3_ROPE),
         ModelPreset("llama-3-70b", "meta-llama/Meta-Llama-3-70B", "llama", 8192, 80, 64, 8, 28672, 128256, 8192, False, _LLAMA3_ROPE),
-        ModelPreset("llama-3.1-8b", "meta-llama/Llama-3.1-8B", "llama", 4096, 32, 32, 8, 14336, 128256, 131072, False, _LLAMA3_ROPE),
-        ModelPreset("llama-3.1-70b", "meta-llama/Llama-3.1-70B", "llama", 8192, 80, 64, 8, 28672, 128256, 131072, False, _LLAMA3_ROPE),
-        ModelPreset("llama-3.2-1b", "meta-llama/Llama-3.2-1B", "llama", 2048, 16, 32, 8, 8192, 128256, 131072, True, _LLAMA3_ROPE | {"head_dim": 64}),
-        ModelPreset("llama-3.2-3b", "meta-llama/Llama-3.2-3B", "llama", 3072, 28, 24, 8, 8192, 128256, 131072, True, _LLAMA3_ROPE | {"head_dim": 128}),
+        ModelPreset("llama-3.1-8b", "meta-llama/Llama-3.1-8B", "llama", 4096, 32, 32, 8, 14336, 128256, 131072, False, _LLAMA31_ROPE),
+        ModelPreset("llama-3.1-70b", "meta-llama/Llama-3.1-70B", "llama", 8192, 80, 64, 8, 28672, 128256, 131072, False, _LLAMA31_ROPE),
+        ModelPreset("llama-3.2-1b", "meta-llama/Llama-3.2-1B", "llama", 2048, 16, 32, 8, 8192, 128256, 131072, True, _LLAMA32_ROPE | {"head_dim": 64}),
+        ModelPreset("llama-3.2-3b", "meta-llama/Llama-3.2-3B", "llama", 3072, 28, 24, 8, 8192, 128256, 131072, True, _LLAMA32_ROPE | {"head_dim": 128}),
         ModelPreset("mistral-7b", "mistralai/Mistral-7B-v0.1", "mistral", 4096, 32, 32, 8, 14336, 32000, 32768, False, {"sliding_window": 4096}),
         ModelPreset("qwen2.5-0.5b", "Qwen/Qwen2.5-0.5B", "qwen2", 896, 24, 14, 2, 4864, 151936, 32768, True, _QWEN),
         ModelPreset("qwen2.5-1.5b", "Qwen/Qwen2.5-1.5B", "qwen2", 1536, 28, 12, 2, 8960, 151936, 131072, True, _QWEN),

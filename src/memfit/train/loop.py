@@ -236,7 +236,8 @@ def _activation_offload_context(session: TrainingSession):
         return contextlib.nullcontext()
     from memfit.techniques.offload import activation_offload
 
-    context, reason = activation_offload(session.device, model=session.model)
+    context, reason = activation_offload(session.device, model=session.model,
+                                         blocks=session.config.memory.activation_offload_blocks)
     if reason:
         session.fallbacks["activation_offload"] = reason
     return context
@@ -259,6 +260,7 @@ def run_facts(session: TrainingSession) -> dict[str, Any]:
         "seq_len": config.data.seq_len,
         "kernels": session.kernels.description,
         "compile": session.compiled,
+        "rope_scaling": session.loaded.rope_scaling.describe() if session.loaded.rope_scaling else None,
         "fallbacks": dict(session.fallbacks),
     }
 

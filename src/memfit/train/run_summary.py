@@ -13,6 +13,8 @@ def memory_report(summary: dict) -> str:
         f"  device {summary['device']} | precision {summary['precision']} | optimizer {summary['optimizer']}"
         f" | attention {summary['attention']} | checkpointing {summary['gradient_checkpointing']}"
     )
+    if summary.get("rope_scaling"):
+        lines.append(f"  RoPE scaling {summary['rope_scaling']} (a context-extension fine-tune)")
     if summary.get("first_loss") is not None:
         lines.append(f"  loss {summary['first_loss']:.4f} -> {summary['final_loss']:.4f} over {summary['steps']} steps")
     peak = summary.get("peak_memory_bytes")

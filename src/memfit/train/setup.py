@@ -154,7 +154,8 @@ def _build_session(config: TrainConfig) -> TrainingSession:
     effective_batch = config.effective_batch_for(dist.world_size)
     # Data too short for one effective batch is refused before its token cache is written.
     dataset = load_training_data(
-        _data_config(config), loaded.tokenizer, max_positions=loaded.max_positions, min_samples=effective_batch
+        _data_config(config), loaded.tokenizer, max_positions=loaded.max_positions, min_samples=effective_batch,
+        rope_positions=loaded.rope_positions,
     )
     if dist.is_main:
         dist.barrier()
