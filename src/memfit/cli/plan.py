@@ -60,6 +60,8 @@ def _describe(changes: dict) -> str:
             parts.append(text)
     if changes.get("tiled_mlp"):
         parts.append(f"tiled MLP x{changes['tiled_mlp']}")
+    if changes.get("rope_scale"):
+        parts.append(f"RoPE scale x{changes['rope_scale']:g}")
     return ", ".join(p for p in parts if p)
 
 

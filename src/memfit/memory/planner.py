@@ -71,6 +71,10 @@ class PlanResult:
     maximize: str | None = None
     memory_limit_seq_len: int | None = None
     """With --maximize seq-len: the longest sequence memory allows, even past the model's positions."""
+    max_positions: int | None = None
+    """The positions cap the plan used: the model's own, x --rope-scale when given."""
+    rope_scale_to_memory_limit: int | None = None
+    """When memory allows more than max_positions: the whole --rope-scale whose positions reach memory_limit_seq_len."""
 
     @property
     def host_fits(self) -> bool | None:
@@ -95,6 +99,8 @@ class PlanResult:
             "trades": list(self.trades),
             "maximize": self.maximize,
             "memory_limit_seq_len": self.memory_limit_seq_len,
+            "max_positions": self.max_positions,
+            "rope_scale_to_memory_limit": self.rope_scale_to_memory_limit,
         }
 
 
@@ -339,7 +345,10 @@ def plan(
                      "auto" if gpu_spec is not None else config.memory.precision, host_limit)
     chosen: list[Candidate] = []
     everything: list[Candidate] = []
-    trained_positions = getattr(hf_config, "max_position_embeddings", None) or getattr(hf_config, "n_positions", None)
+    from memfit.models.rope import can_scale, scaled_positions, suggested_scale
+
+    # the model's positions, x --rope-scale (refused for a model without RoPE)
+    trained_positions = scaled_positions(hf_config, config.model.rope_scale, config.model.rope_scaling)
     memory_seq_len = None
     for mode in _modes(allow):
         if maximize == "seq-len":
@@ -378,6 +387,10 @@ def plan(
         chosen.sort(key=lambda c: (c.changes.get("dtype") == "bf16" and not c.changes.get("lora_r"),
                                    -c.tokens_per_second, c.estimate.peak_bytes))
     best = chosen[0]
+    if config.model.rope_scale is not None:  # the planned positions need the scaled model: the command carries it
+        best.changes["rope_scale"] = config.model.rope_scale
+        if config.model.rope_scaling != "auto":
+            best.changes["rope_scaling"] = config.model.rope_scaling
     alternatives = [_describe(c, best) for c in _distinct(chosen)[1:3]]
     est = best.estimate
     seq_len = best.changes.get("seq_len", config.data.seq_len)
@@ -389,6 +402,9 @@ def plan(
         host_bytes=est.host_bytes, host_available_bytes=est.host_available_bytes, host_limit_bytes=host_limit,
         trades=trade_offs(best, config, hf_config, gpu_spec, host_limit, memory_seq_len), maximize=maximize,
         memory_limit_seq_len=memory_seq_len or (seq_len if maximize == "seq-len" else None),
+        max_positions=trained_positions,
+        rope_scale_to_memory_limit=suggested_scale(
+            scaled_positions(hf_config, None), memory_seq_len) if memory_seq_len and can_scale(hf_config) else None,
     )
 
 
@@ -439,10 +455,24 @@ def trade_offs(candidate: Candidate, config: TrainConfig, hf_config: Any, gpu: G
             verdict = "enough" if est.host_bytes <= available else "NOT enough"
             lines.append(f"needs {host_gib:.1f} GiB of host memory{limit}; this machine has {available / GIB:.1f} GiB"
                          f" available now ({verdict} here)")
-    trained = getattr(hf_config, "max_position_embeddings", None) or getattr(hf_config, "n_positions", None)
+    from memfit.models.rope import can_scale, scaled_positions, suggested_scale
+
+    own = scaled_positions(hf_config, None)
+    trained = scaled_positions(hf_config, config.model.rope_scale, config.model.rope_scaling)
+    scale = config.model.rope_scale
+    if scale is not None and scale != 1:
+        lines.append(f"RoPE scaling x{scale:g} (--rope-scale): the model's {own:,} positions become {trained:,}; the"
+                     " rotary numerics change at every position, so this is a context-extension fine-tune")
     if memory_seq_len and trained and memory_seq_len > trained:
-        lines.append(f"memory alone would allow {memory_seq_len:,} tokens, but the model handles {trained:,} positions"
-                     " (memfit train refuses longer windows; longer contexts need RoPE scaling in the model config)")
+        where = f"the model handles {trained:,} positions" if scale is None else (
+            f"--rope-scale {scale:g} gives the model {trained:,} positions")
+        extend = ""
+        if can_scale(hf_config):
+            factor = suggested_scale(own, memory_seq_len)
+            extend = (f"; --rope-scale {factor} extends them to {own * factor:,} (RoPE scaling, a context-extension"
+                      " fine-tune)")
+        lines.append(f"memory alone would allow {memory_seq_len:,} tokens, but {where} (memfit train refuses longer"
+                     f" windows){extend}")
     return lines
 
 
