@@ -11,17 +11,11 @@ from memfit.memory.categories import CATEGORIES, OPTIMIZER_STATES
 from memfit.memory.estimator import estimate
 from memfit.memory.traced import StepSetup
 from memfit.train.traced import trace_step
+from tiny_llama import tiny_llama_config
 
 
 def small_llama() -> LlamaConfig:
-    return LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=256,
-    )
+    return tiny_llama_config(layers=3, max_positions=2048)
 
 
 @pytest.mark.slow

@@ -12,19 +12,9 @@ import torch
 
 def build_llama(layers: int = 2, hidden: int = 64, vocab: int = 256, intermediate: int | None = None):
     """A randomly initialized Llama built from a config (nothing is downloaded)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from tiny_llama import tiny_llama
 
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=hidden,
-        intermediate_size=intermediate or 2 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=vocab,
-        max_position_embeddings=2048,
-    )
-    model = LlamaForCausalLM(config)
+    model = tiny_llama(layers=layers, hidden=hidden, vocab=vocab, intermediate=intermediate, max_positions=2048)
     model.train()
     return model
 

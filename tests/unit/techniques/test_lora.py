@@ -6,7 +6,7 @@ import warnings
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
 from memfit.config import LoraConfig
 from memfit.errors import UsageError
@@ -20,27 +20,12 @@ from memfit.techniques.lora import (
     resolve_lora_targets,
     save_adapter,
 )
+from tiny_llama import tiny_llama
 
 pytest.importorskip("peft")
 
 LLAMA_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
-
-def tiny_llama_config() -> LlamaConfig:
-    return LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=256,
-        max_position_embeddings=512,
-    )
-
-
-def tiny_llama() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    return LlamaForCausalLM(tiny_llama_config())
 
 
 def batch(seed: int = 0, rows: int = 4, seq: int = 32) -> torch.Tensor:

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaForCausalLM
 
 from memfit.techniques.loss import (
     IGNORE_INDEX,
@@ -16,6 +16,7 @@ from memfit.techniques.loss import (
     count_target_tokens,
     default_loss_chunk_size,
 )
+from tiny_llama import tiny_llama as shared_tiny_llama
 
 
 class LiveBytes(TorchDispatchMode):
@@ -46,17 +47,7 @@ class LiveBytes(TorchDispatchMode):
 
 
 def tiny_llama(vocab_size: int = 256) -> LlamaForCausalLM:
-    config = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=vocab_size,
-        max_position_embeddings=512,
-    )
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config)
+    return shared_tiny_llama(vocab=vocab_size)
 
 
 def tiny_gpt2() -> GPT2LMHeadModel:

@@ -6,29 +6,20 @@ import copy
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from memfit.config import OptimizerConfig
 from memfit.memory.tracker import MemoryTracker
 from memfit.techniques.offload import HostSteppedOptimizer, host_stepped
 from memfit.techniques.optimizer_in_backward import OptimizerInBackward
 from memfit.techniques.optimizers import build_optimizer
+from tiny_llama import tiny_llama as shared_tiny_llama
 
 VOCAB = 128
 
 
 def tiny_llama(device: str = "cpu") -> LlamaForCausalLM:
-    config = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=VOCAB,
-        max_position_embeddings=128,
-    )
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config).to(device)
+    return shared_tiny_llama(vocab=VOCAB, max_positions=128).to(device)
 
 
 def batches(steps: int, device: str = "cpu") -> list[torch.Tensor]:

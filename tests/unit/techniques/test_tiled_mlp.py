@@ -4,28 +4,20 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaForCausalLM
 
 from memfit.memory.tracker import MemoryTracker
 from memfit.techniques.checkpointing import apply_gradient_checkpointing
 from memfit.techniques.optimizer_in_backward import OptimizerInBackward
 from memfit.techniques.tiled_mlp import AUTO_TILE_TOKENS, TiledMLPFunction, apply_tiled_mlp, find_mlps, tiles_for
+from tiny_llama import tiny_llama as shared_tiny_llama
 
 VOCAB = 200
 
 
 def tiny_llama(hidden: int = 64, layers: int = 2, intermediate: int | None = None) -> LlamaForCausalLM:
-    config = LlamaConfig(
-        hidden_size=hidden,
-        intermediate_size=intermediate or 4 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=VOCAB,
-        max_position_embeddings=1 << 16,
-    )
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config)
+    return shared_tiny_llama(hidden=hidden, layers=layers, vocab=VOCAB, intermediate=intermediate or 4 * hidden,
+                             max_positions=1 << 16)
 
 
 def tokens(batch: int, seq: int) -> torch.Tensor:
