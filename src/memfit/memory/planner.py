@@ -156,8 +156,8 @@ def technique_grid(mode: str, config: TrainConfig, gpu: GpuSpec | None, seq_len:
         dtypes, optimizers, in_backward, ("off", "selective", "full"), offloads, tiles,
         (0, DEFAULT_LOSS_CHUNK_TOKENS), offloads,
     ):
-        if opt_offload and (oib or not full or optimizer != "adamw"):
-            continue  # CPU offload runs torch's AdamW, per optimizer step
+        if opt_offload and (not full or optimizer != "adamw"):
+            continue  # CPU offload steps torch's AdamW on host copies (per step, or per parameter in backward)
         if act_offload and checkpointing == "selective":
             continue  # the kept matmul outputs would all cross the host link: full checkpointing does better
         changes = {"gradient_checkpointing": checkpointing, "optimizer": optimizer, "loss_chunk_size": chunk,

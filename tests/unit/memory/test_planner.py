@@ -177,3 +177,13 @@ def test_speed_model_on_a_gpu_keeps_small_micro_batches_slow_and_8_bit_adamw_nea
     assert speed["micro 1 x 4"] < 0.5  # 128-token micro-batches leave the GPU idle between kernels
     assert 0.98 < speed["8-bit"] < 1.0  # a tie-break, not a cost
     assert speed["full checkpointing"] < 1.0 and speed["chunked loss"] < 1.0
+
+
+def test_the_search_pairs_cpu_optimizer_offload_with_optimizer_in_backward():
+    from memfit.gpus import get_gpu
+    from memfit.memory.planner import technique_grid
+
+    config = load_config(overrides={"model": "preset:llama-3.2-1b", "seq_len": 1024})
+    grid = technique_grid("full", config, get_gpu("rtx-4090"), 1024, accumulation=1)
+    paired = [c for c in grid if c["optimizer_offload"] and c["optimizer_in_backward"]]
+    assert paired and all(c["optimizer"] == "adamw" and c["max_grad_norm"] == 0.0 for c in paired)
