@@ -116,11 +116,13 @@ def train(
     activation_offload = _activation_offload_context(session)
     started = time.perf_counter()
     with tracker if tracker is not None else contextlib.nullcontext(), progress, activation_offload, _oom_is_fatal(runner, config):
+        upcoming = _samples_of(session, state.step)
         for step in range(state.step, session.total_steps):
             reset_peaks(session.device)
             step_started = time.perf_counter()
-            samples = [session.dataset[i] for i in session.schedule.batch_indices(step)]
-            result = runner.run(samples)
+            # The next step's samples are fetched now so its first micro-batch is prepared during this step.
+            samples, upcoming = upcoming, _samples_of(session, step + 1)
+            result = runner.run(samples, next_samples=upcoming)
             session.scheduler.step()
             elapsed = time.perf_counter() - step_started
             state.step = step + 1
@@ -191,6 +193,13 @@ def train(
         state.step, summary["final_loss"], losses, session.output_dir, final_dir, summary["peak_memory_bytes"], tracked_peak,
         summary, memory_steps,
     )
+
+
+def _samples_of(session: TrainingSession, step: int) -> list[dict] | None:
+    """The samples of optimizer step `step` (None past the last step)."""
+    if step >= session.total_steps:
+        return None
+    return [session.dataset[i] for i in session.schedule.batch_indices(step)]
 
 
 def _save_final(session: TrainingSession, state: TrainerState) -> Path | None:

@@ -141,8 +141,13 @@ class StepRunner:
 
     # -- one step ----------------------------------------------------------
 
-    def run(self, samples: list[dict]) -> StepResult:
-        """Forward/backward over `samples` in micro-batches, then one optimizer step."""
+    def run(self, samples: list[dict], next_samples: list[dict] | None = None) -> StepResult:
+        """Forward/backward over `samples` in micro-batches, then one optimizer step.
+
+        `next_samples` (the next step's samples, the very same objects that step will pass)
+        lets the last micro-batch prepare the next step's first one, so the input pipeline
+        runs ahead across optimizer steps too, not only between micro-batches of a step.
+        """
         events: list[dict] = []
         target_tokens = sum(count_target_tokens(sample["labels"][None]) for sample in samples)
         input_tokens = sum(int(sample["input_ids"].numel()) for sample in samples)
@@ -153,7 +158,7 @@ class StepRunner:
         while pending:
             piece = pending.popleft()
             self._touched = set()
-            self._upcoming = pending[0].samples if pending else None
+            self._upcoming = pending[0].samples if pending else (next_samples or [])[: self.micro_batch_size]
             try:
                 loss_sum += self._forward_backward(piece, normalizer, last_micro_batch=not pending)
                 continue

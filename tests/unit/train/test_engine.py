@@ -107,9 +107,9 @@ def test_one_host_sync_per_optimizer_step(llama_dir, text_file, tmp_path, monkey
     monkeypatch.setattr(SingleProcessEngine, "clip_and_step", lambda self: original_step(self).as_subclass(_Counted))
     reads_per_step = []
 
-    def run(self, samples):
+    def run(self, samples, **kwargs):
         before = _Counted.reads
-        result = original_run(self, samples)
+        result = original_run(self, samples, **kwargs)
         reads_per_step.append(_Counted.reads - before)
         return result
 
@@ -200,3 +200,10 @@ def test_library_train_plans_a_budget_as_the_cli_does(monkeypatch):
     with pytest.raises(Planned) as raised:
         memfit.train(load_config(overrides={"memory_budget": "1GiB", "max_steps": 1}))
     assert raised.value.args == (1 << 30,)
+
+
+def test_the_next_steps_first_micro_batch_is_prepared_during_this_step(built_runners, llama_dir, text_file, tmp_path):
+    """At one micro-batch per step, every step after the first takes a batch prepared ahead."""
+    train(_config(llama_dir, text_file, tmp_path / "run", batch_size=2, max_steps=3))
+    runner = built_runners[0][0]
+    assert (runner.prefetcher.prefetched, runner.prefetcher.collated_on_demand) == (2, 1)
