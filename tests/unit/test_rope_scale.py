@@ -211,3 +211,20 @@ def test_plan_caps_at_the_positions_and_names_the_scale_that_reaches_memory():
     assert config.model.rope_scale == 4 and config.data.seq_len == scaled.plan["seq_len"]
     with pytest.raises(UsageError, match="rotary"):
         plan(load_config(overrides={"model": "gpt2", "rope_scale": 2}), gpu="h100", maximize="seq-len")
+
+
+def test_a_quantized_base_is_scaled_once(tmp_path):
+    """QLoRA on a model built from a config saves it and loads it back quantized: the saved config is scaled already."""
+    pytest.importorskip("bitsandbytes")
+    from memfit.techniques.lora import quantization_config
+
+    config = load_config(overrides=dict(model="tiny", lora_r=4, quantize="4bit", rope_scale=2, rope_scaling="linear",
+                                        output_dir=str(tmp_path / "out")))
+    loaded = load_model_and_tokenizer(config, torch.device("cpu"), SDPA, quantization_config(config.lora, torch.float32))
+    assert loaded.max_positions == 2048 and loaded.model.config.rope_parameters["factor"] == 2.0
+    from memfit.models.tiny import tiny_config
+
+    reference = tiny_config(max_positions=2048)
+    reference.rope_parameters = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
+    inv_freq, _ = ROPE_INIT_FUNCTIONS["linear"](reference)
+    torch.testing.assert_close(loaded.model.model.rotary_emb.inv_freq.cpu(), inv_freq, atol=0, rtol=0)
