@@ -387,11 +387,11 @@ def plan(
         chosen.sort(key=lambda c: (c.changes.get("dtype") == "bf16" and not c.changes.get("lora_r"),
                                    -c.tokens_per_second, c.estimate.peak_bytes))
     best = chosen[0]
+    alternatives = [_describe(c, best) for c in _distinct(chosen)[1:3]]
     if config.model.rope_scale is not None:  # the planned positions need the scaled model: the command carries it
         best.changes["rope_scale"] = config.model.rope_scale
         if config.model.rope_scaling != "auto":
             best.changes["rope_scaling"] = config.model.rope_scaling
-    alternatives = [_describe(c, best) for c in _distinct(chosen)[1:3]]
     est = best.estimate
     seq_len = best.changes.get("seq_len", config.data.seq_len)
     return PlanResult(
