@@ -18,6 +18,9 @@ the whole model, and the embedding, the head and the loss stay eager.
 - Gradient checkpointing: Hugging Face's checkpointed blocks call the compiled forward
   inside `torch.utils.checkpoint`, which recomputes it in backward (full or selective).
 - LoRA: compile after the adapters are injected, so they are part of the compiled graph.
+- Tiled MLP: its autograd function (backward takes gradients tile by tile) cannot be
+  traced, so a block with a tiled MLP is compiled one level down: attention and norms as
+  modules, the MLP's own forward once per tile. Compile after tiling.
 
 The numbers stay those of the eager model up to float reassociation in fused kernels
 (tests compare the loss and every gradient).
@@ -33,6 +36,7 @@ import torch
 from torch import nn
 
 from memfit.techniques.checkpointing import transformer_blocks
+from memfit.techniques.tiled_mlp import compile_each_tile, is_tiled
 
 log = logging.getLogger("memfit")
 
@@ -83,9 +87,29 @@ def compile_blocks(
         return CompileChoice("off", 0, reason)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     blocks = transformer_blocks(base)
+    split = 0
     for block in blocks:
-        block.compile(backend=backend, dynamic=dynamic)
-    return CompileChoice(f"{len(blocks)} of {len(blocks)} blocks ({backend})", len(blocks))
+        if any(is_tiled(module) for module in block.modules()):
+            _compile_around_tiles(block, backend, dynamic)
+            split += 1
+        else:
+            block.compile(backend=backend, dynamic=dynamic)
+    how = f"{backend}; tiled MLPs: each child and each MLP tile compiled apart" if split else backend
+    return CompileChoice(f"{len(blocks)} of {len(blocks)} blocks ({how})", len(blocks))
+
+
+def _compile_around_tiles(block: nn.Module, backend: str, dynamic: bool | None) -> None:
+    """Compile a block whose MLP is tiled one level down: its other children, and the MLP per tile.
+
+    The tiled MLP's autograd function cannot be traced; inside one compiled block it would
+    break the graph, and under checkpointing Dynamo then runs the whole block eager.
+    """
+    for child in block.children():
+        tiled = [module for module in child.modules() if is_tiled(module)]
+        if not tiled:
+            child.compile(backend=backend, dynamic=dynamic)
+        for mlp in tiled:
+            compile_each_tile(mlp, lambda forward: torch.compile(forward, backend=backend, dynamic=dynamic))
 
 
 def compile_stats() -> dict[str, int]:

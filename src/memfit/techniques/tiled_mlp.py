@@ -42,6 +42,7 @@ AUTO_TILE_TOKENS = 8192
 """Automatic tiling: one tile per this many tokens of a sequence, on above it."""
 MLP_NAMES = ("mlp", "feed_forward", "ffn")
 _ORIGINAL_FORWARD = "_memfit_untiled_forward"
+_TILES = "_memfit_tiles"
 
 
 def tiles_for(seq_len: int, tiles: int | None) -> int:
@@ -83,14 +84,32 @@ def apply_tiled_mlp(model: nn.Module, tiles: int | None) -> str:
         untiled = mlp.__dict__.get(_ORIGINAL_FORWARD, mlp.forward)
         if tiles == 0:
             mlp.__dict__.pop(_ORIGINAL_FORWARD, None)
+            mlp.__dict__.pop(_TILES, None)
             mlp.__dict__.pop("forward", None)
             continue
         mlp.__dict__[_ORIGINAL_FORWARD] = untiled
+        mlp.__dict__[_TILES] = tiles
         mlp.forward = types.MethodType(_make_tiled_forward(untiled, tiles), mlp)
     if tiles == 0 or not mlps:
         return "off" if tiles == 0 else "off (no MLP found in the blocks)"
     how = f"{tiles} tiles" if tiles is not None else f"1 tile per {AUTO_TILE_TOKENS} tokens above {AUTO_TILE_TOKENS}"
     return f"{how} on {len(mlps)} MLPs"
+
+
+def is_tiled(module: nn.Module) -> bool:
+    """Whether `apply_tiled_mlp` tiled this module."""
+    return _ORIGINAL_FORWARD in module.__dict__
+
+
+def compile_each_tile(mlp: nn.Module, compile_fn: Callable[[Callable], Callable]) -> None:
+    """Run the tiles of a tiled `mlp` through `compile_fn(untiled forward)`.
+
+    The tiling itself (an autograd function whose backward takes gradients tile by tile)
+    stays outside the compiled code: Dynamo cannot trace it, and inside a compiled,
+    checkpointed block it would send the whole block back to eager.
+    """
+    untiled = mlp.__dict__[_ORIGINAL_FORWARD]
+    mlp.forward = types.MethodType(_make_tiled_forward(compile_fn(untiled), mlp.__dict__[_TILES]), mlp)
 
 
 def _make_tiled_forward(untiled: Callable, tiles: int | None) -> Callable:
@@ -101,9 +120,19 @@ def _make_tiled_forward(untiled: Callable, tiles: int | None) -> Callable:
         if not torch.is_grad_enabled():  # evaluation: the tiles alone, nothing to save
             return _tiles_without_graph(untiled, count, hidden)
         trainable = [p for p in self.parameters() if p.requires_grad]
-        return TiledMLPFunction.apply(untiled, count, hidden, *trainable)
+        return TiledMLPFunction.apply(untiled, count, hidden, _draws_random_numbers(self), *trainable)
 
     return forward
+
+
+def _draws_random_numbers(mlp: nn.Module) -> bool:
+    """Whether the MLP's forward uses the random generator (dropout in training, LoRA's included).
+
+    Only then is the random state captured for the recompute: reading it is opaque to
+    torch.compile, and a compiled block around a checkpointed, tiled MLP would otherwise run
+    eager in full.
+    """
+    return any(isinstance(module, nn.Dropout) and module.p > 0 and module.training for module in mlp.modules())
 
 
 def _identity(tensor: torch.Tensor) -> torch.Tensor:
@@ -118,7 +147,8 @@ class TiledMLPFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, mlp: Callable, tiles: int, hidden: torch.Tensor, *parameters: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, mlp: Callable, tiles: int, hidden: torch.Tensor, replay_random: bool,
+                *parameters: torch.Tensor) -> torch.Tensor:
         ctx.mlp = mlp
         ctx.tiles = tiles
         ctx.device_type = hidden.device.type
@@ -126,7 +156,7 @@ class TiledMLPFunction(torch.autograd.Function):
             torch.is_autocast_enabled(ctx.device_type),
             torch.get_autocast_dtype(ctx.device_type),
         )
-        ctx.rng = _RngState.capture(hidden.device)
+        ctx.rng = _RngState.capture(hidden.device) if replay_random else None
         ctx.save_for_backward(hidden)
         # Held, not saved: the module holds them anyway, and a sharding engine that refills
         # their storage between forward and backward must not trip autograd's version check.
@@ -138,12 +168,12 @@ class TiledMLPFunction(torch.autograd.Function):
         (hidden,) = ctx.saved_tensors
         parameters = ctx.parameters
         needs_input = ctx.needs_input_grad[2]
-        wanted = [p for p, needed in zip(parameters, ctx.needs_input_grad[3:], strict=True) if needed]
+        wanted = [p for p, needed in zip(parameters, ctx.needs_input_grad[4:], strict=True) if needed]
         grad_hidden = torch.empty_like(hidden) if needs_input else None
         grad_parameters = [None] * len(wanted)
         enabled, dtype = ctx.autocast
         with (
-            ctx.rng.restored(),
+            ctx.rng.restored() if ctx.rng is not None else contextlib.nullcontext(),
             torch.enable_grad(),
             torch.autocast(ctx.device_type, dtype=dtype, enabled=enabled),
             # A context of saved-tensor hooks (activation offload) must not move the
@@ -169,8 +199,8 @@ class TiledMLPFunction(torch.autograd.Function):
                     else:
                         grad_parameters[position] += grad
         by_parameter = iter(grad_parameters)
-        parameter_grads = [next(by_parameter) if needed else None for needed in ctx.needs_input_grad[3:]]
-        return (None, None, grad_hidden, *parameter_grads)
+        parameter_grads = [next(by_parameter) if needed else None for needed in ctx.needs_input_grad[4:]]
+        return (None, None, grad_hidden, None, *parameter_grads)
 
 
 def _tiles_without_graph(mlp: Callable, tiles: int, hidden: torch.Tensor) -> torch.Tensor:

@@ -121,3 +121,19 @@ def test_inductor_kernels_keep_the_numbers():
     compile_blocks(compiled, torch.device("cpu"))
     # Fused kernels reassociate float sums: equal to fp32 rounding, not bit for bit.
     _assert_same(eager, compiled, _ids(), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("checkpointing", ["off", "full"])
+def test_compiled_blocks_with_a_tiled_mlp_give_eager_loss_and_gradients(checkpointing):
+    """The tiled MLP's own autograd function (recompute per tile) traces inside a compiled block."""
+    from memfit.techniques.tiled_mlp import apply_tiled_mlp
+
+    eager = _model()
+    apply_gradient_checkpointing(eager, checkpointing)
+    compiled = copy.deepcopy(eager)
+    apply_tiled_mlp(compiled, 3)  # the order setup uses: MLPs tiled first, blocks compiled after
+    choice = compile_blocks(compiled, torch.device("cpu"), backend="aot_eager")
+    assert "each MLP tile compiled apart" in choice.description
+    _assert_same(eager, compiled, _ids())
+    # Attention, norms and the tiles all went through Dynamo: no frame fell back to eager.
+    assert compile_stats()["compiled_graphs"] >= 3
