@@ -267,6 +267,9 @@ reference_loss = causal_lm_loss_sum(reference, input_ids, labels, chunk_size=0)
 reference_loss.backward()
 model = tiny()
 apply_tiled_mlp(model, int(sys.argv[3]))  # 0: plain MLPs
+if sys.argv[4] == "compiled":  # blocks compiled after tiling and before sharding, as setup does
+    from memfit.techniques.compile import compile_blocks, compile_stats
+    compile_blocks(model, torch.device("cpu"), backend="aot_eager")
 fully_shard_model(model, dist.get_world_size(), torch.device("cpu"))
 for _ in range(2):  # the second step runs with the root's state set up by the first
     model.zero_grad(set_to_none=True)
@@ -275,6 +278,8 @@ for _ in range(2):  # the second step runs with the root's state set up by the f
 # Every rank saw the same batch: the mean over ranks is the single-process gradient.
 errors = {n: ((g - reference.get_parameter(n).grad).norm() / reference.get_parameter(n).grad.norm()).item()
           for n, g in gradients(model).items()}
+if sys.argv[4] == "compiled":
+    assert compile_stats()["compiled_graphs"] >= 3, compile_stats()  # nothing fell back to eager
 with open(os.path.join(sys.argv[2], f"rank{dist.get_rank()}.txt"), "w") as out:
     out.write(f"{loss.item()!r} {reference_loss.item()!r} {max(errors.values())!r}")
 dist.destroy_process_group()
@@ -282,11 +287,13 @@ dist.destroy_process_group()
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("head", "tiles"), [("untied", 0), ("tied", 0), ("untied", 3)])
-def test_chunked_loss_under_fsdp2_equals_the_plain_single_process_loss(head, tiles, tmp_path):
+@pytest.mark.parametrize(("head", "tiles", "blocks"),
+                         [("untied", 0, "eager"), ("tied", 0, "eager"), ("untied", 3, "eager"), ("untied", 3, "compiled")])
+def test_chunked_loss_under_fsdp2_equals_the_plain_single_process_loss(head, tiles, blocks, tmp_path):
     """FSDP2 gathers the root unit's head in the root's forward, which the chunked loss now runs.
 
     With `tiles`, the blocks' MLPs are tiled too: their recompute runs on the gathered weights.
+    With `blocks="compiled"`, the tiled blocks are also compiled (--compile) before sharding.
     """
     import os
     import subprocess
@@ -295,7 +302,7 @@ def test_chunked_loss_under_fsdp2_equals_the_plain_single_process_loss(head, til
     script = tmp_path / "worker.py"
     script.write_text(FSDP_WORKER)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script), head]
-    command += [str(tmp_path), str(tiles)]
+    command += [str(tmp_path), str(tiles), blocks]
     result = subprocess.run(
         command, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"}
     )
