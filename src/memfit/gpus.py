@@ -12,7 +12,7 @@ gigabytes per second, one direction, used to cost offloading.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from memfit.config_loading import suggest
 from memfit.errors import UsageError
@@ -106,6 +106,39 @@ def get_gpu(name: str) -> GpuSpec:
 
 
 lookup_gpu = get_gpu  # the name the training setup uses
+
+
+def preset_name_of(cuda_name: str, total_memory: int) -> str:
+    """'NVIDIA H100 80GB HBM3' -> 'h100'; A100s are told apart by their memory."""
+    text = cuda_name.lower().replace("nvidia", "").replace("geforce", "").strip()
+    for known in ("h200", "h100", "a100", "a10g", "l4", "t4", "rtx 4090", "rtx 3090"):
+        if known in text:
+            if known == "a100":
+                return "a100-80gb" if total_memory > 50 * 1024**3 else "a100-40gb"
+            return known.replace(" ", "-")
+    return text
+
+
+def local_gpu(index: int = 0) -> GpuSpec | None:
+    """This machine's CUDA GPU as the planner sees it; None without one.
+
+    A card with a preset gets the preset with the memory torch reports; any other card
+    gets its own memory and bf16 support, and the speed of the preset closest in memory
+    (named in `name`, since that speed is a stand-in).
+    """
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name(index)
+    memory = torch.cuda.get_device_properties(index).total_memory
+    try:
+        preset = get_gpu(preset_name_of(name, memory))
+    except UsageError:
+        closest = min(GPUS.values(), key=lambda spec: abs(spec.memory_bytes - memory))
+        bf16 = torch.cuda.get_device_capability(index)[0] >= 8
+        return replace(closest, name=f"{name} (speed of {closest.name})", memory_bytes=memory, bf16=bf16)
+    return replace(preset, memory_bytes=memory)
 
 
 def list_gpus() -> list[GpuSpec]:

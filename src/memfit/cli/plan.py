@@ -67,7 +67,7 @@ def _describe(changes: dict) -> str:
 
 def render(result) -> str:
     goal = {"seq-len": "the longest context", "batch-size": "the largest micro-batch"}.get(result.maximize, "the fastest setup")
-    lines = [f"{goal} that fits in {format_bytes(result.budget_bytes)} (keeping 5% free):", ""]
+    lines = [f"{goal} that fits in {format_bytes(result.budget_bytes)} on {result.device} (keeping 5% free):", ""]
     rows = [(_describe(result.plan), result.estimated_peak_bytes, 1.0)]
     rows += [(_describe(a["plan"]), a["estimated_peak_bytes"], a["relative_speed"]) for a in result.alternatives]
     for rank, (text, peak, speed) in enumerate(rows, 1):

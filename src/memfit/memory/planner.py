@@ -24,7 +24,7 @@ from typing import Any
 
 from memfit.config import TrainConfig
 from memfit.errors import DoesNotFitError, UsageError
-from memfit.gpus import GpuSpec, get_gpu
+from memfit.gpus import GpuSpec, get_gpu, local_gpu
 from memfit.memory.estimator import Estimate, estimate
 from memfit.memory.speed_model import estimated_step_seconds
 from memfit.units import GIB
@@ -75,6 +75,8 @@ class PlanResult:
     """The positions cap the plan used: the model's own, x --rope-scale when given."""
     rope_scale_to_memory_limit: int | None = None
     """When memory allows more than max_positions: the whole --rope-scale whose positions reach memory_limit_seq_len."""
+    device: str = "cpu"
+    """What the plan was made for: the --gpu preset, else this machine's GPU, else 'cpu'."""
 
     @property
     def host_fits(self) -> bool | None:
@@ -101,6 +103,7 @@ class PlanResult:
             "memory_limit_seq_len": self.memory_limit_seq_len,
             "max_positions": self.max_positions,
             "rope_scale_to_memory_limit": self.rope_scale_to_memory_limit,
+            "device": self.device,
         }
 
 
@@ -332,6 +335,8 @@ def plan(
     gpu_spec = get_gpu(gpu) if isinstance(gpu, str) else gpu
     if gpu_spec is None and config.memory.gpu:
         gpu_spec = get_gpu(config.memory.gpu)
+    if gpu_spec is None:
+        gpu_spec = local_gpu()  # training here: its GPU's speed, bf16 and host link (a budget still caps memory)
     budget = budget_bytes or config.memory.memory_budget or (gpu_spec.memory_bytes if gpu_spec else None)
     if budget is None:
         raise UsageError("memfit plan needs --gpu NAME or --memory-budget SIZE (e.g. --memory-budget 24GiB)")
@@ -402,7 +407,7 @@ def plan(
         host_bytes=est.host_bytes, host_available_bytes=est.host_available_bytes, host_limit_bytes=host_limit,
         trades=trade_offs(best, config, hf_config, gpu_spec, host_limit, memory_seq_len), maximize=maximize,
         memory_limit_seq_len=memory_seq_len or (seq_len if maximize == "seq-len" else None),
-        max_positions=trained_positions,
+        max_positions=trained_positions, device=gpu_spec.name if gpu_spec is not None else "cpu",
         rope_scale_to_memory_limit=suggested_scale(
             scaled_positions(hf_config, None), memory_seq_len) if memory_seq_len and can_scale(hf_config) else None,
     )

@@ -192,11 +192,11 @@ def device_peak(device: torch.device, compute_dtype: torch.dtype | None = None) 
     label = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
     if device.type == "cuda":
         from memfit.errors import UsageError
-        from memfit.gpus import get_gpu
+        from memfit.gpus import get_gpu, preset_name_of
 
         name = torch.cuda.get_device_name(device)
         try:
-            spec = get_gpu(_preset_name(name, torch.cuda.get_device_properties(device).total_memory))
+            spec = get_gpu(preset_name_of(name, torch.cuda.get_device_properties(device).total_memory))
         except UsageError:
             spec = None
         if spec is not None:
@@ -206,17 +206,6 @@ def device_peak(device: torch.device, compute_dtype: torch.dtype | None = None) 
             if tflops > 0:
                 return DevicePeak(tflops * 1e12, f"preset {spec.name} {label}")
     return DevicePeak(probe_matmul_flops(device, dtype), f"matmul probe {label} on {device.type}")
-
-
-def _preset_name(cuda_name: str, total_memory: int) -> str:
-    """'NVIDIA H100 80GB HBM3' -> 'h100'; A100s are told apart by their memory."""
-    text = cuda_name.lower().replace("nvidia", "").replace("geforce", "").strip()
-    for known in ("h200", "h100", "a100", "a10g", "l4", "t4", "rtx 4090", "rtx 3090"):
-        if known in text:
-            if known == "a100":
-                return "a100-80gb" if total_memory > 50 * 1024**3 else "a100-40gb"
-            return known.replace(" ", "-")
-    return text
 
 
 def utilisation(tokens: int, seconds: float, flops: FlopsPerToken, peak: DevicePeak) -> dict[str, float]:

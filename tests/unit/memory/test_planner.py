@@ -187,3 +187,34 @@ def test_the_search_pairs_cpu_optimizer_offload_with_optimizer_in_backward():
     grid = technique_grid("full", config, get_gpu("rtx-4090"), 1024, accumulation=1)
     paired = [c for c in grid if c["optimizer_offload"] and c["optimizer_in_backward"]]
     assert paired and all(c["optimizer"] == "adamw" and c["max_grad_norm"] == 0.0 for c in paired)
+
+
+def _pretend_cuda(monkeypatch, name: str, total_memory: int, capability: tuple[int, int]):
+    import types
+
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=0: name)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index=0: types.SimpleNamespace(total_memory=total_memory))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=0: capability)
+
+
+def test_without_gpu_or_budget_the_plan_is_for_this_machines_gpu(monkeypatch):
+    config = load_config(overrides={"model": "preset:llama-3.2-1b", "seq_len": 2048})
+    named = plan(config, gpu="rtx-4090")
+    _pretend_cuda(monkeypatch, "NVIDIA GeForce RTX 4090", int(23.64 * GIB), (8, 9))
+    here = plan(config)
+    assert here.device == "rtx-4090" and here.plan == named.plan and here.budget_bytes == named.budget_bytes
+    # A budget caps memory; the GPU still decides speed, bf16 and offloading (a CPU plan has no offload).
+    capped = plan(config, budget_bytes=12 * GIB)
+    assert capped.device == "rtx-4090" and capped.to_dict()["device"] == "rtx-4090"
+
+
+def test_a_card_without_a_preset_plans_with_its_own_memory(monkeypatch):
+    from memfit.gpus import local_gpu
+
+    _pretend_cuda(monkeypatch, "NVIDIA RTX A6000", 48 * GIB, (8, 6))
+    spec = local_gpu()
+    assert spec.memory_bytes == 48 * GIB and spec.bf16 and spec.name.startswith("NVIDIA RTX A6000 (speed of ")
+    assert plan(load_config(overrides={"model": "preset:llama-3.2-1b", "seq_len": 2048})).budget_bytes == 48 * GIB
