@@ -46,6 +46,7 @@ from memfit.models.state_bytes import (  # noqa: F401  (re-exported: the estimat
     BNB_8BIT_MIN_SIZE,
     NF4_BYTES_PER_PARAM,
     ParameterInventory,
+    in_backward_step_temporary_bytes,
     optimizer_state_bytes_for_shapes,
     optimizer_step_temporary_bytes,
     parameter_inventory,
@@ -437,11 +438,28 @@ def _analytical_peak(config, run: RunShape, hf_config, inventory, parts) -> tupl
     block_grads = (parts["gradients"] - head) / max(1, arch.layers)
     largest_grad = parts["largest_trainable"] * parts["trainable_bytes"]
     step_temporaries = parts["optimizer_temporaries"]
+    # A trainable tied embedding gets two gradients, the head's (first in backward) and the
+    # embedding's (last); autograd adds them out of place before the weight's gradient exists:
+    # the two and their sum are live together at the end of backward (measured with the tracker).
+    tb, shapes = parts["trainable_bytes"], list(parts["trainable_shapes"])
+    tied = arch.tied_embeddings and not run.lora_r and (arch.vocab, arch.hidden) in shapes
+    tied_grad = arch.vocab * arch.hidden * tb if tied else 0.0
+    tied_end = 0.0
     if run.optimizer_in_backward:
         # Each gradient is applied and freed by its own hook: one tensor's gradient (and its
-        # optimizer step's temporaries) at a time, never a block's or the model's.
-        head, block_grads = 0, 0.0
-        step_temporaries = optimizer_step_temporary_bytes(run, [(parts["largest_trainable"],)], parts["trainable_bytes"])
+        # optimizer step's temporaries) at a time, never a block's or the model's. A tied
+        # embedding is the exception: its hook fires only after both uses' gradients are
+        # summed, so the head's gradient is held through the whole backward, and the tied
+        # tensor is stepped last, when the blocks' activations are gone (the sum, then the
+        # gradient and its step's temporaries).
+        if tied:
+            shapes.remove((arch.vocab, arch.hidden))
+            tied_end = tied_grad + max(2 * tied_grad, 0 if run.optimizer_offload else in_backward_step_temporary_bytes(
+                run.optimizer, arch.vocab * arch.hidden, tb))
+        head, block_grads = tied_grad, 0.0
+        largest = max((math.prod(shape) for shape in shapes), default=0)
+        largest_grad = largest * tb
+        step_temporaries = 0 if run.optimizer_offload else in_backward_step_temporary_bytes(run.optimizer, largest, tb)
     if run.checkpointing != "off" and run.lora_r and run.weight_bytes == 2:
         # A recomputed block's backward through fp32 adapters on a 16-bit base holds its
         # MLP activation gradients at once (measured: about 2 x intermediate x 2 bytes per token).
@@ -450,9 +468,17 @@ def _analytical_peak(config, run: RunShape, hf_config, inventory, parts) -> tupl
     fixed = activations - arch.layers * released  # the embedding side, uncheckpointed or offloaded blocks
     # autocast caches a 16-bit copy of each weight from its first use until backward is past it
     cache = 2 * inventory.linear_params if run.autocast and run.weight_bytes == 4 and run.quantize == "none" else 0.0
-    at_first_block = activations + cache + block_grads
+    # The chunked loss runs the head once per chunk and autograd adds each chunk's head gradient
+    # to the sum so far out of place: the sum, the chunk's and the new sum are live at once, with
+    # every activation kept and before any block's gradient (measured with the tracker).
+    head_one = arch.vocab * arch.hidden * tb if not run.lora_r else 0
+    head_sums = 2 * head_one if not run.fused_loss and 0 < run.loss_chunk_size < b * (s - 1) else 0
+    if run.optimizer_in_backward and head_sums + head_one - head > largest_grad + step_temporaries:
+        largest_grad, step_temporaries = head_sums + head_one - head, 0  # the head's hook waits for the sum
+    first_grads = block_grads if run.optimizer_in_backward else max(block_grads, head_sums)
+    at_first_block = activations + cache + first_grads
     at_last_block = max(0.0, fixed) + released + cache / max(1, arch.layers) + arch.layers * block_grads
-    in_flight_grads = block_grads if at_first_block >= at_last_block else arch.layers * block_grads
+    in_flight_grads = first_grads if at_first_block >= at_last_block else arch.layers * block_grads
     other = 0.0
     if run.quantize == "4bit":
         # one dequantized linear weight at a time (the embedding and head stay 16-bit)
@@ -472,10 +498,11 @@ def _analytical_peak(config, run: RunShape, hf_config, inventory, parts) -> tupl
     backward = resident + accumulated + backward_activations + recompute + head + in_flight_grads
     if run.optimizer_in_backward:
         backward += largest_grad + step_temporaries
-        optimizer_step = 0.0  # the steps ran inside backward
+        optimizer_step = resident + tied_end  # the steps ran inside backward; a tied embedding's last
     else:
-        optimizer_step = (parts["parameters"] + parts["gradients"] + parts["optimizer_states"] + other
-                          + parts["optimizer_temporaries"])
+        # every gradient exists from the end of backward (a tied embedding's sum) through the step
+        end_extra = max(parts["optimizer_temporaries"], 2 * tied_grad)
+        optimizer_step = parts["parameters"] + parts["gradients"] + parts["optimizer_states"] + other + end_extra
     if max(forward_end, backward) >= optimizer_step:
         in_backward = backward > forward_end
         gradients = head + in_flight_grads + (largest_grad if run.optimizer_in_backward else 0)
@@ -487,11 +514,16 @@ def _analytical_peak(config, run: RunShape, hf_config, inventory, parts) -> tupl
                   "logits": 0 if in_backward else logits,
                   "other": other + (step_temporaries if in_backward and run.optimizer_in_backward else 0)}
         phase = "backward" if in_backward else "forward"
+    elif run.optimizer_in_backward:  # the tied embedding's step at the end of backward
+        moment = {"parameters": parts["parameters"], "gradients": tied_grad,
+                  "optimizer_states": parts["optimizer_states"], "activations": 0, "logits": 0,
+                  "other": other + tied_end - tied_grad}
+        phase = "backward"
     else:
         moment = {"parameters": parts["parameters"], "gradients": parts["gradients"],
                   "optimizer_states": parts["optimizer_states"], "activations": 0, "logits": 0,
-                  "other": other + parts["optimizer_temporaries"]}
-        phase = "optimizer step"
+                  "other": other + end_extra}
+        phase = "optimizer step" if parts["optimizer_temporaries"] >= 2 * tied_grad else "backward"
     notes = {"peak_phase": phase, "activation_bytes": int(activations), "logits_bytes": int(logits),
              "autocast_weight_copies_bytes": int(cache), "host_activation_bytes": int(terms.host),
              "activations_measured_from_model": arch.model_type not in CLOSED_FORM_FAMILIES}

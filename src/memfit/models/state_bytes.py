@@ -120,3 +120,19 @@ def optimizer_step_temporary_bytes(run: Any, shapes: list[tuple[int, ...]], para
     if run.optimizer == "adafactor":
         return int(1.5 * param_bytes * max(sizes))
     return 0
+
+
+def in_backward_step_temporary_bytes(optimizer: str, numel: int, param_bytes: int) -> int:
+    """Bytes one parameter's step allocates under --optimizer-in-backward (measured with the tracker, torch 2.13).
+
+    Each parameter has its own for-loop optimizer (memfit.train.setup builds them so): AdamW
+    holds sqrt(v) and its bias-corrected copy together, two copies of the tensor; the for-loop
+    closed form's 2.5 x comes from the previous tensor's denominator outliving its loop
+    iteration, which a one-tensor optimizer never has. Adafactor's update: 1.5 x. bitsandbytes
+    8-bit AdamW and SGD update in place.
+    """
+    if optimizer == "adamw":
+        return 2 * param_bytes * numel
+    if optimizer == "adafactor":
+        return int(1.5 * param_bytes * numel)
+    return 0

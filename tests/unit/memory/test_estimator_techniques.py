@@ -25,7 +25,8 @@ def _save(directory: Path, **shape) -> Path:
 
     from memfit.models.tiny import byte_tokenizer
 
-    config = LlamaConfig(vocab_size=257, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+    shape = {"vocab_size": 257, **shape}
+    config = LlamaConfig(num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
                          eos_token_id=256, pad_token_id=256, bos_token_id=256, **shape)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(directory)
@@ -41,6 +42,10 @@ def models(tmp_path_factory) -> dict[str, Path]:
         "wide": _save(root / "wide", hidden_size=256, intermediate_size=704, num_hidden_layers=2),
         # activations dominate at 512 tokens: where checkpointing, offload and tiling show
         "deep": _save(root / "deep", hidden_size=128, intermediate_size=352, num_hidden_layers=4),
+        # the embedding and head dominate (8192 x 64 each): where their gradients' lifetimes show
+        "head": _save(root / "head", vocab_size=8192, hidden_size=64, intermediate_size=176, num_hidden_layers=2),
+        "tied": _save(root / "tied", vocab_size=8192, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                      tie_word_embeddings=True),
     }
 
 
@@ -109,6 +114,38 @@ def test_technique_estimate_matches_the_tracker(name, models, corpus, tmp_path):
     assert host_ok, (predicted.host_bytes, host)
 
 
+# Where the gradients of the head and the embedding live (model, changes). Each case missed the
+# tracker by more than the band before its term was modelled (docs/accuracy.md has the figures):
+HEAD_CASES = {
+    # one parameter's for-loop AdamW step keeps two copies of it (sqrt(v) and its scaled copy)
+    "optimizer in backward, untied head": ("head", {"seq_len": 16, "optimizer_in_backward": True}),
+    # the head's gradient waits for the embedding's through the whole backward, then the two and
+    # their out-of-place sum are live at once
+    "optimizer in backward, tied embeddings": ("tied", {"seq_len": 16, "optimizer_in_backward": True}),
+    "8-bit AdamW in backward, tied embeddings": (
+        "tied", {"seq_len": 16, "optimizer_in_backward": True, "optimizer": "adamw-8bit"}),
+    # without either: the tied weight's two gradients and their sum, at the end of backward
+    "tied embeddings, 8-bit AdamW": ("tied", {"seq_len": 16, "optimizer": "adamw-8bit"}),
+    # the chunked loss sums its chunks' head gradients out of place, every activation still kept
+    "chunked loss, untied head": ("head", {"seq_len": 16, "loss_chunk_size": 8, "optimizer": "adamw-8bit"}),
+    "chunked loss, tied embeddings": ("tied", {"seq_len": 16, "loss_chunk_size": 8}),
+    "chunked loss, tied embeddings, optimizer in backward": (
+        "tied", {"seq_len": 16, "loss_chunk_size": 8, "optimizer_in_backward": True, "optimizer": "adamw-8bit"}),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(HEAD_CASES))
+def test_head_and_embedding_gradients_match_the_tracker(name, models, corpus, tmp_path):
+    model, changes = HEAD_CASES[name]
+    if "8-bit" in name or changes.get("optimizer") == "adamw-8bit":
+        pytest.importorskip("bitsandbytes")
+    config = _config(models[model], corpus, tmp_path, changes)
+    predicted = estimate(config)
+    device, _ = _measured(config)
+    assert abs(predicted.peak_bytes / device - 1) <= BAND, (predicted.peak_bytes, device)
+
+
 def test_offload_and_paging_move_bytes_to_host_not_the_device():
     """GPU-only effects, modelled from the closed forms: paged state and optimizer offload live on the host."""
     common = {"model": "llama-3.2-1b", "seq_len": 1024, "batch_size": 1, "dtype": "bf16", "max_grad_norm": 0.0}
@@ -134,7 +171,9 @@ def test_optimizer_in_backward_keeps_one_gradient_not_all():
     hooked = estimate(load_config(overrides={**common, "optimizer_in_backward": True}), gpu="rtx-4090")
     largest = 128256 * 4096 * 2  # the embedding's bf16 gradient
     assert plain.breakdown["gradients"] > 10 * largest or plain.details["peak_phase"] == "optimizer step"
-    assert hooked.breakdown["gradients"] <= largest
+    # at most the head's: the chunked loss sums its chunks' head gradients out of place (the sum,
+    # the chunk's and the new sum) before the head's hook steps it
+    assert hooked.breakdown["gradients"] <= 3 * largest
     assert plain.peak_bytes - hooked.peak_bytes > 10 * 2**30  # about 15 GiB of gradients never coexist
 
 
