@@ -57,5 +57,7 @@ def test_ddp_oom_recovery_check_fails_on_a_2x_gradient_error(later_runs, sgd_sin
 @pytest.mark.parametrize("stage", ["zero2", "zero3-offload"])
 def test_deepspeed_equals_single_process_under_sgd(stage, zero_runs, sgd_single):
     assert_same_weights(final_weights(sgd_single), final_weights(zero_runs[stage]))
+    if stage == "zero2":  # its blocks were compiled, and nothing fell back
+        assert read_metrics(zero_runs[stage] / "metrics.jsonl")[-1]["compile"].startswith("2 of 2 blocks")
     with pytest.raises(AssertionError):
         assert_same_weights(final_weights(sgd_single), final_weights(zero_runs[f"{stage}-fault"]))
