@@ -189,6 +189,8 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(short_llama, gpt2_dir, 
         lines = [line for line in done.stderr.splitlines() if line.strip()]
         assert len(lines) == 1 and words in lines[0], done.stderr
         assert not out.exists()
+    done = warm_memfit.run("estimate", "--model", "gpt2", "--seq-len", "512", "--rope-scale", "2")
+    assert done.returncode == 2 and "rotary position embeddings" in done.stderr
 
 
 def test_plan_caps_at_the_positions_and_names_the_scale_that_reaches_memory():

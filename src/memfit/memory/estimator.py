@@ -297,6 +297,10 @@ def estimate(
     sharding = _sharding_of(config, sharding)
     if hf_config is None:
         hf_config = resolve_model_config(config.model.model, config.model.trust_remote_code)
+    if config.model.rope_scale is not None:
+        from memfit.models.rope import scaled_positions
+
+        scaled_positions(hf_config, config.model.rope_scale, config.model.rope_scaling)  # refuses a model without RoPE
     run = resolve_run(config, hf_config, gpu_spec)
     if run.quantize != "none" and run.lora_r == 0:
         raise UsageError("--quantize needs LoRA: add --lora-r")
