@@ -105,6 +105,11 @@ def _rates(stamps: list[float], tokens: list[int], warmup: int) -> list[float]:
     return [tokens[k] / max(stamps[k + 1] - stamps[k], 1e-9) for k in range(warmup, len(tokens))]
 
 
+def _cpu_clock() -> float:
+    """CPU seconds of this process (all its threads), so a step's figure leaves out the time other jobs held the cores."""
+    return time.process_time()
+
+
 def _peak(device: str) -> int:
     if device == "cuda":
         import torch
@@ -125,6 +130,7 @@ def memfit_worker(spec: dict[str, Any]) -> dict[str, Any]:
     device = spec["device"]
     base_rss = int(process_rss_bytes() or 0)
     stamps: list[float] = []
+    cpu_stamps: list[float] = []
     tokens: list[int] = []
     records: list[dict] = []
     peaks: list[int] = []
@@ -133,9 +139,11 @@ def memfit_worker(spec: dict[str, Any]) -> dict[str, Any]:
     def log(self, record: dict[str, Any]) -> None:  # instrumentation only: stamp each step's end
         if record.get("event") == "start":
             stamps.append(time.perf_counter())
+            cpu_stamps.append(_cpu_clock())
         elif "event" not in record and "step" in record:
             synchronize(device)
             stamps.append(time.perf_counter())
+            cpu_stamps.append(_cpu_clock())
             tokens.append(int(record["tokens"]))
             records.append(record)
             peaks.append(int(record.get("peak_memory_bytes") or 0))
@@ -153,6 +161,8 @@ def memfit_worker(spec: dict[str, Any]) -> dict[str, Any]:
         overrides["memory_budget"] = budget
         if spec.get("cap"):
             overrides["memory_cap"] = budget
+    elif spec.get("cap_bytes"):
+        overrides["memory_cap"] = spec["cap_bytes"]  # a fixed setting under the cap, without planning
     config = load_config(overrides={k: str(v) for k, v in overrides.items()})
     # train() trains the config as given; `memfit train` plans first when a budget is set, and so does this run.
     result = train(apply_plan_if_asked(config))
@@ -161,6 +171,7 @@ def memfit_worker(spec: dict[str, Any]) -> dict[str, Any]:
     rss = max(peaks) if peaks else None
     return {
         "tokens_per_second": median(_rates(stamps, tokens, spec["warmup"])),
+        "tokens_per_cpu_second": median(_rates(cpu_stamps, tokens, spec["warmup"])),
         "peak_bytes": rss,
         "rss_peak_bytes": rss,
         "tracked_peak_bytes": summary.get("tracked_peak_bytes"),
@@ -202,6 +213,7 @@ def hf_worker(spec: dict[str, Any]) -> dict[str, Any]:
     per_step = spec["effective_batch"]
     tokens = [sum(len(windows[i]["input_ids"]) for i in order[k * per_step:(k + 1) * per_step]) for k in range(steps)]
     stamps: list[float] = []
+    cpu_stamps: list[float] = []
     peak = [0]
     losses: list[float] = []
     # memfit's live-tensor counter over the warm-up steps (the budget's unit in P2); off afterwards, so the
@@ -216,6 +228,7 @@ def hf_worker(spec: dict[str, Any]) -> dict[str, Any]:
         def on_train_begin(self, args, state, control, **kwargs):
             reset_peaks(torch.device(device))
             stamps.append(time.perf_counter())
+            cpu_stamps.append(_cpu_clock())
 
         def on_step_begin(self, args, state, control, **kwargs):
             if tracker is not None and state.global_step == 0:
@@ -228,6 +241,7 @@ def hf_worker(spec: dict[str, Any]) -> dict[str, Any]:
                 tracker.detach()
             synchronize(device)
             stamps.append(time.perf_counter())
+            cpu_stamps.append(_cpu_clock())
             peak[0] = max(peak[0], _peak(device))
 
     class OrderedTrainer(Trainer):
@@ -251,6 +265,7 @@ def hf_worker(spec: dict[str, Any]) -> dict[str, Any]:
         adam_beta1=BETAS[0], adam_beta2=BETAS[1], adam_epsilon=EPS, max_grad_norm=MAX_GRAD_NORM,
         optim=knobs.get("optim", "adamw_torch_fused"), bf16=bool(knobs.get("bf16", on_cuda)), use_cpu=not on_cuda,
         gradient_checkpointing=bool(knobs.get("gradient_checkpointing", False)),
+        torch_compile=bool(knobs.get("torch_compile", False)),
         logging_strategy="no", save_strategy="no", eval_strategy="no", report_to=[], disable_tqdm=True,
         dataloader_num_workers=0, remove_unused_columns=False, seed=SEED, **extra,
     )
@@ -260,6 +275,7 @@ def hf_worker(spec: dict[str, Any]) -> dict[str, Any]:
     trainer.train()
     return {
         "tokens_per_second": median(_rates(stamps, tokens, spec["warmup"])),
+        "tokens_per_cpu_second": median(_rates(cpu_stamps, tokens, spec["warmup"])),
         "peak_bytes": peak[0],
         "rss_peak_bytes": peak[0],
         "tracked_peak_bytes": tracker.peak_bytes if tracker is not None else None,
@@ -280,13 +296,14 @@ class Runner:
         self.raw: list[dict] = []
 
     def run(self, kind: str, label: str, overrides: dict[str, Any], budget: int | None = None, *, track: bool = False,
-            cap: bool = False) -> dict[str, Any]:
+            cap: bool = False, cap_bytes: int | None = None) -> dict[str, Any]:
         self.count += 1
         spec = {
             "kind": kind, "name": label, "model_dir": str(self.model_dir), "cache_dir": str(self.workdir / "cache"),
             "output_dir": str(self.workdir / f"run-{self.count}"), "steps": self.args.steps, "warmup": self.args.warmup,
             "seq_len": self.args.seq_len, "effective_batch": self.args.effective_batch, "device": self.device,
             "overrides": overrides, "budget_bytes": budget, "track": track, "cap": cap,
+            "cap_bytes": cap_bytes,
         }
         if kind == "memfit":
             spec["overrides"] = {"batch_size": self.args.effective_batch, **overrides}
@@ -300,7 +317,8 @@ class Runner:
         if self.args.json:
             Path(self.args.json).write_text(json.dumps(self.raw, indent=1))
         tracked = result.get("tracked_peak_bytes")
-        print(f"[{self.count}] {label}: {result['tokens_per_second']:.1f} tokens/s, peak"
+        print(f"[{self.count}] {label}: {result['tokens_per_second']:.1f} tokens/s"
+              f" ({result.get('tokens_per_cpu_second') or 0:.1f} per CPU second), peak"
               f" {result['peak_bytes'] / MIB:.0f} MiB{f', tracked {tracked / MIB:.0f} MiB' if tracked else ''}"
               f" ({result['seconds']:.0f} s)", file=sys.stderr)
         return result

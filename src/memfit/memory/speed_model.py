@@ -2,9 +2,9 @@
 
 `estimated_step_seconds` turns a configuration into seconds from the hardware FLOPs it runs
 (`memfit.models.flops`), the device's rate and the costs that FLOPs do not show (small
-micro-batches, 8-bit optimizer state on a CPU, the chunked loss, host transfers). Each
-constant below cites the measurement it comes from; every training run logs this
-prediction beside the measured step time, so the model is checked on every run.
+micro-batches, 8-bit optimizer state on a CPU, the chunked loss, compiled blocks, host
+transfers). Each constant below cites the measurement it comes from; every training run
+logs this prediction beside the measured step time, so the model is checked on every run.
 """
 
 from __future__ import annotations
@@ -38,14 +38,91 @@ and 0.74x with full checkpointing; 1300 FLOPs per parameter gives 0.74x and 0.75
 planner's former `x 1.01` predicted 0.99x). On a GPU its fused kernel is about as fast as
 AdamW's (not measured by memfit): a 1 % tie-break there keeps plain AdamW first where both fit.
 """
-CHUNKED_LOSS_COST = {"cpu": 1.2}
-"""How much more than its FLOPs the chunked loss's recomputed head costs, by device (1 where absent).
+CHUNKED_LOSS_COST = {("cpu", "fp32"): 1.2, ("cpu", "bf16"): 0.7}
+"""How much its recomputed head costs against its FLOPs, by device and compute dtype (1 where absent).
 
-On a CPU the per-chunk checkpoint and fp32 projection are partly memory-bound: same
+fp32 on a CPU: the per-chunk checkpoint and fp32 projection are partly memory-bound: same
 benchmark, the chunked loss ran at 0.67 to 0.88x of full logits over six paired
 configurations (median 0.83, 0.74x for the plain one) against 0.85 to 0.87x from its FLOPs
-alone; 1.2x its FLOPs gives 0.82 to 0.84x. Not measured on a GPU.
+alone; 1.2x its FLOPs gives 0.82 to 0.84x.
+
+bf16 autocast on a CPU with bf16 matrix units (AMX): the matmuls run several times faster
+than the element-wise work around them (the fp32 log-softmax over the logits, casts), which
+dominates the step, so recomputing the head costs a small part of what its FLOPs say.
+benchmarks/bench_p2_settings.py (22.9M-parameter Llama, seq 512, micro-batch 4, bf16
+autocast, CPU, 2 cores with AMX, one thread, tokens per CPU second against a paired
+reference, one pass each, 2026-11-23): chunks of 256 tokens ran at 0.91x of full logits,
+chunks of 1024 at 0.84x, chunks of 256 with the optimizer in backward at 1.01x (noise of
+about 10 % on that shared machine); 0.7x its FLOPs gives 0.90x. Under the fp32 figure of
+1.2 it predicted 0.84x, which put micro-batch 1 x 4 with full logits ahead of 4 x 1
+chunked, the reverse of what ran (1.13x and 1.22x the Trainer's 1 x 4).
+Not measured on a GPU.
 """
+SMALL_CHUNK_COST = 0.01
+"""Extra step time of a loss chunk of 256 tokens over one of 1024 (a tie-break, as a fraction).
+
+The planner tries chunks of 256 tokens where chunks of 1024 do not fit (a vocabulary of
+32000 makes a 1024-token chunk's fp32 logits 125 MiB). benchmarks/bench_p2_settings.py
+measured no cost beyond its noise (4 x 1 at seq 512, bf16 autocast: 256-token chunks at
+0.91x of full logits, 1024-token chunks at 0.84x, one pass each); the 1 % keeps the larger
+chunk where both fit, so plans that fitted before do not change.
+"""
+COMPILED_BLOCKS_SPEEDUP = {"cpu": 1.12}
+"""How much faster a step runs with `--compile` (the blocks compiled), by device; absent: not planned.
+
+Inductor fuses each block's element-wise work (norms, rotary embedding, SiLU, residual adds,
+autocast casts), which on a CPU with bf16 matrix units is most of a small model's block time.
+benchmarks/bench_p2_settings.py (22.9M-parameter Llama, seq 512, bf16 autocast, CPU, 2 cores,
+one thread, tokens per CPU second against a paired reference, 2026-11-23): micro-batch 1 x 4
+1.05x and 1.09x its eager run, 4 x 1 with 256-token loss chunks and the optimizer in backward
+1.11x to 1.16x; an earlier fp32 run at seq 128 (benchmarks.md, "Speed model") 1.24x. 1.12 is
+their middle. The first step's compile time (tens of seconds on a CPU) is not in a step's
+time. Not measured on a GPU, so not planned there.
+"""
+
+
+def compute_dtype(changes: dict[str, Any], config: TrainConfig, device: str) -> str:
+    """'bf16' when the step's matmuls run in bf16 (autocast or bf16 weights), else 'fp32' (fp16 counts as bf16)."""
+    precision = changes.get("precision", config.memory.precision)
+    dtype = changes.get("dtype", config.model.dtype)
+    if dtype in ("bf16", "fp16") or precision in ("amp", "bf16", "fp16"):
+        return "bf16"
+    return "bf16" if precision == "auto" and device == "cuda" else "fp32"
+
+
+COMPILE_PAYS_AFTER_FLOPS = {"cpu": 5.6e13}
+"""Training FLOPs of a run below which `--compile` costs more time than it saves, by device.
+
+Compiling one block takes about 40 s on a busy 2-core CPU with a cold cache (the first
+step; docs/speed.md); at the gain of COMPILED_BLOCKS_SPEEDUP (1 - 1/1.12 = 11 % of each
+step) that is repaid after about 370 s of eager training, which at the rate
+bench_p2_settings.py measured (1000 tokens per CPU second at 151 MFLOPs per token, bf16
+autocast, one thread) is 5.6e13 FLOPs: about 180 steps of 4 x 512 tokens of its 22.9M
+model, never a smoke run of the tiny model.
+"""
+
+
+def compile_planned(device: str, config: TrainConfig, hf_config: Any = None) -> bool:
+    """Whether the planner should plan `--compile`: its gain is measured on this device, the run
+    is long enough to repay the compile time (COMPILE_PAYS_AFTER_FLOPS) and compile can run here.
+
+    A run of --epochs counts as long (its length is not known before the data is read);
+    without the model's config the length is unknown and compile is not planned.
+    """
+    if device not in COMPILED_BLOCKS_SPEEDUP or hf_config is None:
+        return False
+    if config.training.epochs is None:
+        from memfit.models.flops import flops_per_token
+
+        seq = config.data.seq_len
+        tokens = config.training.max_steps * config.effective_batch_for(1) * seq
+        if tokens * flops_per_token(hf_config, seq).model < COMPILE_PAYS_AFTER_FLOPS[device]:
+            return False
+    import torch
+
+    from memfit.techniques.compile import compile_unavailable_reason
+
+    return not compile_unavailable_reason(torch.device(device))
 
 
 def estimated_step_seconds(changes: dict[str, Any], config: TrainConfig, est: Estimate, gpu: GpuSpec | None,
@@ -58,9 +135,10 @@ def estimated_step_seconds(changes: dict[str, Any], config: TrainConfig, est: Es
     loss), + one MLP forward per step with tiled MLP, QLoRA dequantization +25 %. Small
     micro-batches use the device less well (FEEDING_TOKENS), 8-bit AdamW costs extra per
     parameter on a CPU (OPTIMIZER_STEP_FLOPS), and the chunked loss more than its FLOPs
-    there (CHUNKED_LOSS_COST). Host transfers (activation offload, optimizer offload, paged
-    state) are added in full at the host link's rate: an upper bound, since their copies
-    overlap compute.
+    there (CHUNKED_LOSS_COST), and `--compile` divides the compute time by its measured gain
+    (COMPILED_BLOCKS_SPEEDUP; `changes["compile"]`, else the config's). Host transfers
+    (activation offload, optimizer offload, paged state) are added in full at the host link's
+    rate: an upper bound, since their copies overlap compute.
 
     `device` is "cpu" or "cuda"; by default "cpu" without a GPU preset (a plan with only a
     memory budget runs where memory is the host's), "cuda" with one.
@@ -75,12 +153,14 @@ def estimated_step_seconds(changes: dict[str, Any], config: TrainConfig, est: Es
     accumulation = changes.get("gradient_accumulation_steps", 1)
     tokens = micro * seq * accumulation
     lora_rank = changes.get("lora_r", config.lora.lora_r)
-    chunked = bool(changes.get("loss_chunk_size", 0))
+    chunk = changes.get("loss_chunk_size", 0) or 0
+    chunked = bool(chunk)
+    compute = compute_dtype(changes, config, device)
     per_token = flops_per_token(hf_config, seq, lora_rank=lora_rank,
                                 checkpointing=changes.get("gradient_checkpointing", "off"), chunked_loss=chunked)
     hardware = per_token.hardware
     if chunked:
-        hardware += (CHUNKED_LOSS_COST.get(device, 1.0) - 1.0) * per_token.head_forward
+        hardware += (CHUNKED_LOSS_COST.get((device, compute), 1.0) - 1.0) * per_token.head_forward
     mlp_forward = (3 if arch.gated_mlp else 2) * 2 * arch.hidden * arch.intermediate * arch.layers
     tiled = mlp_forward if changes.get("tiled_mlp") else 0
     flops = tokens * (hardware + tiled)
@@ -90,6 +170,10 @@ def estimated_step_seconds(changes: dict[str, Any], config: TrainConfig, est: Es
     rate = tflops * 1e12 * UTILISATION
     feeding = micro * seq / (micro * seq + FEEDING_TOKENS[device])
     seconds = flops / (rate * feeding)
+    if 1 < chunk < 1024:  # (a run's own prediction marks any chunked loss as chunk size 1)
+        seconds *= 1 + SMALL_CHUNK_COST
+    if changes.get("compile", config.memory.compile):
+        seconds /= COMPILED_BLOCKS_SPEEDUP.get(device, 1.0)
     trainable = est.details["trainable_parameter_count"]
     if changes.get("optimizer", "adamw").endswith("8bit"):
         if (device, "8bit") in OPTIMIZER_STEP_FLOPS:
