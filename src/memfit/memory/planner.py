@@ -135,14 +135,19 @@ def _user_set(config: TrainConfig, name: str) -> bool:
 
 
 def technique_grid(mode: str, config: TrainConfig, gpu: GpuSpec | None, seq_len: int, accumulation: int,
-                   long_context: bool = False) -> list[dict[str, Any]]:
+                   long_context: bool = False, hf_config: Any = None) -> list[dict[str, Any]]:
     """Every combination of memory techniques worth estimating for `mode` (flat config changes).
 
     Offloading and paged state need a GPU (on a CPU everything is host memory already);
     optimizer-in-backward needs one micro-batch per step and no fp16 loss scaling; tiled
-    MLP is tried where this memfit has it and the sequence is long.
+    MLP is tried where this memfit has it and the sequence is long. The chunked loss is
+    tried in chunks of 1024 and 256 tokens (a large vocabulary's chunk of 1024 can be most
+    of a small budget). `--compile` changes time, not memory: every combination gets it
+    where the speed model measured its gain, the run is long enough to repay the compile time
+    and it can run (`speed_model.compile_planned`; needs `hf_config`), unless the user chose.
     """
     from memfit.memory.estimator import resolve_mlp_tiles, tiled_mlp_available
+    from memfit.memory.speed_model import compile_planned
     from memfit.techniques.loss import DEFAULT_LOSS_CHUNK_TOKENS
 
     cuda = gpu is not None
@@ -151,13 +156,15 @@ def technique_grid(mode: str, config: TrainConfig, gpu: GpuSpec | None, seq_len:
     optimizers = ["adamw", "adamw-8bit"] + (["paged-adamw-8bit"] if cuda and full else [])
     in_backward = [False] + ([True] if accumulation == 1 and (gpu is None or gpu.bf16) else [])
     offloads = [False, True] if cuda else [False]
+    compiled = (config.memory.compile if _user_set(config, "compile")
+                else compile_planned("cuda" if cuda else "cpu", config, hf_config))
     tiles = [0]
     if tiled_mlp_available() and (long_context or seq_len >= 4096):
         tiles.append(max(2, resolve_mlp_tiles(None, seq_len) or 2))
     grid = []
     for dtype, optimizer, oib, checkpointing, act_offload, tile, chunk, opt_offload in itertools.product(
         dtypes, optimizers, in_backward, ("off", "selective", "full"), offloads, tiles,
-        (0, DEFAULT_LOSS_CHUNK_TOKENS), offloads,
+        (0, DEFAULT_LOSS_CHUNK_TOKENS, DEFAULT_LOSS_CHUNK_TOKENS // 4), offloads,
     ):
         if opt_offload and (not full or optimizer != "adamw"):
             continue  # CPU offload steps torch's AdamW on host copies (per step, or per parameter in backward)
@@ -165,7 +172,8 @@ def technique_grid(mode: str, config: TrainConfig, gpu: GpuSpec | None, seq_len:
             continue  # the kept matmul outputs would all cross the host link: full checkpointing does better
         changes = {"gradient_checkpointing": checkpointing, "optimizer": optimizer, "loss_chunk_size": chunk,
                    "optimizer_offload": opt_offload, "optimizer_in_backward": oib,
-                   "activation_offload": act_offload, "tiled_mlp": tile, **_mode_changes(mode, config)}
+                   "activation_offload": act_offload, "tiled_mlp": tile, "compile": compiled,
+                   **_mode_changes(mode, config)}
         if full:
             changes["dtype"] = dtype
         if oib or opt_offload:
@@ -211,7 +219,7 @@ def _fastest(search: _Search, mode: str, effective: int) -> list[Candidate]:
         if per_rank % micro:
             continue
         accumulation = per_rank // micro
-        for changes in technique_grid(mode, search.config, search.gpu, seq, accumulation):
+        for changes in technique_grid(mode, search.config, search.gpu, seq, accumulation, hf_config=search.hf_config):
             found.append(search.candidate(changes, micro, accumulation, seq))
     return found
 
@@ -223,7 +231,8 @@ MAX_SEQ_LEN = 1 << 23
 def _longest(search: _Search, mode: str, micro: int, accumulation: int, limit: int = MAX_SEQ_LEN) -> list[Candidate]:
     """For each technique combination, the longest sequence (a multiple of 256, at most `limit`) that fits."""
     best_seq, found = 0, []
-    grid = technique_grid(mode, search.config, search.gpu, 1 << 20, accumulation, long_context=True)
+    grid = technique_grid(mode, search.config, search.gpu, 1 << 20, accumulation, long_context=True,
+                          hf_config=search.hf_config)
     for changes in grid:
         tiles = changes["tiled_mlp"]
 
@@ -255,7 +264,7 @@ def _largest_batch(search: _Search, mode: str) -> list[Candidate]:
     """For each technique combination, the largest micro-batch (one per step) that fits."""
     best, found = 0, []
     seq = search.config.data.seq_len
-    for changes in technique_grid(mode, search.config, search.gpu, seq, 1):
+    for changes in technique_grid(mode, search.config, search.gpu, seq, 1, hf_config=search.hf_config):
         floor = max(1, best)
         if not search.fits(search.candidate(changes, floor, 1, seq)):
             continue
@@ -451,6 +460,9 @@ def trade_offs(candidate: Candidate, config: TrainConfig, hf_config: Any, gpu: G
         lines.append(f"tiled MLP: {c['tiled_mlp']} sequence tiles, each recomputed in backward (one more MLP forward)")
     if c.get("loss_chunk_size"):
         lines.append(f"chunked loss ({c['loss_chunk_size']} tokens): the output projection runs again in backward")
+    if c.get("compile"):
+        lines.append("compiled blocks (--compile): the first step compiles one block with torch.compile (tens of"
+                     " seconds on a CPU, once per run), which the planned tokens/s leave out")
     if est.host_bytes:
         available = est.host_available_bytes
         limit = f" (planned within {host_limit / GIB:.0f} GiB of host memory)" if host_limit else ""
