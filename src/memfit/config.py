@@ -132,6 +132,8 @@ class MemoryConfig:
     """Update each parameter as soon as its gradient is ready and free the gradient."""
     activation_offload: bool = False
     """Move tensors saved for backward to host memory (with checkpointing: each block's input, two kept on the device); on CPU the copies count as host memory."""
+    activation_offload_blocks: int | None = None
+    """Offload only the first N transformer blocks' saved inputs (the later blocks and the output head keep theirs on the device, where backward needs them first); turns on --activation-offload; needs --gradient-checkpointing full or auto; default: offload everything saved."""
     optimizer_offload: bool = False
     """Keep optimizer state and run the optimizer step on the CPU (CUDA; with --optimizer-in-backward on any device)."""
     memory_cap: int | None = field(default=None, metadata=SIZE)
@@ -320,6 +322,13 @@ class TrainConfig:
             problems.append(f"--max-grad-norm must be 0 (off) or positive, got {o.max_grad_norm}")
         if o.warmup_steps < 0:
             problems.append(f"--warmup-steps must be 0 or more, got {o.warmup_steps}")
+        if m.activation_offload_blocks is not None:
+            if m.activation_offload_blocks < 0:
+                problems.append(f"--activation-offload-blocks must be 0 or more, got {m.activation_offload_blocks}")
+            elif not m.activation_offload:
+                problems.append("--activation-offload-blocks offloads part of the block inputs: drop --no-activation-offload")
+            elif m.gradient_checkpointing not in ("full", "auto"):
+                problems.append("--activation-offload-blocks counts checkpointed blocks: add --gradient-checkpointing full")
         if m.loss_chunk_size is not None and m.loss_chunk_size < 0:
             problems.append(f"--loss-chunk-size must be 0 (off) or positive, got {m.loss_chunk_size}")
         rope = self.model.rope_scale
@@ -365,6 +374,9 @@ def derive_defaults(values: dict[str, Any], user_set: frozenset[str]) -> tuple[d
     Returns the values with the derived ones added, and flat name -> why for each.
     """
     values, derived = dict(values), {}
+    if values.get("activation_offload_blocks") is not None and "activation_offload" not in user_set:
+        values["activation_offload"] = True
+        derived["activation_offload"] = "activation offload is on: --activation-offload-blocks offloads part of the block inputs"
     if values.get("optimizer_in_backward") and "max_grad_norm" not in user_set:
         # Each parameter is updated as its gradient arrives, before the global norm exists.
         values["max_grad_norm"] = 0.0

@@ -17,6 +17,17 @@ Activation offload (`--activation-offload`)
     memory accounting (`memfit.techniques.host_memory`), so the tracker and `--memory-cap` show the
     device saving at reduced shapes exactly as a GPU run would have it.
 
+Partial offload (`--activation-offload-blocks N`, with checkpointing)
+    Only what the first N transformer blocks save for backward (a checkpointed block:
+    its input) goes to host memory; the later blocks and the output head keep theirs on
+    the device. Backward needs those first, so it starts without waiting for the host
+    link, and the last offloaded block's input is fetched while the first kept block is
+    recomputed. A saved leaf that requires grad (the embedding output under LoRA with
+    checkpointing) stays: the graph holds it on the device anyway. Saves: N block inputs of device memory instead of all of them; costs N
+    block inputs of pinned host memory and 2 x that over the host link per micro-batch,
+    so a GPU with memory to spare keeps the rest of its blocks and the host holds less.
+    The numerics are those of the plain run (a tensor comes back bit for bit).
+
 Optimizer offload (`--optimizer-offload`, CUDA only, needs torchao)
     Saves: the optimizer state (8 bytes per parameter for AdamW) and the fp32 master
     copy used by the step live in host memory; the step runs on the CPU.
@@ -30,6 +41,7 @@ Optimizer offload (`--optimizer-offload`, CUDA only, needs torchao)
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import weakref
 from collections.abc import Callable
@@ -41,6 +53,7 @@ from torch import nn
 
 from memfit.config import OptimizerConfig
 from memfit.errors import UsageError
+from memfit.techniques.checkpointing import transformer_blocks
 from memfit.techniques.host_memory import host_allocations, mark_host
 
 OPTIMIZER_NO_EFFECT_ON_CPU = "optimizer offload has no effect on CPU: optimizer state already lives in host memory"
@@ -98,6 +111,12 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
         prefetch: when a tensor is unpacked, bring back the one saved just before it, so
             that the next block's input arrives while the current block is recomputed
             (False: fetch each tensor when it is needed).
+        blocks: offload only what the first `blocks` transformer blocks of `model` (its
+            longest nn.ModuleList) save: every tensor saved before the forward of block
+            `blocks - 1` has returned (the blocks before and the embedding side
+            included). The later blocks and the head keep their tensors on the device;
+            the first kept block's input, when unpacked, starts the fetch of the last
+            offloaded one. None: offload everything saved. Needs `model`.
 
     Works on any device; on CUDA the copies use pinned memory and a side stream.
     `offloaded_tensors` and `offloaded_bytes` count what was moved (repeated saves of
@@ -110,7 +129,16 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
         min_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES,
         device: torch.device | str | None = None,
         prefetch: bool = True,
+        blocks: int | None = None,
     ):
+        if blocks is not None and (model is None or blocks < 0):
+            raise ValueError(f"offloading the first {blocks} blocks needs the model and a count of 0 or more")
+        self.blocks = blocks
+        self._block_modules = list(transformer_blocks(model)) if blocks is not None else []
+        self._block_hooks: list = []
+        self._finished = 0  # blocks whose forward has returned in the current forward pass
+        self._forward_over = False  # backward has unpacked since the last forward pack
+        self._first_kept: weakref.ref | None = None  # the first kept block's input: unpacking it fetches ahead
         self.min_bytes = min_bytes
         self.device_type = torch.device(device).type if device is not None else None
         self.prefetch = prefetch
@@ -148,7 +176,43 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
             self._stream = torch.cuda.Stream(device)
         return self._stream
 
+    def __enter__(self):
+        super().__enter__()
+        for index, block in enumerate(self._block_modules):
+            self._block_hooks.append(block.register_forward_hook(functools.partial(self._block_returned, index)))
+        return self
+
+    def __exit__(self, *exc_info):
+        for handle in self._block_hooks:
+            handle.remove()
+        self._block_hooks = []
+        return super().__exit__(*exc_info)
+
+    def _block_returned(self, index: int, module, args, output) -> None:
+        if not _in_backward():  # a checkpoint's recompute runs the block again in backward
+            self._finished = max(self._finished, index + 1)
+
+    def _keeps_on_device(self, tensor: torch.Tensor) -> bool:
+        """Partial offload: whether `tensor`, saved now, belongs to a block after the first `blocks`."""
+        if _in_backward():
+            return True  # saved by a recompute inside backward (a tiled MLP's): freed before backward ends
+        if self._forward_over:  # the first save of a new forward
+            self._forward_over = False
+            self._finished = 0
+            self._first_kept = None
+        if tensor.is_leaf and tensor.requires_grad:
+            # The graph holds it on the device anyway (the embedding output that LoRA with
+            # checkpointing makes require grad): a host copy would free nothing.
+            return True
+        if self._finished < self.blocks:
+            return False
+        if self._first_kept is None and self._should_offload(tensor):
+            self._first_kept = weakref.ref(tensor)
+        return True
+
     def _pack(self, tensor: torch.Tensor) -> Any:
+        if self.blocks is not None and self._keeps_on_device(tensor):
+            return tensor
         if not self._should_offload(tensor):
             return tensor
         if self._unpacked_since_pack:  # a new forward: prefetching never crosses into an older graph
@@ -188,7 +252,13 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
         return record
 
     def _unpack(self, packed: Any) -> torch.Tensor:
+        self._forward_over = True
         if isinstance(packed, torch.Tensor):
+            first_kept = self._first_kept() if self._first_kept is not None else None
+            if first_kept is not None and packed is first_kept:
+                self._first_kept = None
+                if self.prefetch:  # the last offloaded block's input comes while the first kept block runs
+                    self._fetch_before(len(self._records))
             return packed
         record: _Offloaded = packed
         self._unpacked_since_pack = True
@@ -222,7 +292,11 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
         One tensor ahead is one block ahead under checkpointing (a block saves only its
         input); the device then holds two blocks' inputs, never more.
         """
-        index = current.index - 1
+        self._fetch_before(current.index)
+
+    def _fetch_before(self, end: int) -> None:
+        """Start bringing back the last live, unused record of this forward saved before index `end`."""
+        index = end - 1
         while index >= 0:
             record = self._records[index]()
             index -= 1
@@ -241,17 +315,33 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
             return
 
 
+def _in_backward() -> bool:
+    """Whether the autograd engine is running a backward pass on this thread."""
+    return torch._C._current_graph_task_id() != -1
+
+
 def activation_offload(
     device: torch.device | str,
     model: nn.Module | None = None,
     min_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES,
+    blocks: int | None = None,
 ) -> tuple[contextlib.AbstractContextManager, str | None]:
-    """The context to run forward and backward in, and why it does nothing (or None).
+    """The context to run forward and backward in, and why it does not run as asked (or None).
 
     Wrap the forward (the loss computation); backward may run inside or outside it.
     It runs on every device: see the module docstring for what CPU runs show.
+    `blocks`: offload only what the first `blocks` transformer blocks save (None: all);
+    a model without a list of blocks offloads everything, and the reason says so.
     """
-    return ActivationOffload(model, min_bytes=min_bytes, device=device), None
+    if blocks is not None:
+        try:
+            transformer_blocks(model) if model is not None else None
+        except ValueError:
+            model = None
+        if model is None:
+            return (ActivationOffload(None, min_bytes=min_bytes, device=device),
+                    f"no list of transformer blocks to count {blocks} of: every saved tensor is offloaded")
+    return ActivationOffload(model, min_bytes=min_bytes, device=device, blocks=blocks), None
 
 
 def check_optimizer_offload(device: torch.device | str, max_grad_norm: float) -> None:

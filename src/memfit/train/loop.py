@@ -245,7 +245,8 @@ def _activation_offload_context(session: TrainingSession):
         return contextlib.nullcontext()
     from memfit.techniques.offload import activation_offload
 
-    context, reason = activation_offload(session.device, model=session.model)
+    context, reason = activation_offload(session.device, model=session.model,
+                                         blocks=session.config.memory.activation_offload_blocks)
     if reason:
         session.fallbacks["activation_offload"] = reason
     return context
