@@ -52,6 +52,14 @@ SETTINGS: dict[str, tuple[str, dict[str, Any]]] = {
                              "compile": True}),
     "mb4": ("4 x 1, full logits", {"batch_size": 4, "loss_chunk_size": 0}),
     "mb4-chunk256": ("4 x 1, chunked loss 256", {"batch_size": 4, "loss_chunk_size": 256}),
+    "mb4-compile": ("4 x 1, full logits, --compile", {"batch_size": 4, "loss_chunk_size": 0, "compile": True}),
+    "mb4-chunk256-compile": ("4 x 1, chunked loss 256, --compile",
+                             {"batch_size": 4, "loss_chunk_size": 256, "compile": True}),
+    "mb4-chunk256-selective": ("4 x 1, chunked loss 256, selective checkpointing",
+                               {"batch_size": 4, "loss_chunk_size": 256, "gradient_checkpointing": "selective"}),
+    "mb4-chunk256-selective-compile": ("4 x 1, chunked loss 256, selective checkpointing, --compile",
+                                       {"batch_size": 4, "loss_chunk_size": 256,
+                                        "gradient_checkpointing": "selective", "compile": True}),
     "mb4-chunked": ("4 x 1, chunked loss", {"batch_size": 4, "loss_chunk_size": CHUNK}),
     "mb4-chunked-oib": ("4 x 1, chunked loss, optimizer in backward",
                         {"batch_size": 4, "loss_chunk_size": CHUNK, "optimizer_in_backward": True,
@@ -103,6 +111,77 @@ def _runner(args: argparse.Namespace, workdir: Path, model_dir: Path, steps: int
     return bench_peers.Runner(ns, "cpu", workdir, model_dir)
 
 
+def predicted(names: list[str], seq_len: int) -> dict[str, tuple[float, int]]:
+    """The planner's predicted tokens/s and estimated peak bytes of each setting (speed_model, estimator)."""
+    from _common import llama_config
+
+    from memfit.config_loading import load_config
+    from memfit.memory.estimator import estimate
+    from memfit.memory.speed_model import estimated_step_seconds
+
+    hf_config = llama_config("20m")
+    found = {}
+    for name in names:
+        changes = {"precision": "amp", "gradient_accumulation_steps": 1, "loss_chunk_size": 0,
+                   "gradient_checkpointing": "off", **SETTINGS[name][1]}
+        config = load_config(overrides={"model": "tiny", "seq_len": str(seq_len),
+                                        **{k: str(v) for k, v in changes.items()}})
+        est = estimate(config, hf_config=hf_config)
+        seconds = estimated_step_seconds(changes, config, est, None, hf_config)
+        tokens = changes["batch_size"] * changes["gradient_accumulation_steps"] * seq_len
+        found[name] = (tokens / seconds, est.peak_bytes)
+    return found
+
+
+def aggregate(paths: list[str], budget: int, seq_len: int) -> str:
+    """One table from the JSON files of earlier runs: each setting's median ratio (tokens per CPU second) to its
+    paired Trainer reference over every run of it, its tracked peak where a capped run measured it, and the
+    planner's estimate and predicted order (Spearman's rank correlation against the measured one)."""
+    from bench_speed_ranking import spearman
+
+    cpu: dict[str, list[float]] = {}
+    wall: dict[str, list[float]] = {}
+    fit: dict[str, dict[str, Any]] = {}
+    for path in paths:
+        raw = json.loads(Path(path).read_text())
+        fit.update(raw.get("fit", {}))
+        for entry in raw["timed"]:
+            run, before, after = entry["run"], entry["reference_before"], entry["reference_after"]
+            cpu.setdefault(entry["name"], []).append(
+                run["tokens_per_cpu_second"] / ((before["tokens_per_cpu_second"] + after["tokens_per_cpu_second"]) / 2))
+            wall.setdefault(entry["name"], []).append(
+                run["tokens_per_second"] / ((before["tokens_per_second"] + after["tokens_per_second"]) / 2))
+    names = [n for n in SETTINGS if n in cpu]
+    model = predicted(names, seq_len)
+    base = model[names[0]][0]
+    rows = []
+    for name in sorted(names, key=lambda n: -median(cpu[n])):
+        f = fit.get(name) or fit.get(name.replace("-compile", ""))
+        if f is None:
+            fits = "-"
+        elif "error" in f:
+            fits = "no (out of memory)"
+        elif f["oom_events"]:
+            fits = f"no (recovered at micro-batch {f['ran']['micro_batch_size']})"
+        else:
+            fits = f"yes, {f['tracked_peak_bytes'] / MIB:.0f} MiB" if f["tracked_peak_bytes"] <= budget else "no"
+        speed, peak = model[name]
+        planner_fits = "yes" if peak <= budget * 0.95 else "no"
+        rows.append([SETTINGS[name][0], fits, f"{peak / MIB:.0f} ({planner_fits})", f"{speed / base:.2f}",
+                     f"{median(cpu[name]):.2f}", ", ".join(f"{v:.2f}" for v in cpu[name]),
+                     f"{median(wall[name]):.2f}"])
+    rho = spearman([model[n][0] for n in names], [median(cpu[n]) for n in names])
+    return "\n".join([
+        f"**Spearman rank correlation, predicted vs measured (tokens per CPU second): {rho:.2f}** over"
+        f" {len(names)} settings.",
+        "",
+        markdown_table(["memfit setting (bf16 autocast)", "tracked peak under the cap", "planner's estimate, MiB"
+                        " (fits with its 5 % margin)", f"predicted vs {SETTINGS[names[0]][0]}",
+                        f"measured vs {REFERENCE[0]}, tokens per CPU second (median)", "per run",
+                        "measured, tokens/s (median)"], rows),
+    ])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--budget-mib", type=float, default=697.0,
@@ -116,7 +195,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--no-fit-check", action="store_true", help="skip the capped runs")
     parser.add_argument("--json", help="write the raw results here")
+    parser.add_argument("--aggregate", nargs="+", metavar="JSON", help="run nothing: one table from earlier --json files")
     args = parser.parse_args(argv)
+    if args.aggregate:
+        print(aggregate(args.aggregate, int(args.budget_mib * MIB), args.seq_len))
+        print("\nCommand: `python benchmarks/bench_p2_settings.py " + " ".join(argv if argv is not None else sys.argv[1:])
+              + "`")
+        return 0
     names = [n for n in args.settings.split(",") if n]
     unknown = [n for n in names if n not in SETTINGS]
     if unknown:
