@@ -34,6 +34,7 @@ from memfit.errors import UsageError
 from memfit.gpus import GpuSpec, get_gpu
 from memfit.memory.activations import (
     CLOSED_FORM_FAMILIES,
+    ActivationTerms,
     Precision,
     activation_bytes,
     architecture_of,
@@ -164,6 +165,8 @@ class RunShape:
     mlp_tiles: int = 0
     fused_loss: bool = False
     """liger-kernel's fused linear cross-entropy: the logits are never held."""
+    activation_offload_blocks: int | None = None
+    """Partial offload: only the first N blocks' saved inputs go to host (None: everything saved)."""
 
 
 def tiled_mlp_available() -> bool:
@@ -238,6 +241,7 @@ def resolve_run(config: TrainConfig, hf_config: Any, gpu: GpuSpec | None) -> Run
         paged_optimizer=config.optimizer.optimizer == "paged-adamw-8bit" and device_type == "cuda",
         mlp_tiles=resolve_mlp_tiles(getattr(config.memory, "tiled_mlp", 0), config.data.seq_len),
         fused_loss=fused_loss,
+        activation_offload_blocks=config.memory.activation_offload_blocks if config.memory.activation_offload else None,
     )
 
 
@@ -352,12 +356,37 @@ def estimate(
 def _host_activations(config: TrainConfig, run: RunShape, hf_config: Any) -> float:
     if not run.activation_offload:
         return 0.0
-    return activation_bytes(
-        architecture_of(hf_config), _precision(run), batch_size=config.training.batch_size,
+    arch, precision = architecture_of(hf_config), _precision(run)
+    terms = activation_bytes(
+        arch, precision, batch_size=config.training.batch_size,
         seq_len=config.data.seq_len, attention=run.attention, checkpointing=run.checkpointing,
-        checkpoint_every=run.checkpoint_every, mlp_tiles=run.mlp_tiles, offload=True,
+        checkpoint_every=run.checkpoint_every, mlp_tiles=run.mlp_tiles, offload=run.activation_offload_blocks is None,
         unchunked_loss=not run.fused_loss and not 0 < run.loss_chunk_size < config.training.batch_size * (config.data.seq_len - 1),
-    ).host
+    )
+    return _offload_first_blocks(terms, run, arch, precision, config.training.batch_size * config.data.seq_len).host
+
+
+def _offload_first_blocks(terms: ActivationTerms, run: RunShape, arch, precision: Precision,
+                          tokens: int) -> ActivationTerms:
+    """Partial offload (`run.activation_offload_blocks`): the no-offload terms less what the first N blocks send to host.
+
+    Each offloaded checkpointed block takes its input (one residual-stream tensor) off the device,
+    an uncheckpointed one its whole block (both measured with the tracker on CPU). Under LoRA the
+    first block's input is the embedding output, a leaf the graph keeps on the device: it is not
+    copied. In backward two inputs are on the device in the offloaded blocks (the one in use and
+    the one fetched ahead); the kept blocks' inputs cover that unless fewer than two are kept. The
+    later blocks and the head keep theirs as without offload: the terms are the no-offload ones
+    (the tracker-checked base) less what leaves, not the full-offload ones.
+    """
+    if run.activation_offload_blocks is None:
+        return terms
+    blocks = min(run.activation_offload_blocks, arch.layers)
+    checkpointed = len(range(0, blocks, max(1, run.checkpoint_every)))
+    leaf = 1 if run.lora_r and blocks else 0
+    block_input = precision.residual * arch.hidden * tokens
+    host = (checkpointed - leaf) * block_input + (blocks - checkpointed) * terms.per_layer
+    in_flight = max(0, 2 - (arch.layers - blocks)) * block_input if host else 0.0
+    return terms._replace(kept=terms.kept - host + in_flight, host=host)
 
 
 def _state_bytes(config: TrainConfig, run: RunShape, inventory: ParameterInventory) -> dict[str, Any]:
@@ -430,9 +459,11 @@ def _analytical_peak(config, run: RunShape, hf_config, inventory, parts) -> tupl
     terms = activation_bytes(
         arch, precision, batch_size=b, seq_len=s, attention=run.attention,
         checkpointing=run.checkpointing, checkpoint_every=run.checkpoint_every, mlp_tiles=run.mlp_tiles,
-        offload=run.activation_offload, layer_per_token=_layer_per_token(run, arch, hf_config, precision, s),
+        offload=run.activation_offload and run.activation_offload_blocks is None,
+        layer_per_token=_layer_per_token(run, arch, hf_config, precision, s),
         unchunked_loss=not run.fused_loss and not 0 < run.loss_chunk_size < b * (s - 1),
     )
+    terms = _offload_first_blocks(terms, run, arch, precision, b * s)
     activations, recompute, per_layer = terms.kept, terms.recompute, terms.per_layer
     logits = logits_bytes(arch, b * (s - 1), run.loss_chunk_size, precision.compute, fused=run.fused_loss)
     # Backward frees a block's activations while its gradients appear: the peak is at the

@@ -6,7 +6,8 @@
 
 The search tries micro-batch sizes (powers of two, accumulation keeping the effective
 batch), checkpointing off/selective/full, 8-bit AdamW, chunked loss and optimizer
-offload, for full training, LoRA and QLoRA as `allow` permits. It keeps what the
+offload, for full training, LoRA and QLoRA as `allow` permits. Offloaded checkpoints
+offload the fewest blocks' inputs that fit the device (`activation_offload_blocks`). It keeps what the
 analytical estimate puts under the budget with a 5 % margin and ranks it by estimated
 tokens per second (`memfit.memory.speed_model.estimated_step_seconds`).
 
@@ -25,6 +26,7 @@ from typing import Any
 from memfit.config import TrainConfig
 from memfit.errors import DoesNotFitError, UsageError
 from memfit.gpus import GpuSpec, get_gpu, local_gpu
+from memfit.memory.activations import architecture_of
 from memfit.memory.estimator import Estimate, estimate
 from memfit.memory.speed_model import estimated_step_seconds
 from memfit.units import GIB
@@ -194,6 +196,49 @@ class _Search:
     host_limit: int | None = None
 
     def candidate(self, changes: dict[str, Any], micro: int, accumulation: int, seq_len: int) -> Candidate:
+        """`changes` estimated at this shape; offloaded checkpoints offload the fewest blocks that fit."""
+        user_blocks = _user_set(self.config, "activation_offload_blocks")
+        if "activation_offload_blocks" in changes:
+            return self._candidate(changes, micro, accumulation, seq_len)
+        if not (changes.get("activation_offload") and changes.get("gradient_checkpointing") == "full"):
+            # a run that offloads no blocks, or everything saved: a given block count does not apply
+            cleared = {"activation_offload_blocks": None} if self.config.memory.activation_offload_blocks is not None else {}
+            return self._candidate({**changes, **cleared}, micro, accumulation, seq_len)
+        if user_blocks:
+            return self._candidate(changes, micro, accumulation, seq_len)
+        return self._fewest_offloaded_blocks(changes, micro, accumulation, seq_len)
+
+    def _fewest_offloaded_blocks(self, changes: dict[str, Any], micro: int, accumulation: int,
+                                 seq_len: int) -> Candidate:
+        """Offloaded checkpoints with the fewest block inputs in host memory that fit the device.
+
+        The device peak falls and the host bytes and host-link traffic grow with each offloaded
+        block (the first N go, the last stay: backward needs those first), so the fewest that fit
+        the device leave the most host memory and the least traffic. When all blocks' inputs do not
+        make it fit, everything saved goes (the head's inputs too: `activation_offload_blocks` None).
+        """
+        layers = architecture_of(self.hf_config).layers
+
+        def at(blocks: int | None) -> Candidate:
+            return self._candidate({**changes, "activation_offload_blocks": blocks}, micro, accumulation, seq_len)
+
+        device_fits = self.device_fits
+        every = at(None)
+        if not device_fits(every):
+            return every  # nothing fits the device: full offload comes closest
+        low, high, best = 0, layers, at(layers)  # low: does not fit (0 blocks is no offload)
+        if not device_fits(best):
+            return every
+        while high - low > 1:
+            middle = (low + high) // 2
+            tried = at(middle)
+            if device_fits(tried):
+                high, best = middle, tried
+            else:
+                low = middle
+        return best
+
+    def _candidate(self, changes: dict[str, Any], micro: int, accumulation: int, seq_len: int) -> Candidate:
         changes = {"batch_size": micro, "gradient_accumulation_steps": accumulation, "precision": self.precision,
                    **changes}
         if seq_len != self.config.data.seq_len:
@@ -207,6 +252,9 @@ class _Search:
     def fits(self, candidate: Candidate) -> bool:
         if self.host_limit is not None and candidate.estimate.host_bytes > self.host_limit * (1 - HOST_MARGIN):
             return False
+        return self.device_fits(candidate)
+
+    def device_fits(self, candidate: Candidate) -> bool:
         return candidate.estimate.peak_bytes <= self.budget * (1 - MARGIN)
 
 
@@ -449,7 +497,12 @@ def trade_offs(candidate: Candidate, config: TrainConfig, hf_config: Any, gpu: G
                      " GiB of host memory); gradients and weights cross the host link every step; no clipping")
     if c.get("activation_offload"):
         moved = est.details.get("pcie_bytes_per_micro_batch", 0)
-        lines.append(f"activation offload: {est.host_breakdown.get('activations', 0) / GIB:.1f} GiB of pinned host memory;"
+        blocks = c.get("activation_offload_blocks")
+        layers = architecture_of(hf_config).layers
+        what = "activation offload" if blocks is None else (
+            f"activation offload of the first {blocks} of {layers} blocks' inputs (the last {max(0, layers - blocks)}"
+            " and the head's stay on the device)")
+        lines.append(f"{what}: {est.host_breakdown.get('activations', 0) / GIB:.1f} GiB of pinned host memory;"
                      f" {moved / GIB:.1f} GiB over the host link per micro-batch ({moved / link:.2f} s at"
                      f" {link / 1e9:.0f} GB/s, overlapped with compute where the copies allow)")
     if c.get("gradient_checkpointing") == "full":
@@ -550,6 +603,8 @@ def train_command(config: TrainConfig, changes: dict[str, Any], gpu: GpuSpec | N
             continue
         if name == "tiled_mlp" and not value and seq_len <= 8192:
             continue  # the automatic setting does not tile at this length either
+        if value is None:
+            continue  # the default (activation_offload_blocks: every block and the head offloaded)
         flag = "--" + name.replace("_", "-")
         if isinstance(value, bool):
             if value:

@@ -184,6 +184,7 @@ def estimated_step_seconds(changes: dict[str, Any], config: TrainConfig, est: Es
     if changes.get("optimizer_offload"):
         seconds += 8 * trainable / link + trainable / 2e9  # gradients down, weights up, CPU AdamW
     if changes.get("activation_offload"):
+        # the estimate's traffic counts only the offloaded blocks' inputs (activation_offload_blocks)
         seconds += accumulation * est.details.get("pcie_bytes_per_micro_batch", 0) / link
     if changes.get("optimizer") == "paged-adamw-8bit" and gpu is not None:
         # the state pages come in for the step and go out again for the next forward
