@@ -156,7 +156,8 @@ def aggregate(paths: list[str], budget: int, seq_len: int) -> str:
     base = model[names[0]][0]
     rows = []
     for name in sorted(names, key=lambda n: -median(cpu[n])):
-        f = fit.get(name) or fit.get(name.replace("-compile", ""))
+        # a compiled setting's tracked peak is its eager form's (torch.compile runs eager under the tracker)
+        f = fit.get(name) or fit.get(name.replace("-compile", "")) or fit.get(f"{name}-compile")
         if f is None:
             fits = "-"
         elif "error" in f:

@@ -53,9 +53,10 @@ benchmarks/bench_p2_settings.py (22.9M-parameter Llama, seq 512, micro-batch 4, 
 autocast, CPU, 2 cores with AMX, one thread, tokens per CPU second against a paired
 reference, one pass each, 2026-11-23): chunks of 256 tokens ran at 0.91x of full logits,
 chunks of 1024 at 0.84x, chunks of 256 with the optimizer in backward at 1.01x (noise of
-about 10 % on that shared machine); 0.7x its FLOPs gives 0.90x. Under the fp32 figure of
-1.2 it predicted 0.84x, which put micro-batch 1 x 4 with full logits ahead of 4 x 1
-chunked, the reverse of what ran (1.13x and 1.22x the Trainer's 1 x 4).
+about 10 % on that shared machine; compiled, 256-token chunks at 0.97x); 0.7x its FLOPs
+gives 0.90x. The fp32 figure of 1.2 predicted 0.84x and put micro-batch 1 x 4 with full
+logits 7 % ahead of 4 x 1 with chunks; this puts them even, where 4 x 1 chunked ran 8 %
+faster (1.22x and 1.13x the Trainer's 1 x 4): the model's remaining error.
 Not measured on a GPU.
 """
 SMALL_CHUNK_COST = 0.01
@@ -67,17 +68,19 @@ measured no cost beyond its noise (4 x 1 at seq 512, bf16 autocast: 256-token ch
 0.91x of full logits, 1024-token chunks at 0.84x, one pass each); the 1 % keeps the larger
 chunk where both fit, so plans that fitted before do not change.
 """
-COMPILED_BLOCKS_SPEEDUP = {"cpu": 1.12}
+COMPILED_BLOCKS_SPEEDUP = {"cpu": 1.14}
 """How much faster a step runs with `--compile` (the blocks compiled), by device; absent: not planned.
 
 Inductor fuses each block's element-wise work (norms, rotary embedding, SiLU, residual adds,
 autocast casts), which on a CPU with bf16 matrix units is most of a small model's block time.
 benchmarks/bench_p2_settings.py (22.9M-parameter Llama, seq 512, bf16 autocast, CPU, 2 cores,
-one thread, tokens per CPU second against a paired reference, 2026-11-23): micro-batch 1 x 4
-1.05x and 1.09x its eager run, 4 x 1 with 256-token loss chunks and the optimizer in backward
-1.11x to 1.16x; an earlier fp32 run at seq 128 (benchmarks.md, "Speed model") 1.24x. 1.12 is
-their middle. The first step's compile time (tens of seconds on a CPU) is not in a step's
-time. Not measured on a GPU, so not planned there.
+one thread, tokens per CPU second against a paired reference, medians of one to four runs,
+2026-11-23), compiled over eager at the same setting: micro-batch 1 x 4 1.07x; 4 x 1 with
+full logits 1.08x, with 256-token loss chunks 1.17x, and the optimizer in backward 1.14x, and
+full checkpointing 1.19x. 1.14 is their median (an earlier fp32 run at seq 128, benchmarks.md,
+"Speed model": 1.24x). One factor misses that larger micro-batches gain more. The first
+step's compile time (tens of seconds on a CPU) is not in a step's time. Not measured on a
+GPU, so not planned there.
 """
 
 
@@ -90,14 +93,14 @@ def compute_dtype(changes: dict[str, Any], config: TrainConfig, device: str) -> 
     return "bf16" if precision == "auto" and device == "cuda" else "fp32"
 
 
-COMPILE_PAYS_AFTER_FLOPS = {"cpu": 5.6e13}
+COMPILE_PAYS_AFTER_FLOPS = {"cpu": 4.9e13}
 """Training FLOPs of a run below which `--compile` costs more time than it saves, by device.
 
 Compiling one block takes about 40 s on a busy 2-core CPU with a cold cache (the first
-step; docs/speed.md); at the gain of COMPILED_BLOCKS_SPEEDUP (1 - 1/1.12 = 11 % of each
-step) that is repaid after about 370 s of eager training, which at the rate
+step; docs/speed.md); at the gain of COMPILED_BLOCKS_SPEEDUP (1 - 1/1.14 = 12 % of each
+step) that is repaid after about 325 s of eager training, which at the rate
 bench_p2_settings.py measured (1000 tokens per CPU second at 151 MFLOPs per token, bf16
-autocast, one thread) is 5.6e13 FLOPs: about 180 steps of 4 x 512 tokens of its 22.9M
+autocast, one thread) is 4.9e13 FLOPs: about 160 steps of 4 x 512 tokens of its 22.9M
 model, never a smoke run of the tiny model.
 """
 
