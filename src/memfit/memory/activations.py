@@ -114,6 +114,44 @@ def mlp_bytes_per_token(arch: Architecture, precision: Precision) -> float:
     return mlp
 
 
+def tiled_mlp_backward_bytes(arch: Architecture, precision: Precision, tokens: int, tiles: int) -> float:
+    """What a tiled MLP's backward holds on top of the block's saved tensors, for `tokens` tokens.
+
+    Counted with a live-storage dispatch mode around one tiled MLP's backward (torch 2.13, CPU;
+    fp32, bf16 autocast, LoRA on fp32 and on 16-bit bases; tests/unit/memory/test_tiled_mlp_memory.py):
+    `memfit.techniques.tiled_mlp` allocates the input's gradient whole before the first tile and
+    fills it tile by tile (tokens x hidden in the input's dtype, whatever the number of tiles).
+    Each tile is then recomputed with a graph: its saved intermediates (gate, up, act(gate),
+    their product, and on a 16-bit base the adapter's fp32 copy of the down projection's input)
+    are the tile's share of `mlp_bytes_per_token`, and autograd forms two intermediate-wide
+    gradients while they are live: 1.5 x that share (on a 16-bit base with LoRA the peak comes
+    during the recompute, 1 x). Hidden-wide, per tile: the tile's input gradient, and with LoRA
+    the adapters' fp32 copies of the tile's input and their gradients;
+    under autocast the tile's 16-bit casts of its input, the three weights' 16-bit casts (the
+    autocast cache is off in backward, so each tile casts them again) and, with LoRA, the
+    adapter's fp32 copy of the down projection's input. The earlier figure, two tiles' share,
+    matched fp32 by chance (its extra half tile stood in for the whole-sequence input gradient)
+    and fell short where the MLP's share is small next to that gradient: many tiles, 16-bit
+    intermediates with fp32 adapters (the bf16 QLoRA run).
+    """
+    tile = tokens / tiles
+    h, width = arch.hidden, arch.intermediate
+    autocast = precision.compute == 2 and precision.residual == 4
+    sixteen_bit_base = precision.lora_rank and precision.residual == 2
+    # on a 16-bit base the peak comes at the recompute, before the intermediate gradients exist
+    per_tile_token = (1.0 if sixteen_bit_base else 1.5) * mlp_bytes_per_token(arch, precision) + precision.residual * h
+    if precision.lora_rank:
+        # PEFT's fp32 copies of the tile's input (gate, up) and their gradients
+        per_tile_token += (4 if sixteen_bit_base else 3) * 4 * h
+    weights = 0.0
+    if autocast:
+        per_tile_token += 2 * 2 * h  # the 16-bit casts of the tile's input for gate and up
+        weights = 2 * 3 * h * width
+        if precision.lora_rank:
+            per_tile_token += 4 * width  # PEFT's fp32 copy of the down projection's 16-bit input
+    return per_tile_token * tile + precision.residual * h * tokens + weights
+
+
 def layer_bytes_per_token(arch: Architecture, precision: Precision, attention: str, seq_len: int,
                           mlp_tiles: int = 0) -> float:
     """Bytes one block keeps for backward, per token of the micro-batch.
@@ -253,13 +291,11 @@ def activation_bytes(
     mlp = mlp_bytes_per_token(arch, precision)
     tile_backward = 0.0
     if mlp_tiles > 1:
-        # the MLP keeps only its input; its backward recomputes one tile at a time and holds that
-        # tile's intermediates and their gradients: two tiles' share (an fp32 run measured one,
-        # a QLoRA bf16 run under a cap needed more: the planner keeps the larger figure)
+        # the MLP keeps only its input; its backward recomputes one tile at a time
         per_token -= mlp if layer_per_token is not None else 0.0
         if layer_per_token is None:
             per_token = layer_bytes_per_token(arch, precision, attention, seq_len, mlp_tiles)
-        tile_backward = 2 * mlp / mlp_tiles * tokens
+        tile_backward = tiled_mlp_backward_bytes(arch, precision, tokens, mlp_tiles)
     full_layer = max(per_token, 0.0) * tokens
     edges = model_edge_bytes_per_token(arch, precision) * tokens
     checkpointed_blocks = 0
