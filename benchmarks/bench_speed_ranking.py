@@ -105,14 +105,33 @@ def predicted_seconds(config, changes: dict[str, Any]) -> float:
     return estimated_step_seconds(plan_changes, config, est, None, hf_config)
 
 
-def measure(config, warmup: int) -> dict[str, Any]:
+def measure(config, warmup: int, clock: str = "wall") -> dict[str, Any]:
+    """Train `config`; tokens/s per step after `warmup` from the metrics (wall clock), or with clock="cpu" from
+    this process's CPU time between step records (one thread: it leaves out the time other jobs held the cores)."""
+    from memfit.train import metrics
     from memfit.train.loop import train
     from memfit.train.metrics import read_metrics
 
+    cpu_stamps: list[float] = []
+    original_log = metrics.JsonlLogger.log
+
+    def log(self, record: dict[str, Any]) -> None:  # instrumentation only: CPU time at each step's end
+        if record.get("event") == "start" or ("event" not in record and "step" in record):
+            cpu_stamps.append(time.process_time())
+        original_log(self, record)
+
+    metrics.JsonlLogger.log = log
     started = time.perf_counter()
-    result = train(config)
+    try:
+        result = train(config)
+    finally:
+        metrics.JsonlLogger.log = original_log
     records = [r for r in read_metrics(Path(config.output.output_dir) / "metrics.jsonl") if "event" not in r]
-    rates = [r["tokens_per_second"] for r in records[warmup:]]
+    if clock == "cpu":
+        rates = [r["tokens"] / max(cpu_stamps[k + 1] - cpu_stamps[k], 1e-9)
+                 for k, r in enumerate(records) if k >= warmup and k + 1 < len(cpu_stamps)]
+    else:
+        rates = [r["tokens_per_second"] for r in records[warmup:]]
     return {
         "tokens_per_second": median(rates),
         "step_rates": rates,
@@ -168,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--passes", type=int, default=2, help="runs of the grid, alternately reversed (default 2)")
     parser.add_argument("--noise", type=float, default=0.10, help="measured differences below this are ties (0.10)")
     parser.add_argument("--compile", action="store_true", help="also time the baseline with --compile")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall", help="tokens/s by wall clock (the"
+                        " metrics' figure) or by this process's CPU time (steadier on a shared machine)")
     parser.add_argument("--quick", action="store_true", help="toy model, seq 64, 2 steps, 1 pass")
     parser.add_argument("--threads", type=int, help="torch threads (default torch's; 1 keeps a crowded machine from"
                         " thrashing)")
@@ -201,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
             changes = configurations[i]
             config = _config(model_dir, workdir, f"run-{runs}", changes, args)
             predicted.setdefault(i, predicted_seconds(config, changes))
-            result = measure(config, args.warmup)
+            result = measure(config, args.warmup, args.clock)
             print(f"[{tag}] {label_of(changes)}: {result['tokens_per_second']:.0f} tokens/s"
                   f" (predicted step {predicted[i]:.3g} s; {result['seconds']:.0f} s)", file=sys.stderr)
             return result
@@ -229,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
             for compiled in (False, True):
                 changes = {**base, "compile": compiled}
                 config = _config(model_dir, workdir, f"compile-{compiled}-{len(timings)}", changes, args)
-                timings.setdefault(compiled, []).append(measure(config, args.warmup)["tokens_per_second"])
+                timings.setdefault(compiled, []).append(measure(config, args.warmup, args.clock)["tokens_per_second"])
             compile_ratio = (median(timings[True]), median(timings[False]))
     load_end = os.getloadavg()
 
@@ -274,7 +295,8 @@ def main(argv: list[str] | None = None) -> int:
         f" {args.passes} passes over the grid (the second reversed); every configuration runs between two runs of"
         " the reference (the first row) and is measured as a ratio to their mean, so a load that drifts cancels;"
         " medians of the passes"
-        f"{f'; {args.threads} torch thread(s)' if args.threads else ''}.",
+        f"{f'; {args.threads} torch thread(s)' if args.threads else ''}"
+        f"{'; tokens/s by CPU time (the process, one thread), not wall clock' if args.clock == 'cpu' else ''}.",
         "",
         f"**Spearman rank correlation, predicted vs measured tokens/s: {rho:.2f}** over {len(rows)} configurations.",
         "",
