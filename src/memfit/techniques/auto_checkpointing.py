@@ -28,37 +28,42 @@ from memfit.units import format_bytes
 # ---------------------------------------------------------------------------
 
 
-# Backward also holds the gradients of the block it is differentiating: measured at a
-# third of a Llama block's saved activations; half leaves a margin.
-BACKWARD_TRANSIENT_SHARE = 0.5
-
-
 def predicted_peak_bytes(
     per_block_activation_bytes: list[int],
     fixed_bytes: int,
     checkpointed_block_bytes: list[int] | int,
     checkpointed: list[int],
+    *,
+    gradient_bytes: int = 0,
+    loss_backward_bytes: int = 0,
 ) -> int:
     """Peak training bytes when the blocks in `checkpointed` are checkpointed.
 
-    Two moments compete. At the end of forward every block holds its activations, or
-    only `checkpointed_block_bytes` (its input) when checkpointed. In backward, blocks
-    are undone last to first; when checkpointed block i is rebuilt, the blocks after it
-    are already freed and the blocks before it still hold theirs, plus block i's full
-    activations. Either way backward adds the gradient buffers of the block at hand
-    (`BACKWARD_TRANSIENT_SHARE` of the largest block's activations).
+    The moments that compete (each checked against memfit's MemoryTracker on a Llama step):
+
+    - the loss's backward, the first moment of backward: every block holds its activations,
+      or only `checkpointed_block_bytes` (its input) when checkpointed, the loss adds its
+      gradient buffers (`loss_backward_bytes`), and no parameter gradient exists yet
+      (`gradient_bytes`, part of `fixed_bytes`, is left out: the loop frees them after each step);
+    - block i's backward, last block to first: the blocks before it hold theirs, block i holds
+      its full activations (rebuilt on top of its input when checkpointed), and the gradients
+      of block i and of the blocks after it exist (their share of `gradient_bytes`). The
+      block's activation gradients take the place of the activations they free as they form:
+      the tracker sees no transient beyond them.
     """
-    kept = _as_list(checkpointed_block_bytes, len(per_block_activation_bytes))
+    count = len(per_block_activation_bytes)
+    kept = _as_list(checkpointed_block_bytes, count)
     chosen = set(checkpointed)
     held = [kept[i] if i in chosen else size for i, size in enumerate(per_block_activation_bytes)]
-    peak = sum(held)
+    without_gradients = fixed_bytes - gradient_bytes
+    peak = without_gradients + sum(held) + loss_backward_bytes
     held_before = 0
     for i, size in enumerate(per_block_activation_bytes):
-        if i in chosen:
-            peak = max(peak, held_before + kept[i] + size)
+        gradients = gradient_bytes * (count - i) // max(1, count)
+        rebuilt = kept[i] + size if i in chosen else size
+        peak = max(peak, without_gradients + held_before + rebuilt + gradients)
         held_before += held[i]
-    transient = int(BACKWARD_TRANSIENT_SHARE * max(per_block_activation_bytes, default=0))
-    return fixed_bytes + peak + transient
+    return peak
 
 
 def choose_blocks_to_checkpoint(
@@ -66,6 +71,9 @@ def choose_blocks_to_checkpoint(
     fixed_bytes: int,
     budget_bytes: int,
     checkpointed_block_bytes: list[int] | int,
+    *,
+    gradient_bytes: int = 0,
+    loss_backward_bytes: int = 0,
 ) -> list[int] | None:
     """The fewest blocks to checkpoint so the predicted peak fits `budget_bytes`.
 
@@ -77,6 +85,7 @@ def choose_blocks_to_checkpoint(
         budget_bytes: the memory to fit in.
         checkpointed_block_bytes: bytes a checkpointed block still keeps (its input),
             one per block or one value for all.
+        gradient_bytes, loss_backward_bytes: as in `predicted_peak_bytes`.
     Returns:
         Sorted block indices ([] when everything fits without checkpointing), or None
         when even checkpointing every block does not fit.
@@ -88,8 +97,9 @@ def choose_blocks_to_checkpoint(
     count = len(per_block_activation_bytes)
     kept = _as_list(checkpointed_block_bytes, count)
     chosen: list[int] = []
+    moments = {"gradient_bytes": gradient_bytes, "loss_backward_bytes": loss_backward_bytes}
     while True:
-        if predicted_peak_bytes(per_block_activation_bytes, fixed_bytes, kept, chosen) <= budget_bytes:
+        if predicted_peak_bytes(per_block_activation_bytes, fixed_bytes, kept, chosen, **moments) <= budget_bytes:
             return sorted(chosen)
         candidates = [i for i in range(count) if i not in chosen]
         if not candidates:
@@ -98,7 +108,7 @@ def choose_blocks_to_checkpoint(
             min(
                 candidates,
                 key=lambda i: (
-                    predicted_peak_bytes(per_block_activation_bytes, fixed_bytes, kept, [*chosen, i]),
+                    predicted_peak_bytes(per_block_activation_bytes, fixed_bytes, kept, [*chosen, i], **moments),
                     kept[i] - per_block_activation_bytes[i],
                     i,
                 ),
@@ -195,22 +205,27 @@ def static_training_bytes(model: nn.Module, config) -> int:
 
     The optimizer state is `memfit.models.state_bytes`' closed form for the model's trainable tensors.
     """
+    return sum(static_training_parts(model, config))
+
+
+def static_training_parts(model: nn.Module, config) -> tuple[int, int, int]:
+    """Weights, gradients and optimizer state of a run apart (see `static_training_bytes`)."""
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     trainable = [p for p in model.parameters() if p.is_floating_point()]
     if config.lora_enabled or not trainable:
-        return weights  # adapters' gradients and state are a rounding error at this scale
+        return weights, 0, 0  # adapters' gradients and state are a rounding error at this scale
     trainable_bytes = sum(p.numel() * p.element_size() for p in trainable)
     if config.memory.optimizer_in_backward:
         gradients = max(p.numel() * p.element_size() for p in trainable)  # one gradient alive at a time
     else:
         gradients = trainable_bytes
     if config.memory.optimizer_offload:
-        return weights + gradients
+        return weights, gradients, 0
     element_size = trainable[0].element_size()
     states = optimizer_state_bytes_for_shapes(
         config.optimizer.optimizer, [tuple(p.shape) for p in trainable], element_size, config.optimizer.momentum
     )
-    return weights + gradients + states
+    return weights, gradients, states
 
 
 def auto_checkpointing(model: nn.Module, config, budget_bytes: int | None) -> str:
@@ -237,19 +252,23 @@ def auto_checkpointing(model: nn.Module, config, budget_bytes: int | None) -> st
             + " (auto: even a one-sample measuring forward ran out of memory)"
         )
     per_block = [size * batch_size for size in per_sample]
-    fixed = static_training_bytes(model, config) + outside_per_sample * batch_size
+    weights, gradients, states = static_training_parts(model, config)
+    fixed = weights + gradients + states + outside_per_sample * batch_size
+    # The loss's backward: the log-softmax's and the logits' fp32 gradients (measured with the tracker).
+    moments = {"gradient_bytes": 0 if config.memory.optimizer_in_backward else gradients,
+               "loss_backward_bytes": 2 * 4 * batch_size * seq_len * vocab_size}
     hidden_size = getattr(model.config, "hidden_size", None) or getattr(model.config, "n_embd", 0)
     embeddings = model.get_input_embeddings()
     element_size = embeddings.weight.element_size() if embeddings is not None else 4
     kept = batch_size * seq_len * hidden_size * element_size  # a checkpointed block keeps its input
     target = int(budget_bytes * AUTO_BUDGET_SHARE)
-    chosen = choose_blocks_to_checkpoint(per_block, fixed, target, kept)
+    chosen = choose_blocks_to_checkpoint(per_block, fixed, target, kept, **moments)
     if chosen is None:
         everything = list(range(len(blocks)))
-        peak = predicted_peak_bytes(per_block, fixed, kept, everything)
+        peak = predicted_peak_bytes(per_block, fixed, kept, everything, **moments)
         description = apply_gradient_checkpointing(model, "full")
         return f"{description} (auto: predicted peak {format_bytes(peak)} exceeds {format_bytes(target)} even so)"
-    peak = predicted_peak_bytes(per_block, fixed, kept, chosen)
+    peak = predicted_peak_bytes(per_block, fixed, kept, chosen, **moments)
     if not chosen:
         return f"off (auto: predicted peak {format_bytes(peak)} fits {format_bytes(target)})"
     description = apply_gradient_checkpointing(model, "full", block_indices=chosen)
