@@ -51,7 +51,7 @@ than the element-wise work around them (the fp32 log-softmax over the logits, ca
 dominates the step, so recomputing the head costs a small part of what its FLOPs say.
 benchmarks/bench_p2_settings.py (22.9M-parameter Llama, seq 512, micro-batch 4, bf16
 autocast, CPU, 2 cores with AMX, one thread, tokens per CPU second against a paired
-reference, one pass each, 2026-11-23): chunks of 256 tokens ran at 0.91x of full logits,
+reference, one pass each, 2026-11-23): chunks of 256 tokens ran at 0.90x of full logits,
 chunks of 1024 at 0.84x, chunks of 256 with the optimizer in backward at 1.01x (noise of
 about 10 % on that shared machine; compiled, 256-token chunks at 0.97x); 0.7x its FLOPs
 gives 0.90x. The fp32 figure of 1.2 predicted 0.84x and put micro-batch 1 x 4 with full
@@ -65,7 +65,7 @@ SMALL_CHUNK_COST = 0.01
 The planner tries chunks of 256 tokens where chunks of 1024 do not fit (a vocabulary of
 32000 makes a 1024-token chunk's fp32 logits 125 MiB). benchmarks/bench_p2_settings.py
 measured no cost beyond its noise (4 x 1 at seq 512, bf16 autocast: 256-token chunks at
-0.91x of full logits, 1024-token chunks at 0.84x, one pass each); the 1 % keeps the larger
+0.90x of full logits, 1024-token chunks at 0.84x, one pass each); the 1 % keeps the larger
 chunk where both fit, so plans that fitted before do not change.
 """
 COMPILED_BLOCKS_SPEEDUP = {"cpu": 1.14}
