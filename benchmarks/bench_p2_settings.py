@@ -1,7 +1,8 @@
 """Which memfit settings beat the Hugging Face Trainer at P2's memory budget, measured one by one.
 
     python benchmarks/bench_p2_settings.py --budget-mib 697 --threads 1
-    python benchmarks/bench_p2_settings.py --settings mb4-chunked,mb4-chunked-compile --passes 2
+    python benchmarks/bench_p2_settings.py --settings mb4-chunked,mb4-chunked-compile --passes 2 --json a.json
+    python benchmarks/bench_p2_settings.py --aggregate a.json b.json    # one table from earlier runs
 
 P2 (`bench_peers.py p2`) gives memfit and the Trainer the same budget of live tensor bytes
 and compares the fastest setting each one picks. This script asks the question behind it:
@@ -20,6 +21,11 @@ fastest fitting setting (micro-batch 1 x 4, bf16 autocast, fused AdamW)?
   cores, which wall-clock ratios only partly cancel.
 
 Every run is a fresh process (bench_peers.py's workers: the same model, samples, clocks).
+A compiled setting is capped in its eager form: torch.compile runs the blocks eager under
+memfit's tracker (Dynamo does not trace under a Python dispatch mode). `--aggregate`
+tables the runs of several JSON files together: each setting's median ratio, its tracked
+peak, and the planner's estimate and predicted order (`memfit plan`'s speed model), with
+Spearman's rank correlation between predicted and measured.
 """
 
 from __future__ import annotations
