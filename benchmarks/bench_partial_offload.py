@@ -107,15 +107,16 @@ def main(argv: list[str] | None = None) -> int:
     header = f"Command: `{command.strip()}`. Machine: {machine_description('cpu')}. Date: {today()}. Load average at the start: {load}."
     planned = ("Longest QLoRA r32 all-linear context of Llama-3.1-8B on an RTX 4090 (analytical estimate,"
                f" `memfit plan ... --maximize seq-len --host-memory SIZE`). {header}\n\n" + planned_part(args.host.split(",")))
-    body = planned
+    print(planned)
+    if args.out:
+        write_section(args.out, SECTION, planned, subheading="Planned")
     if not args.skip_measured:
         measured = (f"Reduced Llama ({args.layers} blocks, hidden {HIDDEN}, MLP {HIDDEN}, vocabulary 257), LoRA r8 on a"
                     f" bf16 base, batch 1 x {SEQ:,} tokens, full checkpointing, 512-token loss chunks, 2 steps;"
                     f" the second step's peaks. {header}\n\n" + measured_part(args.layers))
-        body = measured + "\n\n" + planned
-    print(body)
-    if args.out:
-        write_section(args.out, SECTION, body, subheading=f"Measured at {args.layers} blocks, and planned")
+        print(measured)
+        if args.out:
+            write_section(args.out, SECTION, measured, subheading=f"Measured at {args.layers} blocks")
     return 0
 
 
