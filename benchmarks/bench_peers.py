@@ -158,6 +158,14 @@ def memfit_worker(spec: dict[str, Any]) -> dict[str, Any]:
         original_log(self, record)
 
     metrics.JsonlLogger.log = log
+    if spec.get("compile_loss"):
+        # Experiment, not a memfit option: torch.compile memfit's loss function (the model's forward, the head and
+        # the loss in one graph), to see what compiling more than the blocks would buy.
+        import torch
+
+        import memfit.train.step as step_module
+
+        step_module.causal_lm_loss_sum = torch.compile(step_module.causal_lm_loss_sum)
     budget = spec.get("budget_bytes")
     overrides = {
         "model": spec["model_dir"], "seq_len": spec["seq_len"], "max_steps": spec["steps"], "seed": SEED,
@@ -319,8 +327,11 @@ class Runner:
             "overrides": overrides, "budget_bytes": budget, "track": track, "cap": cap,
             "cap_bytes": cap_bytes, "plan_steps": plan_steps,
         }
+        if kind == "memfit" and overrides.get("compile_loss"):
+            spec["compile_loss"] = True
         if kind == "memfit":
-            spec["overrides"] = {"batch_size": self.args.effective_batch, **overrides}
+            spec["overrides"] = {"batch_size": self.args.effective_batch,
+                                 **{k: v for k, v in overrides.items() if k != "compile_loss"}}
         env = {"CUDA_VISIBLE_DEVICES": ""} if self.device == "cpu" else {}
         if self.args.threads:
             env["OMP_NUM_THREADS"] = str(self.args.threads)  # torch's CPU thread pool, the same for both tools
