@@ -148,6 +148,8 @@ class MemoryConfig:
     """Track live tensor bytes by category during training and add them to the metrics."""
     tiled_mlp: int | None = None
     """Run each block's MLP over N sequence tiles, recomputing one tile at a time in backward (0: off; default: on for long sequences)."""
+    efficient_norm: bool = True
+    """RMSNorm keeps only its input and the fp32 1/rms for backward, recomputing the rest (same forward bit for bit; Llama-family norms; liger's replaces it where it runs)."""
     compile: bool = False
     """Compile each transformer block with torch.compile (regional compilation: short compile, no recompile per length)."""
     kernels: str = field(default="auto", metadata=_choices(*KERNEL_CHOICES))

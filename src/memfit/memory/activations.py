@@ -5,7 +5,8 @@ Models") count the tensors each block saves for backward; the same counting is d
 here for the block kinds Hugging Face models use, per token of a micro-batch:
 
 - norm: RMSNorm (Llama family) keeps its fp32 input, the normalised tensor and the
-  linear's input; LayerNorm (GPT-2) keeps its input, mean and 1/std and the linear's input.
+  linear's input (memfit's efficient RMSNorm: its input, the fp32 1/rms and the linear's
+  input); LayerNorm (GPT-2) keeps its input, mean and 1/std and the linear's input.
 - attention: Q, K, V (grouped-query: K and V at the KV-head width), the output and
   the fp32 log-sum-exp for SDPA/flash; eager attention also keeps the
   [heads, s, s] probabilities (fp32 softmax, plus its compute-dtype copy).
@@ -103,6 +104,9 @@ class Precision:
     adapter_input: int = 4
     """Bytes per element of the copy of its input an adapter keeps on a 16-bit base: PEFT casts the
     input to the fp32 adapter's dtype (4); under autocast the adapter's matmul saves its 16-bit cast (2)."""
+    efficient_norm: bool = False
+    """RMSNorm keeps only its input and the fp32 1/rms (memfit.techniques.rms_norm), not the fp32
+    upcast and the normalised tensor."""
 
 
 def mlp_bytes_per_token(arch: Architecture, precision: Precision) -> float:
@@ -164,7 +168,10 @@ def layer_bytes_per_token(arch: Architecture, precision: Precision, attention: s
     a = precision.attention or c
     h = arch.hidden
     frozen = precision.lora_rank > 0
-    if arch.rms_norm:
+    if arch.rms_norm and precision.efficient_norm:
+        # its input in the residual dtype and the fp32 1/rms; the linear's input
+        norm = r * h + 4 + c * h
+    elif arch.rms_norm:
         # fp32 upcast of the input, the normalised tensor (residual dtype, only kept for the
         # weight's gradient: not when frozen), the linear's input
         norm = 4 * h + (0 if frozen else r * h) + c * h + 4

@@ -167,6 +167,8 @@ class RunShape:
     """liger-kernel's fused linear cross-entropy: the logits are never held."""
     activation_offload_blocks: int | None = None
     """Partial offload: only the first N blocks' saved inputs go to host (None: everything saved)."""
+    efficient_norm: bool = False
+    """memfit's RMSNorm keeps its input and the fp32 1/rms only (techniques/rms_norm.py)."""
 
 
 def tiled_mlp_available() -> bool:
@@ -242,6 +244,9 @@ def resolve_run(config: TrainConfig, hf_config: Any, gpu: GpuSpec | None) -> Run
         mlp_tiles=resolve_mlp_tiles(getattr(config.memory, "tiled_mlp", 0), config.data.seq_len),
         fused_loss=fused_loss,
         activation_offload_blocks=config.memory.activation_offload_blocks if config.memory.activation_offload else None,
+        # The closed-form families' norms are Llama's; liger's RMSNorm replaces memfit's where its fused loss runs.
+        efficient_norm=getattr(config.memory, "efficient_norm", False) and not fused_loss
+        and getattr(hf_config, "model_type", "") in CLOSED_FORM_FAMILIES,
     )
 
 
@@ -431,7 +436,7 @@ def _precision(run: RunShape) -> Precision:
     # CPU autocast leaves SDPA out of its bf16 list: it runs on the fp32 output of RoPE.
     attention = 4 if run.autocast and run.device_type == "cpu" and run.weight_bytes == 4 else compute
     return Precision(compute=compute, residual=run.weight_bytes, attention=attention, lora_rank=run.lora_r,
-                     adapter_input=2 if run.autocast else 4)
+                     adapter_input=2 if run.autocast else 4, efficient_norm=run.efficient_norm)
 
 
 def _layer_per_token(run: RunShape, arch, hf_config, precision: Precision, seq_len: int) -> float | None:

@@ -201,6 +201,8 @@ def apply_model_techniques(config: TrainConfig, model: torch.nn.Module) -> tuple
     1. gradient checkpointing (off, full, selective, or auto under a budget)   techniques/checkpointing.py
     2. LoRA adapters (after checkpointing, which they must know about)          techniques/lora.py
     3. tiled MLP past 8192 tokens or with --tiled-mlp (adapters inside included) techniques/tiled_mlp.py
+    4. memory-efficient RMSNorm (--no-efficient-norm: off; liger's, applied      techniques/rms_norm.py
+       after, replaces it where it runs)
     The engine shards or wraps the result afterwards (engine.prepare). Precision (autocast),
     attention, the chunked loss and the optimizer techniques are chosen in build_session
     and applied by the step.
@@ -221,6 +223,10 @@ def apply_model_techniques(config: TrainConfig, model: torch.nn.Module) -> tuple
     tiles = tiles_for(config.data.seq_len, config.memory.tiled_mlp)
     if tiles > 1:
         log.info("memfit: tiled MLP: %s", apply_tiled_mlp(model, tiles))
+    if config.memory.efficient_norm:
+        from memfit.techniques.rms_norm import apply_efficient_rms_norm
+
+        log.info("memfit: efficient RMSNorm: %s", apply_efficient_rms_norm(model))
     return model, checkpointing
 
 
