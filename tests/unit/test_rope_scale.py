@@ -200,13 +200,13 @@ def test_plan_caps_at_the_positions_and_names_the_scale_that_reaches_memory():
 
     flags = {"model": "llama-3.1-8b", "lora_r": 32, "lora_targets": "all-linear"}
     own = plan(load_config(overrides=flags), gpu="h100", allow="qlora", maximize="seq-len", host_memory=512 * GIB)
-    assert own.plan["seq_len"] == own.max_positions == 131_072 and own.memory_limit_seq_len >= 350_000
+    assert own.plan["seq_len"] == own.max_positions == 131_072 and own.memory_limit_seq_len >= 300_000
     assert own.rope_scale_to_memory_limit * 131_072 >= own.memory_limit_seq_len
     assert any(f"--rope-scale {own.rope_scale_to_memory_limit} extends" in t for t in own.trades)
     assert "--rope-scale" not in own.command
     scaled = plan(load_config(overrides=flags | {"rope_scale": 4}), gpu="h100", allow="qlora", maximize="seq-len",
                   host_memory=512 * GIB)
-    assert scaled.max_positions == 4 * 131_072 and 350_000 <= scaled.plan["seq_len"] <= 4 * 131_072
+    assert scaled.max_positions == 4 * 131_072 and 300_000 <= scaled.plan["seq_len"] <= 4 * 131_072
     assert scaled.to_dict()["max_positions"] == 4 * 131_072
     argv = scaled.command.split()
     config, _ = parse_command_line(argv[2:])
