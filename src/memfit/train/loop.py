@@ -117,12 +117,15 @@ def train(
     started = time.perf_counter()
     with tracker if tracker is not None else contextlib.nullcontext(), progress, activation_offload, _oom_is_fatal(runner, config):
         upcoming = _samples_of(session, state.step)
+        first_step = state.step
         for step in range(state.step, session.total_steps):
             reset_peaks(session.device)
             step_started = time.perf_counter()
             # The next step's samples are fetched now so its first micro-batch is prepared during this step.
             samples, upcoming = upcoming, _samples_of(session, step + 1)
             result = runner.run(samples, next_samples=upcoming)
+            if step == first_step:
+                _check_compiled(session, logger, tracker is not None)
             session.scheduler.step()
             elapsed = time.perf_counter() - step_started
             state.step = step + 1
@@ -193,6 +196,27 @@ def train(
         state.step, summary["final_loss"], losses, session.output_dir, final_dir, summary["peak_memory_bytes"], tracked_peak,
         summary, memory_steps,
     )
+
+
+def _check_compiled(session: TrainingSession, logger, tracked: bool) -> None:
+    """After the first step of a --compile run: when Dynamo compiled no graph, say that the blocks ran eager.
+
+    Compiling is lazy and Dynamo falls back silently (and for good, per code object): under the
+    memory tracker's dispatch mode, for one. The metrics must name what ran, not what was asked.
+    """
+    if session.compiled == "off":
+        return
+    from memfit.techniques.compile import compile_stats
+
+    if compile_stats()["compiled_graphs"]:
+        return
+    why = ("the memory tracker (--memory-cap or --track-memory on a CPU) watches every operator, and Dynamo"
+           " does not trace under it" if tracked else "Dynamo fell back to eager")
+    reason = f"no graph was compiled in the first step: {why}; the blocks ran eager"
+    session.fallbacks["compile"] = reason
+    session.compiled = "off (asked, ran eager)"
+    log.warning("memfit: --compile: %s", reason)
+    logger.log({"event": "fallback", "technique": "compile", "reason": reason})
 
 
 def _samples_of(session: TrainingSession, step: int) -> list[dict] | None:

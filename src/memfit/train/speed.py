@@ -163,6 +163,6 @@ def speed_line(summary: dict) -> str | None:
     kernels, compiled = summary.get("kernels"), summary.get("compile")
     if kernels and kernels != "none":
         parts.append(f"kernels {kernels}")
-    if compiled and compiled != "off":
+    if compiled and not compiled.startswith("off"):
         parts.append(f"compiled {compiled}")
     return "  speed: " + " | ".join(parts)

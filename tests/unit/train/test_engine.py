@@ -207,3 +207,14 @@ def test_the_next_steps_first_micro_batch_is_prepared_during_this_step(built_run
     train(_config(llama_dir, text_file, tmp_path / "run", batch_size=2, max_steps=3))
     runner = built_runners[0][0]
     assert (runner.prefetcher.prefetched, runner.prefetcher.collated_on_demand) == (2, 1)
+
+
+def test_compile_that_ran_eager_says_so(llama_dir, text_file, tmp_path):
+    """Under the memory tracker Dynamo compiles nothing: the metrics name what ran, not what was asked."""
+    from memfit.techniques.compile import compile_unavailable_reason
+
+    if compile_unavailable_reason(torch.device("cpu")):
+        pytest.skip("no C++ compiler: --compile is refused up front")
+    result = train(_config(llama_dir, text_file, tmp_path, compile=True, track_memory=True, max_steps=2))
+    assert result.summary["compile"] == "off (asked, ran eager)"
+    assert "memory tracker" in result.summary["fallbacks"]["compile"]
