@@ -68,6 +68,7 @@ def causal_lm_loss_sum(
     labels: torch.Tensor,
     attention_mask: torch.Tensor | None = None,
     chunk_size: int = 0,
+    token_loss: Callable[..., torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Sum of next-token cross-entropy over the target tokens of a micro-batch (fp32).
 
@@ -76,20 +77,31 @@ def causal_lm_loss_sum(
     With `chunk_size > 0` the output projection and the loss run `chunk_size` tokens
     at a time and are recomputed in backward (see the module docstring); the loss and
     the gradients equal the plain computation up to float summation order.
+    `token_loss`: what turns logits into the summed loss (default `token_loss_sum`;
+    --compile passes a compiled one).
     """
+    token_loss = token_loss or token_loss_sum
     if chunk_size > 0:
-        return chunked_causal_lm_loss_sum(model, input_ids, labels, attention_mask, chunk_size)
+        return chunked_causal_lm_loss_sum(model, input_ids, labels, attention_mask, chunk_size, token_loss)
     outputs = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
     logits = outputs.logits
     # Shift the labels, not the logits: slicing off the last position would copy all of
     # [batch, seq, vocab] (and its gradient); the padded last target is ignored instead.
     targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
-    return F.cross_entropy(
-        logits.reshape(-1, logits.size(-1)).float(),
-        targets.reshape(-1),
-        ignore_index=IGNORE_INDEX,
-        reduction="sum",
-    )
+    return token_loss(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), _no_postprocessing)
+
+
+def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor, postprocess: Callable) -> torch.Tensor:
+    """Summed cross-entropy of `[tokens, vocabulary]` logits, upcast to fp32 and post-processed, against `targets`.
+
+    The element-wise tail of the step (the cast, softcapping, the log-softmax over the
+    vocabulary): memory-bound work that --compile fuses into a few kernels.
+    """
+    return F.cross_entropy(postprocess(logits.float()), targets, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def _no_postprocessing(logits: torch.Tensor) -> torch.Tensor:
+    return logits
 
 
 def chunked_causal_lm_loss_sum(
@@ -98,6 +110,7 @@ def chunked_causal_lm_loss_sum(
     labels: torch.Tensor,
     attention_mask: torch.Tensor | None,
     chunk_size: int,
+    token_loss: Callable[..., torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """`causal_lm_loss_sum` without the full logits: see the module docstring."""
     lm = unwrap_causal_lm(model)
@@ -115,13 +128,14 @@ def chunked_causal_lm_loss_sum(
     for hidden_chunk, target_chunk in zip(hidden.split(chunk_size), targets.split(chunk_size), strict=True):
         # Non-reentrant checkpoint keeps only the chunk's inputs; its logits are
         # rebuilt when backward reaches the chunk, so one chunk of logits is alive.
-        total = total + checkpoint(_chunk_loss, head, postprocess, hidden_chunk, target_chunk, use_reentrant=False)
+        total = total + checkpoint(_chunk_loss, head, postprocess, hidden_chunk, target_chunk,
+                                   token_loss or token_loss_sum, use_reentrant=False)
     return total
 
 
-def _chunk_loss(head, postprocess, hidden_chunk: torch.Tensor, target_chunk: torch.Tensor) -> torch.Tensor:
-    logits = postprocess(head(hidden_chunk).float())
-    return F.cross_entropy(logits, target_chunk, ignore_index=IGNORE_INDEX, reduction="sum")
+def _chunk_loss(head, postprocess, hidden_chunk: torch.Tensor, target_chunk: torch.Tensor,
+                token_loss: Callable[..., torch.Tensor]) -> torch.Tensor:
+    return token_loss(head(hidden_chunk), target_chunk, postprocess)
 
 
 class _HiddenStateProbe(torch.nn.Module):

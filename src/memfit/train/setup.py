@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,7 @@ from memfit.memory.stats import configure_cuda_allocator
 from memfit.models.loader import LoadedModel, load_model_and_tokenizer
 from memfit.techniques.attention import AttentionChoice, attention_that_ran, choose_attention
 from memfit.techniques.checkpointing import apply_gradient_checkpointing
-from memfit.techniques.compile import compile_blocks
+from memfit.techniques.compile import compile_blocks, compile_token_loss
 from memfit.techniques.kernels import KernelChoice, apply_kernels
 from memfit.techniques.optimizers import OptimizerChoice, build_optimizer, build_scheduler, parameter_groups
 from memfit.techniques.precision import PrecisionChoice, resolve_precision
@@ -71,7 +72,9 @@ class TrainingSession:
     kernels: KernelChoice = field(default_factory=KernelChoice)
     """Fused kernels that run (techniques/kernels.py); its fused_loss, when set, replaces the plain loss."""
     compiled: str = "off"
-    """What --compile compiled ('4 of 4 blocks (inductor)'), or 'off'."""
+    """What --compile compiled ('4 of 4 blocks (inductor) and the loss'), or 'off'."""
+    token_loss: Callable[..., torch.Tensor] | None = None
+    """--compile: the compiled logits-to-loss tail (techniques.loss.token_loss_sum); None: the eager one."""
 
     @property
     def model(self) -> torch.nn.Module:
@@ -166,7 +169,12 @@ def _build_session(config: TrainConfig) -> TrainingSession:
     # Only once the data is checked (its sequence length against the model too): techniques log what they do.
     loaded.model, checkpointing = apply_model_techniques(config, loaded.model)
     kernels = apply_kernels(loaded.model, config.memory.kernels, device, fallbacks)  # liger on CUDA, else PyTorch's
-    compiled = compile_blocks(loaded.model, device, fallbacks=fallbacks).description if config.memory.compile else "off"
+    compiled, token_loss = "off", None
+    if config.memory.compile:
+        choice = compile_blocks(loaded.model, device, fallbacks=fallbacks)
+        compiled = choice.description
+        if choice.compiled_blocks and kernels.fused_loss is None:  # liger's fused loss never builds the logits
+            token_loss, compiled = compile_token_loss(), f"{compiled} and the loss"
     model = loaded.model
     chosen = engine.prepare(model, lambda m: _build_optimizer(config, m, device, fallbacks))
     head = model.get_output_embeddings()
@@ -191,6 +199,7 @@ def _build_session(config: TrainConfig) -> TrainingSession:
         fallbacks=fallbacks,
         kernels=kernels,
         compiled=compiled,
+        token_loss=token_loss,
     )
 
 

@@ -22,6 +22,7 @@ Where it runs (one process, DDP, FSDP2, DeepSpeed) is the engine's business
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import logging
 import math
@@ -63,6 +64,12 @@ class StepResult:
     skipped: bool = False
     """fp16: the grad scaler skipped this step (inf/NaN gradients)."""
     events: list[dict] = field(default_factory=list)
+
+
+def _plain_loss(session):
+    """The loss function without fused kernels: the compiled logits-to-loss tail under --compile."""
+    token_loss = getattr(session, "token_loss", None)
+    return functools.partial(causal_lm_loss_sum, token_loss=token_loss) if token_loss is not None else causal_lm_loss_sum
 
 
 class StepRunner:
@@ -130,7 +137,7 @@ class StepRunner:
             oom_recovery=wanted and session.engine.recovers_from_oom and not memory.optimizer_in_backward,
             checkpointing_on=session.checkpointing != "off",
             tracker=tracker,
-            loss_fn=getattr(getattr(session, "kernels", None), "fused_loss", None) or causal_lm_loss_sum,
+            loss_fn=getattr(getattr(session, "kernels", None), "fused_loss", None) or _plain_loss(session),
         )
 
     def close(self) -> None:

@@ -137,3 +137,25 @@ def test_compiled_blocks_with_a_tiled_mlp_give_eager_loss_and_gradients(checkpoi
     _assert_same(eager, compiled, _ids())
     # Attention, norms and the tiles all went through Dynamo: no frame fell back to eager.
     assert compile_stats()["compiled_graphs"] >= 3
+
+
+@pytest.mark.parametrize("chunk_size", [0, 16])
+def test_compiled_loss_tail_gives_eager_loss_and_gradients(chunk_size):
+    """--compile also compiles the logits-to-loss tail (cast, post-processing, log-softmax), plain and chunked."""
+    from memfit.techniques.compile import compile_token_loss
+    from memfit.techniques.loss import causal_lm_loss_sum
+
+    eager, compiled = _model(), _model()
+    compiled.config.final_logit_softcapping = eager.config.final_logit_softcapping = 30.0  # post-processing runs too
+    token_loss = compile_token_loss(backend="aot_eager")
+    ids = _ids(seq=40)
+    losses, grads = [], []
+    for model, tail in ((eager, None), (compiled, token_loss)):
+        loss = causal_lm_loss_sum(model, ids, ids, chunk_size=chunk_size, token_loss=tail)
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append({name: p.grad for name, p in model.named_parameters()})
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-6, atol=1e-6)
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, rtol=1e-5, atol=1e-7, msg=name)
+    assert compile_stats()["compiled_graphs"] >= 1
