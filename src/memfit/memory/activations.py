@@ -325,10 +325,12 @@ def activation_bytes(
         # Offloaded checkpoints: one input per checkpointed block (the residual stream), the
         # tensors of blocks left uncheckpointed, and outside the blocks the final norm's input,
         # its normalised output and the head's input (measured on CPU with the tracker); an
-        # unchunked loss also saves its logits.
+        # unchunked loss also saves its logits. memfit's efficient RMSNorm keeps no normalised
+        # output: its input and the head's input (measured the same way).
         block_input = precision.residual * arch.hidden * tokens
         uncheckpointed = blocks_kept - checkpointed_blocks * kept_one
-        host = (checkpointed_blocks + 3) * block_input + uncheckpointed
+        outside = 2 if precision.efficient_norm and arch.rms_norm else 3
+        host = (checkpointed_blocks + outside) * block_input + uncheckpointed
         if unchunked_loss:
             host += precision.compute * arch.vocab * tokens
     if checkpointing == "off":

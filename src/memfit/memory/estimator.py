@@ -244,9 +244,8 @@ def resolve_run(config: TrainConfig, hf_config: Any, gpu: GpuSpec | None) -> Run
         mlp_tiles=resolve_mlp_tiles(getattr(config.memory, "tiled_mlp", 0), config.data.seq_len),
         fused_loss=fused_loss,
         activation_offload_blocks=config.memory.activation_offload_blocks if config.memory.activation_offload else None,
-        # The closed-form families' norms are Llama's; liger's RMSNorm replaces memfit's where its fused loss runs.
-        efficient_norm=getattr(config.memory, "efficient_norm", False) and not fused_loss
-        and getattr(hf_config, "model_type", "") in CLOSED_FORM_FAMILIES,
+        # liger's RMSNorm replaces memfit's where its fused loss runs
+        efficient_norm=getattr(config.memory, "efficient_norm", False) and not fused_loss,
     )
 
 
@@ -447,12 +446,13 @@ def _layer_per_token(run: RunShape, arch, hf_config, precision: Precision, seq_l
 
     attention = run.attention.replace("flash", "sdpa")
     if not (run.autocast and run.weight_bytes == 4):
-        return probed_layer_bytes_per_token(hf_config, run.weight_bytes, False, attention, seq_len, run.lora_r)
+        return probed_layer_bytes_per_token(hf_config, run.weight_bytes, False, attention, seq_len, run.lora_r,
+                                            run.efficient_norm)
     # Autocast over fp32 weights: a fake-tensor probe under CPU autocast misses the casts it
     # saves (it counted 40 % of a Llama block); probe in fp32 and scale by the closed forms'
     # autocast/fp32 ratio for this block shape (checked on Llama, Starcoder2, Gemma 3, GPT-NeoX).
-    fp32 = probed_layer_bytes_per_token(hf_config, 4, False, attention, seq_len, run.lora_r)
-    plain = Precision(4, 4, 4, precision.lora_rank, precision.adapter_input)
+    fp32 = probed_layer_bytes_per_token(hf_config, 4, False, attention, seq_len, run.lora_r, run.efficient_norm)
+    plain = Precision(4, 4, 4, precision.lora_rank, precision.adapter_input, efficient_norm=precision.efficient_norm)
     return fp32 * (layer_bytes_per_token(arch, precision, run.attention, seq_len)
                    / layer_bytes_per_token(arch, plain, run.attention, seq_len))
 

@@ -27,21 +27,22 @@ PROBE_SEQ_LENS = (64, 128)
 
 
 def probed_layer_bytes_per_token(hf_config: Any, weight_bytes: int, autocast: bool, attention: str,
-                                 seq_len: int, lora_r: int = 0) -> float:
+                                 seq_len: int, lora_r: int = 0, efficient_norm: bool = False) -> float:
     """Bytes one block keeps for backward per token at `seq_len` (cached per architecture and precision).
 
     `lora_r` > 0: the base is frozen and every linear of the block gets a rank-`lora_r`
-    adapter (PEFT, as `memfit train --lora-r` builds it).
+    adapter (PEFT, as `memfit train --lora-r` builds it). `efficient_norm`: the block's norms
+    run memfit's memory-efficient RMSNorm where it applies, as `memfit train` runs them.
     """
     key = hf_config.to_json_string(use_diff=False)
-    short, long = (_measure(key, weight_bytes, autocast, attention, s, lora_r) for s in PROBE_SEQ_LENS)
+    short, long = (_measure(key, weight_bytes, autocast, attention, s, lora_r, efficient_norm) for s in PROBE_SEQ_LENS)
     slope = (long - short) / (PROBE_SEQ_LENS[1] - PROBE_SEQ_LENS[0])
     return short + slope * (seq_len - PROBE_SEQ_LENS[0])
 
 
 @lru_cache(maxsize=256)
 def _measure(config_json: str, weight_bytes: int, autocast: bool, attention: str, seq_len: int,
-             lora_r: int = 0) -> float:
+             lora_r: int = 0, efficient_norm: bool = False) -> float:
     import json
 
     import torch
@@ -58,6 +59,10 @@ def _measure(config_json: str, weight_bytes: int, autocast: bool, attention: str
         model.config.use_cache = False
         if lora_r:
             model = _with_adapters(model, lora_r)
+        if efficient_norm:
+            from memfit.techniques.rms_norm import apply_efficient_rms_norm
+
+            apply_efficient_rms_norm(model)
         model.train()
         blocks = _blocks(model)
         parameters = {id(p.untyped_storage()) for p in model.parameters()}

@@ -99,9 +99,10 @@ def _is_candidate(module: nn.Module) -> bool:
 def _computes_the_same(module: nn.Module) -> bool:
     """Whether the module's own forward equals this one bit for bit on a small random input.
 
-    Real CPU tensors of the module's width and dtype, with a random weight swapped in for
-    its own (which may be fake, as in the traced estimate, or on another device): a norm that
-    computes anything else, such as Gemma's `(1 + weight)`, gives other bits.
+    Real CPU tensors of the module's width and dtype, with random ones swapped in for its
+    parameters and buffers (which may be fake, as in the estimates' probes, or on another
+    device): a norm that computes anything else, such as Gemma's `(1 + weight)` or a
+    LayerNorm, gives other bits.
     """
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
@@ -110,16 +111,19 @@ def _computes_the_same(module: nn.Module) -> bool:
     with unset_fake_temporarily(), torch.no_grad():
         generator = torch.Generator().manual_seed(0)
         x = torch.randn(3, 5, width, generator=generator).mul(3.0).to(dtype)
-        w = torch.randn(width, generator=generator).to(dtype)
+        swapped = {
+            name: torch.randn(tuple(t.shape), generator=generator).to(t.dtype)
+            for name, t in [*module.named_parameters(), *module.named_buffers()] if t.is_floating_point()
+        }
         try:
-            original = torch.func.functional_call(module, {"weight": w}, (x,))
-        except Exception:  # a forward that needs more than one tensor: not a plain norm
+            original = torch.func.functional_call(module, swapped, (x,))
+            ours = efficient_rms_norm(x, swapped["weight"], _eps_of(module))
+            return (
+                isinstance(original, torch.Tensor) and original.dtype == ours.dtype
+                and original.shape == ours.shape and torch.equal(original, ours)
+            )
+        except Exception:  # a forward that needs more than one tensor, or other state: not a plain norm
             return False
-        ours = efficient_rms_norm(x, w, _eps_of(module))
-        return (
-            isinstance(original, torch.Tensor) and original.dtype == ours.dtype and original.shape == ours.shape
-            and torch.equal(original, ours)
-        )
 
 
 def apply_efficient_rms_norm(model: nn.Module) -> str:

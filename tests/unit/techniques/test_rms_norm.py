@@ -172,7 +172,7 @@ def test_a_twice_wrong_gradient_is_caught_by_sgd():
             model.zero_grad(set_to_none=True)
             model(input_ids=input_ids, labels=input_ids).loss.backward()
             optimizer.step()
-    for (name, p), q in zip(plain.named_parameters(), efficient.parameters()):
+    for (name, p), q in zip(plain.named_parameters(), efficient.parameters(), strict=True):
         torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6, msg=name)
 
 
