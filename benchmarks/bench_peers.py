@@ -416,7 +416,12 @@ def p2(runner: Runner) -> tuple[str, list[list[str]]]:
         if runner.args.trainer_compile:
             extra.append(runner.run("hf", f"{best_hf['label']}, torch_compile=True (informational, not tracked)",
                                     {**best_hf["ran"], "torch_compile": True}))
-    same_plan = capped["ran"] == mf["ran"] and not capped["oom_events"]
+    # The capped run is tracked, and Dynamo compiles nothing under the tracker: a compiled plan's
+    # capped run runs its blocks eager (and says so), which is the same plan for the fit check.
+    eager_capped = str((capped["ran"] or {}).get("compile", "")).startswith("off (asked")
+    without_compile = {k: v for k, v in (capped["ran"] or {}).items() if k != "compile"}
+    same_plan = (without_compile == {k: v for k, v in (mf["ran"] or {}).items() if k != "compile"}
+                 and not capped["oom_events"])
     mf = {**mf, "tracked_peak_bytes": capped["tracked_peak_bytes"], "label": "memfit, its planner's choice"}
     rows = []
     for r in [plain, *tried, mf, *extra]:
@@ -431,6 +436,11 @@ def p2(runner: Runner) -> tuple[str, list[list[str]]]:
     mf_fits = mf["tracked_peak_bytes"] <= budget
     recovered = (f" The capped run recovered from {capped['oom_events']} out-of-memory event(s) (it ran"
                  f" {_ran(capped)}), so the timed run is not the plan that fitted." if not same_plan else "")
+    if same_plan and eager_capped:
+        recovered = (" The capped run's blocks and loss ran eager (the memory tracker that enforces the cap"
+                     " stops Dynamo), so its tracked peak is the eager plan's; the compiled run's peak RSS is"
+                     f" {mf['rss_peak_bytes'] / MIB:.0f} MiB against {best_hf['rss_peak_bytes'] / MIB:.0f} MiB"
+                     " for the Trainer's setting." if best_hf is not None else "")
     if best_hf is None:
         headline = (f"No Trainer setting's tracked peak fits {budget / MIB:.0f} MiB; memfit runs at"
                     f" {mf['tokens_per_second']:.0f} tokens/s with a tracked peak of"
