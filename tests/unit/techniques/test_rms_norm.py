@@ -282,3 +282,37 @@ def test_estimate_follows_the_tracker_with_and_without_the_efficient_norm(name, 
     assert peaks[True] < peaks[False] and estimates[True] < estimates[False]
     for efficient in (False, True):
         assert abs(estimates[efficient] / peaks[efficient] - 1) <= ERROR_BAND["analytical"], (efficient, estimates, peaks)
+
+
+def test_a_compiled_block_has_no_more_graph_breaks_and_the_same_output():
+    """Dynamo traces the replaced norms inside a whole decoder block (regional compilation's unit)."""
+    model = tiny_llama(hidden=64, layers=1, vocab=VOCAB)
+    hidden = torch.randn(1, 16, 64, generator=torch.Generator().manual_seed(3))
+    position_ids = torch.arange(16)[None]
+    embeddings = model.model.rotary_emb(hidden, position_ids)
+    block = model.model.layers[0]
+
+    def run(x):
+        return block(x, position_embeddings=embeddings, attention_mask=None, position_ids=position_ids)
+
+    plain_breaks = torch._dynamo.explain(run)(hidden).graph_break_count
+    expected = run(hidden)
+    apply_efficient_rms_norm(model)
+    torch._dynamo.reset()
+    assert torch._dynamo.explain(run)(hidden).graph_break_count == plain_breaks
+    compiled = torch.compile(run, backend="aot_eager")
+    out = compiled(hidden)
+    out = out[0] if isinstance(out, tuple) else out
+    expected = expected[0] if isinstance(expected, tuple) else expected
+    torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("efficient", [True, False])
+def test_the_run_applies_it_unless_switched_off(efficient):
+    from memfit.config_loading import load_config
+    from memfit.train.setup import apply_model_techniques
+
+    config = load_config(overrides={"efficient_norm": efficient, "gradient_checkpointing": "full"})
+    model, _ = apply_model_techniques(config, tiny_llama(hidden=64, layers=2, vocab=VOCAB))
+    patched = [m for m in model.modules() if isinstance(m, LlamaRMSNorm) and "forward" in m.__dict__]
+    assert len(patched) == (5 if efficient else 0)
