@@ -12,8 +12,8 @@ the rest. Per token and norm it keeps `r * hidden + 4` bytes instead of
 - fp32 weights (fp32, or autocast over fp32 master weights): the upcast is the input
   itself, so only the normalised tensor goes (4h instead of 8h with a trainable weight,
   nothing with a frozen one).
-Two norms per block: for Llama-3.1-8B under QLoRA at 80K tokens, 1.25 GiB less in the
-recomputed block's working set (and in every block's, without checkpointing).
+Two norms per block: for Llama-3.1-8B under QLoRA at 81,920 tokens, 1.25 GiB less in the
+recomputed block's working set (and in every block's, without checkpointing), by the closed form.
 Costs: backward recomputes the normalisation (a few elementwise passes over the input).
 
 Numerics: the forward runs the very operations of the original (`x.float()`,
