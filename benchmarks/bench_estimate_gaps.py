@@ -25,17 +25,9 @@ MIB = 2**20
 
 
 def _save(directory: Path, **shape) -> Path:
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from memfit.models.tiny import save_llama
 
-    from memfit.models.tiny import byte_tokenizer
-
-    shape = {"vocab_size": 257, **shape}
-    config = LlamaConfig(num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                         eos_token_id=256, pad_token_id=256, bos_token_id=256, **shape)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
-    byte_tokenizer().save_pretrained(directory)
-    return directory
+    return save_llama(directory, **shape)
 
 
 def gradients_of_head_and_embedding(root: Path) -> None:

@@ -36,18 +36,10 @@ LEVERS = {
 
 
 def _model(directory: Path) -> str:
-    import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from memfit.models.tiny import save_llama
 
-    from memfit.models.tiny import byte_tokenizer
-
-    config = LlamaConfig(hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=4096, max_position_embeddings=65536,
-                         eos_token_id=256, pad_token_id=256, bos_token_id=256)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
-    byte_tokenizer().save_pretrained(directory)
-    return str(directory)
+    return str(save_llama(directory, hidden_size=256, intermediate_size=704, num_hidden_layers=4, vocab_size=4096,
+                          max_position_embeddings=65536))
 
 
 def measured_part(seq_len: int) -> str:

@@ -6,6 +6,8 @@ the bundled corpus in about a minute on two CPU cores, with nothing to download.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from transformers import LlamaConfig, PreTrainedTokenizerFast
 
 EOS_TOKEN = "<|endoftext|>"
@@ -45,3 +47,24 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=EOS_TOKEN, pad_token=EOS_TOKEN)
     tokenizer.fingerprint = "memfit-byte-v1"  # stable cache key for tokenized data
     return tokenizer
+
+
+def save_llama(directory: str | Path, seed: int = 0, **config_fields) -> Path:
+    """A randomly initialised Llama with the byte tokenizer, saved where the real loading code reads it.
+
+    The shape is `tiny_config`'s with `config_fields` (any LlamaConfig field) changed; the
+    special tokens are the byte tokenizer's end-of-text id (256). For tests and
+    benchmarks that need a model of a given shape on disk without downloading one.
+    """
+    import torch
+    from transformers import LlamaForCausalLM
+
+    config = tiny_config(vocab_size=config_fields.pop("vocab_size", 257),
+                         max_positions=config_fields.pop("max_position_embeddings", 4096))
+    for name, value in {"bos_token_id": 256, "eos_token_id": 256, "pad_token_id": 256, **config_fields}.items():
+        setattr(config, name, value)
+    torch.manual_seed(seed)
+    directory = Path(directory)
+    LlamaForCausalLM(config).save_pretrained(directory)
+    byte_tokenizer().save_pretrained(directory)
+    return directory

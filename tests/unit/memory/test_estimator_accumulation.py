@@ -10,7 +10,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 from memfit.config_loading import load_config
 from memfit.memory.estimator import ERROR_BAND, estimate
@@ -19,18 +18,10 @@ from memfit.memory.estimator import ERROR_BAND, estimate
 @pytest.fixture(scope="module")
 def wide_model(tmp_path_factory) -> Path:
     """Weights dominate at short sequences, so a missing gradient term shows."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from memfit.models.tiny import save_llama
 
-    from memfit.models.tiny import byte_tokenizer
-
-    directory = tmp_path_factory.mktemp("accumulation_model")
-    config = LlamaConfig(vocab_size=257, hidden_size=256, intermediate_size=704, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         eos_token_id=256, pad_token_id=256, bos_token_id=256)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
-    byte_tokenizer().save_pretrained(directory)
-    return directory
+    return save_llama(tmp_path_factory.mktemp("accumulation_model"), hidden_size=256, intermediate_size=704,
+                      num_hidden_layers=2, max_position_embeddings=512)
 
 
 def _config(model: Path, tmp_path: Path, accumulation: int):

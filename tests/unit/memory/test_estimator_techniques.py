@@ -12,7 +12,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 from memfit.config_loading import load_config
 from memfit.memory.estimator import ERROR_BAND, estimate
@@ -21,17 +20,9 @@ BAND = ERROR_BAND["analytical"]
 
 
 def _save(directory: Path, **shape) -> Path:
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from memfit.models.tiny import save_llama
 
-    from memfit.models.tiny import byte_tokenizer
-
-    shape = {"vocab_size": 257, **shape}
-    config = LlamaConfig(num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                         eos_token_id=256, pad_token_id=256, bos_token_id=256, **shape)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
-    byte_tokenizer().save_pretrained(directory)
-    return directory
+    return save_llama(directory, **shape)
 
 
 @pytest.fixture(scope="module")

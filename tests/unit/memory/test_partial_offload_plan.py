@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 from memfit.config_loading import load_config
 from memfit.errors import UsageError
@@ -74,17 +73,9 @@ def test_the_estimate_moves_exactly_the_offloaded_inputs_between_device_and_host
 
 def _save_deep(directory: Path) -> Path:
     """A 12-block Llama narrow enough that the block inputs decide the backward peak."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from memfit.models.tiny import save_llama
 
-    from memfit.models.tiny import byte_tokenizer
-
-    config = LlamaConfig(vocab_size=257, hidden_size=64, intermediate_size=128, num_hidden_layers=12,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                         eos_token_id=256, pad_token_id=256, bos_token_id=256)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
-    byte_tokenizer().save_pretrained(directory)
-    return directory
+    return save_llama(directory, hidden_size=64, intermediate_size=128, num_hidden_layers=12)
 
 
 @pytest.mark.slow
