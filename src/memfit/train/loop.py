@@ -199,19 +199,22 @@ def train(
 
 
 def _check_compiled(session: TrainingSession, logger, tracked: bool) -> None:
-    """After the first step of a --compile run: when Dynamo compiled no graph, say that the blocks ran eager.
+    """After the first step of a --compile run: when the blocks ran eager, say so.
 
-    Compiling is lazy and Dynamo falls back silently (and for good, per code object): under the
-    memory tracker's dispatch mode, for one. The metrics must name what ran, not what was asked.
+    Compiling is lazy and Dynamo falls back silently: under the memory tracker's dispatch
+    mode always, elsewhere when it compiled nothing. The metrics must name what ran, not what
+    was asked.
     """
     if session.compiled == "off":
         return
     from memfit.techniques.compile import compile_stats
 
-    if compile_stats()["compiled_graphs"]:
+    # Under the tracker's dispatch mode Dynamo never runs compiled code, even graphs compiled
+    # before; otherwise no graph in the process after a step means nothing compiled.
+    if not tracked and compile_stats()["compiled_graphs"]:
         return
     why = ("the memory tracker (--memory-cap or --track-memory on a CPU) watches every operator, and Dynamo"
-           " does not trace under it" if tracked else "Dynamo fell back to eager")
+           " does not run under it" if tracked else "Dynamo fell back to eager")
     reason = f"no graph was compiled in the first step: {why}; the blocks ran eager"
     session.fallbacks["compile"] = reason
     session.compiled = "off (asked, ran eager)"

@@ -7,6 +7,7 @@ import torch
 
 from memfit.config import TrainConfig
 from memfit.models.tiny import tiny_config
+from memfit.models.flops import DevicePeak
 from memfit.train.speed import SpeedMeter
 
 
@@ -73,10 +74,19 @@ def test_a_cpu_run_logs_mfu_per_step_the_prediction_and_which_kernels_ran(tmp_pa
     assert start["predicted_step_seconds"] > 0 and start["peak_flops_source"].startswith("matmul probe")
     assert len(steps) == 3
     for record in steps:
-        assert 0 < record["mfu"] <= record["hfu"] < 1
+        assert 0 < record["mfu"] <= record["hfu"] <= 1  # no step beats the peak (a busy probe is raised)
         assert record["tokens_per_second"] > 0
     # Asked for liger on a CPU: PyTorch's kernels ran, and the metrics say so and why.
     assert summary["kernels"] == "none" and summary["compile"] == "off"
     assert "CUDA" in summary["fallbacks"]["kernels"]
     assert summary["measured_step_seconds"] > 0 and summary["measured_over_predicted"] > 0
     assert "speed: step" in memory_report(result.summary)
+
+
+def test_a_probe_timed_at_a_busy_moment_is_raised_to_the_rate_a_step_reached():
+    meter = _meter()
+    meter.peak = DevicePeak(meter.peak.flops_per_second / 1000, "matmul probe fp32 on cpu")  # far too low
+    record = meter.step(tokens=64, seconds=0.01)
+    assert record["hfu"] == pytest.approx(1.0) and 0 < record["mfu"] <= record["hfu"]
+    assert meter.peak.source == "matmul probe fp32 on cpu (raised to a measured step)"
+    assert meter.summary()["peak_flops_source"] == meter.peak.source
