@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from memfit.config import TrainConfig
-from memfit.models.tiny import tiny_config
 from memfit.models.flops import DevicePeak
+from memfit.models.tiny import tiny_config
 from memfit.train.speed import SpeedMeter
 
 
