@@ -39,6 +39,7 @@ def main(out_prefix: str) -> None:
             steps.append({"sharded": sharded, "seen": list(seen), "end": tracker.breakdown()[PARAMETERS]})
     with open(f"{out_prefix}{dist.get_rank()}.json", "w") as handle:
         json.dump(steps, handle)
+    dist.barrier()  # neither rank tears gloo down while the other still talks to it
     dist.destroy_process_group()
 
 
