@@ -13,22 +13,27 @@ from transformers import LlamaConfig, PreTrainedTokenizerFast
 EOS_TOKEN = "<|endoftext|>"
 
 
-def tiny_config(vocab_size: int = 257, max_positions: int = 1024) -> LlamaConfig:
-    """About 3M parameters: 4 layers of width 256 with grouped-query attention."""
-    return LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=256,
-        intermediate_size=688,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=max_positions,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-        bos_token_id=vocab_size - 1,
-        eos_token_id=vocab_size - 1,
-        pad_token_id=vocab_size - 1,
-    )
+def tiny_config(vocab_size: int = 257, max_positions: int = 1024, **config_fields) -> LlamaConfig:
+    """About 3M parameters: 4 layers of width 256 with grouped-query attention.
+
+    `config_fields` (any LlamaConfig field) change the shape; they are passed to the
+    constructor, so derived fields such as `head_dim` follow them.
+    """
+    return LlamaConfig(**{
+        "vocab_size": vocab_size,
+        "hidden_size": 256,
+        "intermediate_size": 688,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": max_positions,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False,
+        "bos_token_id": vocab_size - 1,
+        "eos_token_id": vocab_size - 1,
+        "pad_token_id": vocab_size - 1,
+        **config_fields,
+    })
 
 
 def byte_tokenizer() -> PreTrainedTokenizerFast:
@@ -60,9 +65,8 @@ def save_llama(directory: str | Path, seed: int = 0, **config_fields) -> Path:
     from transformers import LlamaForCausalLM
 
     config = tiny_config(vocab_size=config_fields.pop("vocab_size", 257),
-                         max_positions=config_fields.pop("max_position_embeddings", 4096))
-    for name, value in {"bos_token_id": 256, "eos_token_id": 256, "pad_token_id": 256, **config_fields}.items():
-        setattr(config, name, value)
+                         max_positions=config_fields.pop("max_position_embeddings", 4096),
+                         **{"bos_token_id": 256, "eos_token_id": 256, "pad_token_id": 256, **config_fields})
     torch.manual_seed(seed)
     directory = Path(directory)
     LlamaForCausalLM(config).save_pretrained(directory)
