@@ -106,6 +106,20 @@ class PeakWatch:
         return max(self.peak, self.read())
 
 
+def tracked_and_estimated(config) -> tuple[int, int, Any]:
+    """A short `memfit profile` of `config` against its analytical estimate.
+
+    Returns the steady step's tracked device and host peaks (live tensor bytes) and the
+    estimate (`memfit.memory.estimator.Estimate`).
+    """
+    from memfit.memory.estimator import estimate
+    from memfit.train.profiling import profile_run
+
+    report, _ = profile_run(config)
+    data = report.to_dict()
+    return data["peak_bytes"], data.get("host_peak_bytes", 0), estimate(config)
+
+
 def current_rss_bytes() -> int:
     from memfit.memory.stats import process_rss_bytes
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import machine_description, markdown_table, today, write_section  # noqa: E402
+from _common import machine_description, markdown_table, today, tracked_and_estimated, write_section  # noqa: E402
 
 MIB, GIB = 1024**2, 1024**3
 
@@ -44,8 +44,6 @@ def _model(directory: Path) -> str:
 
 def measured_part(seq_len: int) -> str:
     from memfit.config_loading import load_config
-    from memfit.memory.estimator import estimate
-    from memfit.train.profiling import profile_run
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="memfit-long-") as tmp:
@@ -60,10 +58,7 @@ def measured_part(seq_len: int) -> str:
                 "report": False, "log_every": 1000, **changes,
             })
             started = time.perf_counter()
-            report, _ = profile_run(config)
-            data = report.to_dict()
-            predicted = estimate(config)
-            device, host = data["peak_bytes"], data.get("host_peak_bytes", 0)
+            device, host, predicted = tracked_and_estimated(config)
             rows.append([name, f"{device / MIB:,.1f}", f"{predicted.peak_bytes / MIB:,.1f}",
                          f"{100 * (predicted.peak_bytes / device - 1):+.1f}%", f"{host / MIB:,.1f}",
                          f"{predicted.host_bytes / MIB:,.1f}", f"{time.perf_counter() - started:.0f}"])

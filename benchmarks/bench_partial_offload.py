@@ -21,31 +21,21 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import machine_description, markdown_table, today, write_section  # noqa: E402
+from _common import machine_description, markdown_table, today, tracked_and_estimated, write_section  # noqa: E402
 
 HIDDEN, SEQ = 64, 4096
 SECTION = "Partial offload: spare device memory instead of host memory"
 
 
 def _model(directory: Path, layers: int) -> Path:
-    import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from memfit.models.tiny import save_llama
 
-    from memfit.models.tiny import byte_tokenizer
-
-    config = LlamaConfig(vocab_size=257, hidden_size=HIDDEN, intermediate_size=HIDDEN, num_hidden_layers=layers,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
-                         eos_token_id=256, pad_token_id=256, bos_token_id=256)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
-    byte_tokenizer().save_pretrained(directory)
-    return directory
+    return save_llama(directory, hidden_size=HIDDEN, intermediate_size=HIDDEN, num_hidden_layers=layers,
+                      max_position_embeddings=SEQ)
 
 
 def measured_part(layers: int) -> str:
     from memfit.config_loading import load_config
-    from memfit.memory.estimator import estimate
-    from memfit.train.profiling import profile_run
 
     mib = 2**20
     rows = []
@@ -62,10 +52,7 @@ def measured_part(layers: int) -> str:
                 "model": str(model), "dataset": str(corpus), "seq_len": SEQ, "batch_size": 1, "max_steps": 2,
                 "lora_r": 8, "dtype": "bf16", "gradient_checkpointing": "full", "loss_chunk_size": 512,
                 "tiled_mlp": 0, "log_every": 1000, "report": False, "output_dir": str(root / "run"), **changes})
-            report, _ = profile_run(config)
-            data = report.to_dict()
-            predicted = estimate(config)
-            device, host = data["peak_bytes"], data.get("host_peak_bytes", 0)
+            device, host, predicted = tracked_and_estimated(config)
             rows.append([name, f"{device / mib:.2f}", f"{predicted.peak_bytes / mib:.2f}",
                          f"{predicted.peak_bytes / device - 1:+.1%}", f"{host / mib:.2f}",
                          f"{predicted.host_bytes / mib:.2f}"])

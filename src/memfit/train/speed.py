@@ -99,9 +99,10 @@ class SpeedMeter:
         if figures["hfu"] > 1 and self.peak.source.startswith("matmul probe"):
             # A step ran faster than the probe's "peak": the probe timed a busy moment of a
             # shared machine. No peak is below a rate the device reached: raise it to that.
-            self.peak = DevicePeak(self.peak.flops_per_second * figures["hfu"],
-                                   self.peak.source.removesuffix(" (raised to a measured step)")
-                                   + " (raised to a measured step)")
+            source = self.peak.source
+            if not source.endswith(RAISED):
+                source += RAISED
+            self.peak = DevicePeak(self.peak.flops_per_second * figures["hfu"], source)
             figures = utilisation(tokens / self.world_size, seconds, self.flops, self.peak)
         self._mfu.append(figures["mfu"])
         self._hfu.append(figures["hfu"])
@@ -125,6 +126,10 @@ class SpeedMeter:
         if measured and self.predicted_step_seconds:
             facts["measured_over_predicted"] = round(measured / self.predicted_step_seconds, 3)
         return facts
+
+
+RAISED = " (raised to a measured step)"
+"""Appended to a probed peak's source once a step ran faster than the probe measured."""
 
 
 def _planner_step_seconds(hf_config, config, peak: DevicePeak, checkpointing: str, chunked_loss: bool,
