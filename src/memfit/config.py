@@ -150,6 +150,8 @@ class MemoryConfig:
     """Run each block's MLP over N sequence tiles, recomputing one tile at a time in backward (0: off; default: on for long sequences)."""
     efficient_norm: bool = True
     """RMSNorm keeps only its input and the fp32 1/rms for backward, recomputing the rest (same forward bit for bit; Llama-family norms; liger's replaces it where it runs)."""
+    efficient_lora: bool = True
+    """LoRA adapters on a 16-bit base keep their input as it came (no fp32 copy per adapter) and cast it again in backward (same forward; PEFT's one-adapter linears; not under autocast or ZeRO-3)."""
     compile: bool = False
     """Compile each transformer block with torch.compile (regional compilation: short compile, no recompile per length)."""
     kernels: str = field(default="auto", metadata=_choices(*KERNEL_CHOICES))

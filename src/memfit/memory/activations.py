@@ -103,7 +103,8 @@ class Precision:
     """With LoRA the frozen norms keep less and each adapted linear keeps its rank-r activation."""
     adapter_input: int = 4
     """Bytes per element of the copy of its input an adapter keeps on a 16-bit base: PEFT casts the
-    input to the fp32 adapter's dtype (4); under autocast the adapter's matmul saves its 16-bit cast (2)."""
+    input to the fp32 adapter's dtype (4); under autocast the adapter's matmul saves its 16-bit cast (2);
+    memfit's adapter path keeps the input itself (0: techniques/efficient_lora.py)."""
     efficient_norm: bool = False
     """RMSNorm keeps only its input and the fp32 1/rms (memfit.techniques.rms_norm), not the fp32
     upcast and the normalised tensor."""
@@ -129,8 +130,10 @@ def tiled_mlp_backward_bytes(arch: Architecture, precision: Precision, tokens: i
     their product, and on a 16-bit base the adapter's fp32 copy of the down projection's input)
     are the tile's share of `mlp_bytes_per_token`, and autograd forms two intermediate-wide
     gradients while they are live: 1.5 x that share (on a 16-bit base with LoRA the peak comes
-    during the recompute, 1 x). Hidden-wide, per tile: the tile's input gradient, and with LoRA
-    the adapters' fp32 copies of the tile's input and their gradients;
+    during the recompute, 1 x; memfit's adapter path keeps no fp32 copies, and the peak
+    is backward's again). Hidden-wide, per tile: the tile's input gradient, and with LoRA
+    the adapters' fp32 copies of the tile's input and their gradients (memfit's adapter path:
+    the gate and up adapters' input gradients in the input's dtype);
     under autocast the tile's 16-bit casts of its input, the three weights' 16-bit casts (the
     autocast cache is off in backward, so each tile casts them again) and, with LoRA, the
     adapter's fp32 copy of the down projection's input. The earlier figure, two tiles' share,
@@ -144,7 +147,11 @@ def tiled_mlp_backward_bytes(arch: Architecture, precision: Precision, tokens: i
     sixteen_bit_base = precision.lora_rank and precision.residual == 2
     # on a 16-bit base the peak comes at the recompute, before the intermediate gradients exist
     per_tile_token = (1.0 if sixteen_bit_base else 1.5) * mlp_bytes_per_token(arch, precision) + precision.residual * h
-    if precision.lora_rank:
+    if precision.lora_rank and sixteen_bit_base and precision.adapter_input == 0:
+        # memfit's adapter path: no fp32 copies, so the peak is backward's (the intermediate
+        # gradients live); the gate and up adapters' input gradients in the input's dtype
+        per_tile_token += (1.5 - 1.0) * mlp_bytes_per_token(arch, precision) + 2 * precision.compute * h
+    elif precision.lora_rank:
         # PEFT's fp32 copies of the tile's input (gate, up) and their gradients
         per_tile_token += (4 if sixteen_bit_base else 3) * 4 * h
     weights = 0.0
@@ -207,10 +214,10 @@ def layer_bytes_per_token(arch: Architecture, precision: Precision, attention: s
 def checkpointed_layer_bytes_per_token(arch: Architecture, precision: Precision) -> float:
     """What a fully checkpointed block keeps: its input and output (the residual stream).
 
-    With LoRA the output is not needed for a weight gradient, and measured steps keep
-    about 1.25 residual-widths per block instead of 2.
+    With LoRA the output is not needed for a weight gradient: a block keeps its input alone
+    (tracked: 16 checkpointed blocks keep 16 residual-stream tensors, fp32 and bf16 alike).
     """
-    copies = 1.25 if precision.lora_rank else 2.0
+    copies = 1.0 if precision.lora_rank else 2.0
     return copies * precision.residual * arch.hidden + (arch.hidden if arch.dropout > 0 else 0)
 
 

@@ -169,6 +169,8 @@ class RunShape:
     """Partial offload: only the first N blocks' saved inputs go to host (None: everything saved)."""
     efficient_norm: bool = False
     """memfit's RMSNorm keeps its input and the fp32 1/rms only (techniques/rms_norm.py)."""
+    efficient_lora: bool = False
+    """memfit's adapter path keeps no fp32 copy of an adapter's input (techniques/efficient_lora.py)."""
 
 
 def tiled_mlp_available() -> bool:
@@ -234,8 +236,11 @@ def resolve_run(config: TrainConfig, hf_config: Any, gpu: GpuSpec | None) -> Run
         chunk = default_loss_chunk_size(hf_config.vocab_size, config.data.seq_len, config.training.batch_size)
     offload = config.memory.optimizer_offload or config.distributed.zero_offload or config.distributed.fsdp_offload
     fused_loss = _fused_loss_runs(config.memory.kernels, device_type, hf_config)
+    weight_bytes = _BYTES[config.model.dtype]
+    if config.lora.quantize != "none" and config.model.dtype == "fp16":
+        weight_bytes = 4  # PEFT upcasts an fp16 base's unquantized weights, and so the residual stream (lora.py)
     return RunShape(
-        device_type, _BYTES[config.model.dtype], autocast, attention, checkpointing, config.memory.checkpoint_every,
+        device_type, weight_bytes, autocast, attention, checkpointing, config.memory.checkpoint_every,
         chunk, config.optimizer.optimizer, getattr(config.optimizer, "optimizer_impl", "auto"),
         config.lora.lora_r, config.lora.quantize, offload,
         optimizer_in_backward=config.memory.optimizer_in_backward,
@@ -246,6 +251,7 @@ def resolve_run(config: TrainConfig, hf_config: Any, gpu: GpuSpec | None) -> Run
         activation_offload_blocks=config.memory.activation_offload_blocks if config.memory.activation_offload else None,
         # liger's RMSNorm replaces memfit's where its fused loss runs
         efficient_norm=getattr(config.memory, "efficient_norm", False) and not fused_loss,
+        efficient_lora=getattr(config.memory, "efficient_lora", False) and config.lora.lora_r > 0,
     )
 
 
@@ -435,7 +441,16 @@ def _precision(run: RunShape) -> Precision:
     # CPU autocast leaves SDPA out of its bf16 list: it runs on the fp32 output of RoPE.
     attention = 4 if run.autocast and run.device_type == "cpu" and run.weight_bytes == 4 else compute
     return Precision(compute=compute, residual=run.weight_bytes, attention=attention, lora_rank=run.lora_r,
-                     adapter_input=2 if run.autocast else 4, efficient_norm=run.efficient_norm)
+                     adapter_input=_adapter_input_bytes(run), efficient_norm=run.efficient_norm)
+
+
+def _adapter_input_bytes(run: RunShape) -> int:
+    """Bytes per element of the copy of its input each adapter keeps (see Precision.adapter_input)."""
+    if run.autocast and run.weight_bytes == 4:
+        return 2  # autocast's 16-bit cast for the adapter's matmul (memfit's path leaves this to PEFT)
+    if run.efficient_lora:
+        return 0  # the input itself, kept anyway
+    return 2 if run.autocast else 4
 
 
 def _layer_per_token(run: RunShape, arch, hf_config, precision: Precision, seq_len: int) -> float | None:
@@ -510,10 +525,19 @@ def _analytical_peak(config, run: RunShape, hf_config, inventory, parts) -> tupl
         largest = max((math.prod(shape) for shape in shapes), default=0)
         largest_grad = largest * tb
         step_temporaries = 0 if run.optimizer_offload else in_backward_step_temporary_bytes(run.optimizer, largest, tb)
-    if run.checkpointing != "off" and run.lora_r and run.weight_bytes == 2:
-        # A recomputed block's backward through fp32 adapters on a 16-bit base holds its
-        # MLP activation gradients at once (measured: about 2 x intermediate x 2 bytes per token).
+    if run.checkpointing != "off" and run.lora_r and (run.weight_bytes == 2 or not run.autocast):
+        # A recomputed block's backward through fp32 adapters on a 16-bit or an fp32 base (not
+        # under autocast) holds its MLP activation gradients at once (measured: about
+        # 2 x intermediate x the compute bytes per token; 16 fp32 blocks: 25 MiB of gradients).
         recompute += 2 * precision.compute * arch.intermediate * b * s / max(1, run.mlp_tiles)
+    if run.lora_r and precision.adapter_input == 0:
+        # memfit's adapter path casts one slice of rows at a time in backward (at most
+        # SLICE_ELEMENTS): about one fp32 input-wide slice is live beside the block's tensors
+        # (tracked: 1.3 MiB at 1024 tokens x 352, where the slice is the whole input)
+        from memfit.techniques.efficient_lora import SLICE_ELEMENTS
+
+        tile_tokens = b * s / max(1, run.mlp_tiles)
+        recompute += 4 * min(SLICE_ELEMENTS, tile_tokens * max(arch.intermediate, arch.hidden))
     released = terms.released_per_block
     fixed = activations - arch.layers * released  # the embedding side, uncheckpointed or offloaded blocks
     # autocast caches a 16-bit copy of each weight from its first use until backward is past it

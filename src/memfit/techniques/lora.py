@@ -13,9 +13,11 @@ QLoRA (`--quantize 4bit` with `--lora-r`, bitsandbytes)
     Saves: the frozen weights are stored in 4-bit NF4 with double-quantized scales:
     about 0.5 byte per parameter instead of 2 (bf16). `--quantize 8bit`: 1 byte.
     Costs: each quantized matmul dequantizes its weight on the fly (slower than bf16
-    on GPU, much slower on CPU); small rounding of the frozen weights; the norms,
-    embeddings and head are upcast to fp32 for stable training (PEFT's
-    `prepare_model_for_kbit_training`).
+    on GPU, much slower on CPU); small rounding of the frozen weights. The weights left
+    unquantized (embeddings, norms, head) stay in the load dtype under bf16, so the
+    residual stream is bf16 as in any bf16 run; an fp16 base gets them upcast to fp32
+    against overflow (PEFT's `prepare_model_for_kbit_training`), and its residual
+    stream is fp32.
 
 Targets (`--lora-targets`): `auto` puts adapters on every linear layer inside the
 transformer blocks (attention and MLP projections); `all-linear` on every linear layer
@@ -161,10 +163,18 @@ def apply_lora(model: nn.Module, lora_cfg: LoraConfig, gradient_checkpointing: b
 
     targets = resolve_lora_targets(model, lora_cfg.lora_targets)
     quantized = bool(getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False))
-    if quantized:
-        # Freezes the base and upcasts the small non-quantized weights to fp32. Checkpointing
-        # is left alone: memfit set it up already (non-reentrant), PEFT would redo it reentrant.
+    if quantized and any(p.dtype == torch.float16 for p in model.parameters()):
+        # PEFT's preparation freezes the base and upcasts every weight it did not quantize
+        # to fp32: fp16's range would overflow in the residual stream. Checkpointing is left
+        # alone: memfit set it up already (non-reentrant), PEFT would redo it reentrant.
         model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    elif quantized:
+        # A bf16 (or fp32) base stays as loaded. The upcast would make the embeddings and the
+        # head fp32 (4 GiB more on Llama-3.1-8B) and with them the whole residual stream (twice
+        # the bytes of every saved block input) to guard against an overflow bf16 cannot have;
+        # the frozen weights take no update whose precision it could help.
+        for parameter in model.parameters():
+            parameter.requires_grad_(False)
     if gradient_checkpointing and hasattr(model, "enable_input_require_grads"):
         model.enable_input_require_grads()
     config = peft.LoraConfig(

@@ -209,6 +209,7 @@ def apply_model_techniques(config: TrainConfig, model: torch.nn.Module) -> tuple
 
     1. gradient checkpointing (off, full, selective, or auto under a budget)   techniques/checkpointing.py
     2. LoRA adapters (after checkpointing, which they must know about)          techniques/lora.py
+       and their memory-efficient path (--no-efficient-lora: off)               techniques/efficient_lora.py
     3. tiled MLP past 8192 tokens or with --tiled-mlp (adapters inside included) techniques/tiled_mlp.py
     4. memory-efficient RMSNorm (--no-efficient-norm: off; liger's, applied      techniques/rms_norm.py
        after, replaces it where it runs)
@@ -227,6 +228,10 @@ def apply_model_techniques(config: TrainConfig, model: torch.nn.Module) -> tuple
 
         model, summary = apply_lora(model, config.lora, gradient_checkpointing=checkpointing != "off")
         log.info("memfit: %s", summary.describe())
+        if config.memory.efficient_lora:
+            from memfit.techniques.efficient_lora import apply_efficient_lora
+
+            log.info("memfit: efficient LoRA: %s", apply_efficient_lora(model))
     from memfit.techniques.tiled_mlp import apply_tiled_mlp, tiles_for
 
     tiles = tiles_for(config.data.seq_len, config.memory.tiled_mlp)
