@@ -163,6 +163,10 @@ def technique_grid(mode: str, config: TrainConfig, gpu: GpuSpec | None, seq_len:
     tiles = [0]
     if tiled_mlp_available() and (long_context or seq_len >= 4096):
         tiles.append(max(2, resolve_mlp_tiles(None, seq_len) or 2))
+        if long_context:
+            # tiles of half the automatic length: half the MLP working set in backward, where
+            # the longest context is bound by the recomputed block
+            tiles.append(2 * tiles[-1])
     grid = []
     for dtype, optimizer, oib, checkpointing, act_offload, tile, chunk, opt_offload in itertools.product(
         dtypes, optimizers, in_backward, ("off", "selective", "full"), offloads, tiles,
@@ -279,15 +283,16 @@ MAX_SEQ_LEN = 1 << 23
 def _longest(search: _Search, mode: str, micro: int, accumulation: int, limit: int = MAX_SEQ_LEN) -> list[Candidate]:
     """For each technique combination, the longest sequence (a multiple of 256, at most `limit`) that fits."""
     best_seq, found = 0, []
-    grid = technique_grid(mode, search.config, search.gpu, 1 << 20, accumulation, long_context=True,
+    grid_seq_len = 1 << 20
+    grid = technique_grid(mode, search.config, search.gpu, grid_seq_len, accumulation, long_context=True,
                           hf_config=search.hf_config)
     for changes in grid:
-        tiles = changes["tiled_mlp"]
+        tile_tokens = grid_seq_len // changes["tiled_mlp"] if changes["tiled_mlp"] else 0
 
-        def at(seq: int, changes=changes, tiles=tiles) -> Candidate:
-            # tiles follow the length: one per 8192 tokens (at least 2) when the grid turned tiling on
-            return search.candidate({**changes, "tiled_mlp": max(2, math.ceil(seq / 8192)) if tiles else 0},
-                                    micro, accumulation, seq)
+        def at(seq: int, changes=changes, tile_tokens=tile_tokens) -> Candidate:
+            # tiles follow the length at the grid's tokens per tile (at least 2) when it turned tiling on
+            tiles = max(2, math.ceil(seq / tile_tokens)) if tile_tokens else 0
+            return search.candidate({**changes, "tiled_mlp": tiles}, micro, accumulation, seq)
 
         floor = min(max(SEQ_STEP, best_seq), limit)
         if not search.fits(at(floor)):
