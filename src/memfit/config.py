@@ -151,7 +151,7 @@ class MemoryConfig:
     efficient_norm: bool = True
     """RMSNorm keeps only its input and the fp32 1/rms for backward, recomputing the rest (same forward bit for bit; Llama-family norms; liger's replaces it where it runs)."""
     efficient_lora: bool = True
-    """LoRA adapters on a 16-bit base keep their input as it came (no fp32 copy per adapter) and cast it again in backward (same forward; PEFT's one-adapter linears; not under autocast or ZeRO-3)."""
+    """LoRA adapters on a 16-bit base keep their input as it came (no fp32 copy per adapter) and cast it again in backward (same forward bit for bit; PEFT's one-adapter linears; PEFT's own path under autocast over fp32 weights and ZeRO-3)."""
     compile: bool = False
     """Compile each transformer block with torch.compile (regional compilation: short compile, no recompile per length)."""
     kernels: str = field(default="auto", metadata=_choices(*KERNEL_CHOICES))
