@@ -462,11 +462,12 @@ def _layer_per_token(run: RunShape, arch, hf_config, precision: Precision, seq_l
     attention = run.attention.replace("flash", "sdpa")
     if not (run.autocast and run.weight_bytes == 4):
         return probed_layer_bytes_per_token(hf_config, run.weight_bytes, False, attention, seq_len, run.lora_r,
-                                            run.efficient_norm)
+                                            run.efficient_norm, run.efficient_lora)
     # Autocast over fp32 weights: a fake-tensor probe under CPU autocast misses the casts it
     # saves (it counted 40 % of a Llama block); probe in fp32 and scale by the closed forms'
     # autocast/fp32 ratio for this block shape (checked on Llama, Starcoder2, Gemma 3, GPT-NeoX).
-    fp32 = probed_layer_bytes_per_token(hf_config, 4, False, attention, seq_len, run.lora_r, run.efficient_norm)
+    fp32 = probed_layer_bytes_per_token(hf_config, 4, False, attention, seq_len, run.lora_r, run.efficient_norm,
+                                        run.efficient_lora)
     plain = Precision(4, 4, 4, precision.lora_rank, precision.adapter_input, efficient_norm=precision.efficient_norm)
     return fp32 * (layer_bytes_per_token(arch, precision, run.attention, seq_len)
                    / layer_bytes_per_token(arch, plain, run.attention, seq_len))

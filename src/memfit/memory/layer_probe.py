@@ -27,22 +27,25 @@ PROBE_SEQ_LENS = (64, 128)
 
 
 def probed_layer_bytes_per_token(hf_config: Any, weight_bytes: int, autocast: bool, attention: str,
-                                 seq_len: int, lora_r: int = 0, efficient_norm: bool = False) -> float:
+                                 seq_len: int, lora_r: int = 0, efficient_norm: bool = False,
+                                 efficient_lora: bool = False) -> float:
     """Bytes one block keeps for backward per token at `seq_len` (cached per architecture and precision).
 
     `lora_r` > 0: the base is frozen and every linear of the block gets a rank-`lora_r`
     adapter (PEFT, as `memfit train --lora-r` builds it). `efficient_norm`: the block's norms
-    run memfit's memory-efficient RMSNorm where it applies, as `memfit train` runs them.
+    run memfit's memory-efficient RMSNorm where it applies, as `memfit train` runs them;
+    `efficient_lora`: the adapters run memfit's memory-efficient path likewise.
     """
     key = hf_config.to_json_string(use_diff=False)
-    short, long = (_measure(key, weight_bytes, autocast, attention, s, lora_r, efficient_norm) for s in PROBE_SEQ_LENS)
+    short, long = (_measure(key, weight_bytes, autocast, attention, s, lora_r, efficient_norm, efficient_lora)
+                   for s in PROBE_SEQ_LENS)
     slope = (long - short) / (PROBE_SEQ_LENS[1] - PROBE_SEQ_LENS[0])
     return short + slope * (seq_len - PROBE_SEQ_LENS[0])
 
 
 @lru_cache(maxsize=256)
 def _measure(config_json: str, weight_bytes: int, autocast: bool, attention: str, seq_len: int,
-             lora_r: int = 0, efficient_norm: bool = False) -> float:
+             lora_r: int = 0, efficient_norm: bool = False, efficient_lora: bool = False) -> float:
     import json
 
     import torch
@@ -59,6 +62,10 @@ def _measure(config_json: str, weight_bytes: int, autocast: bool, attention: str
         model.config.use_cache = False
         if lora_r:
             model = _with_adapters(model, lora_r)
+            if efficient_lora:
+                from memfit.techniques.efficient_lora import apply_efficient_lora
+
+                apply_efficient_lora(model)
         if efficient_norm:
             from memfit.techniques.rms_norm import apply_efficient_rms_norm
 
