@@ -141,6 +141,7 @@ _reported: set[str] = set()
 
 
 def _peft_path(module: nn.Module, why: str, x, args, kwargs):
+    module._memfit_lora_fell_back = why
     if why not in _reported:
         _reported.add(why)
         log.info("memfit: efficient LoRA: %s; PEFT's adapter path runs there", why)
@@ -167,6 +168,12 @@ def _efficient_forward(self: nn.Module, x: torch.Tensor, *args, **kwargs) -> tor
     kwargs = {k: v for k, v in kwargs.items() if k not in PEFT_ONLY_KWARGS}  # PEFT pops these before the base layer
     result = self.base_layer(x, *args, **kwargs)
     return adapted_linear(x, result, weight_a, weight_b, self.scaling[name], join, compute)
+
+
+def fallback_reasons(model: nn.Module) -> list[str]:
+    """Why adapters given this path ran PEFT's instead (after a forward), one line per reason."""
+    reasons = {getattr(m, "_memfit_lora_fell_back", "") for m in model.modules()}
+    return sorted(reason for reason in reasons if reason)
 
 
 def _is_supported(module: nn.Module) -> tuple[bool, bool]:

@@ -126,6 +126,7 @@ def train(
             result = runner.run(samples, next_samples=upcoming)
             if step == first_step:
                 _check_compiled(session, logger, tracker is not None)
+                _check_efficient_lora(session, logger)
             session.scheduler.step()
             elapsed = time.perf_counter() - step_started
             state.step = step + 1
@@ -220,6 +221,19 @@ def _check_compiled(session: TrainingSession, logger, tracked: bool) -> None:
     session.compiled = "off (asked, ran eager)"
     log.warning("memfit: --compile: %s", reason)
     logger.log({"event": "fallback", "technique": "compile", "reason": reason})
+
+
+def _check_efficient_lora(session: TrainingSession, logger) -> None:
+    """After the first step: adapters that ran PEFT's path instead of memfit's efficient one, and why."""
+    if not (session.config.memory.efficient_lora and session.config.lora.lora_r > 0):
+        return
+    from memfit.techniques.efficient_lora import fallback_reasons
+
+    reasons = fallback_reasons(session.model)
+    if reasons:
+        reason = "; ".join(reasons) + ": those adapters keep PEFT's copies of their inputs"
+        session.fallbacks["efficient_lora"] = reason
+        logger.log({"event": "fallback", "technique": "efficient_lora", "reason": reason})
 
 
 def _samples_of(session: TrainingSession, step: int) -> list[dict] | None:

@@ -11,6 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
 from memfit.config import LoraConfig
+from memfit.config_loading import load_config
 from memfit.techniques import efficient_lora
 from memfit.techniques.efficient_lora import adapted_linear, apply_efficient_lora
 from memfit.techniques.lora import apply_lora, quantization_config
@@ -211,7 +212,6 @@ def test_a_compiled_block_matches_and_breaks_no_more_graphs():
 
 @pytest.mark.parametrize("efficient", [True, False])
 def test_the_run_applies_it_unless_switched_off(efficient):
-    from memfit.config_loading import load_config
     from memfit.train.setup import apply_model_techniques
 
     config = load_config(overrides={"efficient_lora": efficient, "lora_r": 8, "lora_targets": "all-linear"})
@@ -245,7 +245,6 @@ RUN_CASES = {
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(RUN_CASES))
 def test_tracker_measures_the_saving_and_the_estimate_follows(name, long_context_llama, tmp_path, monkeypatch):
-    from memfit.config_loading import load_config
     from memfit.memory.estimator import ERROR_BAND, estimate
     from memfit.train.profiling import profile_run
 
@@ -268,3 +267,16 @@ def test_tracker_measures_the_saving_and_the_estimate_follows(name, long_context
     for efficient in (False, True):
         assert abs(estimates[efficient] / peaks[efficient] - 1) <= ERROR_BAND["analytical"], (
             efficient, estimates, peaks)
+
+
+@pytest.mark.parametrize("precision, fell_back", [("fp32", False), ("bf16", True)])
+def test_a_run_names_adapters_that_ran_peft_path(llama_dir, text_file, tmp_path, precision, fell_back):
+    """bf16 autocast over fp32 weights: the norms' fp32 outputs go through PEFT's path, and the summary says so."""
+    from memfit.train.loop import train
+
+    result = train(load_config(overrides={
+        "model": str(llama_dir), "dataset": str(text_file), "seq_len": 32, "batch_size": 2, "max_steps": 1,
+        "output_dir": str(tmp_path), "report": False, "lora_r": 8, "lora_targets": "all-linear",
+        "precision": precision}))
+    reason = result.summary["fallbacks"].get("efficient_lora", "")
+    assert ("autocast casts its float32 input" in reason) == fell_back
