@@ -68,14 +68,14 @@ class _AdaptedLinear(torch.autograd.Function):
         output = torch.empty(base_rows.shape, dtype=out_dtype, device=base_rows.device)
         for part in _row_slices(rows.shape[0], max(rows.shape[1], base_rows.shape[1])):
             # PEFT's operations in PEFT's order: the cast, lora_A, lora_B, the scale
-            product[part] = F.linear(rows[part].to(compute), a)
+            # (each result written in place: no output-wide copy beyond PEFT's own tensors)
+            torch.mm(rows[part].to(compute), a.t(), out=product[part])
             adapter = F.linear(product[part], b).mul_(scaling)
             if join == "cast first":
                 # bitsandbytes' adapter layers round the adapter's output to the base's dtype, then add
-                torch.add(base_rows[part], adapter.to(base_rows.dtype), out=output[part])
-            else:
-                # add in the promoted dtype ("round sum": PEFT's Linear then rounds to the base's dtype)
-                output[part] = base_rows[part] + adapter
+                adapter = adapter.to(base_rows.dtype)
+            # else add in the promoted dtype ("round sum": PEFT's Linear then rounds to the base's dtype)
+            torch.add(base_rows[part], adapter, out=output[part])
         ctx.save_for_backward(x, product, weight_a, weight_b)
         ctx.scaling, ctx.compute, ctx.base_dtype = scaling, compute, base_output.dtype
         return output.view(*base_output.shape[:-1], -1)
