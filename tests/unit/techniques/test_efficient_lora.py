@@ -44,13 +44,6 @@ def _loss_and_grads(model, input_ids, autocast: bool = False):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.fixture(scope="module")
-def saved_llama(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("efficient-lora-llama")
-    tiny_llama().save_pretrained(directory)
-    return directory
-
-
 def _bf16_llama(_directory):
     return tiny_llama().to(torch.bfloat16)
 
@@ -62,7 +55,7 @@ def _qlora_llama(directory):
                                                 dtype=torch.bfloat16)
 
 
-# name: (build the base from the saved directory, autocast)
+# name: (build the base, from the saved model's directory where it loads quantized; autocast)
 CASES = {
     "fp32 base": (lambda _directory: tiny_llama(), False),
     "bf16 base": (_bf16_llama, False),
@@ -73,9 +66,9 @@ CASES = {
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_forward_is_bit_identical_and_gradients_equal_peft(name, saved_llama):
+def test_forward_is_bit_identical_and_gradients_equal_peft(name, llama_dir):
     build, autocast = CASES[name]
-    plain = _with_adapters(build(saved_llama))
+    plain = _with_adapters(build(llama_dir))
     efficient = copy.deepcopy(plain)
     assert apply_efficient_lora(efficient) == "14 of 14 adapted linears"
     input_ids = _tokens()
