@@ -4,27 +4,33 @@ Saves: PEFT runs an adapter on a 16-bit base (QLoRA, or LoRA on bf16 weights) as
 `lora_B(lora_A(x.to(float32))) * scaling`. The cast is a new fp32 tensor, and autograd keeps
 it for lora_A's weight gradient: 4 bytes per element of every adapted linear's input, one
 copy per adapter even where several read the same tensor (q, k and v; gate and up), on top
-of the 16-bit input the base layer or the norm already keeps. This adapter path computes the
-same product but keeps the input itself (that same 16-bit storage, no new bytes) and the
-rank-r product `x A^T`; backward casts the input again, a slice of rows at a time. In
-backward it also forms the input's gradient slice by slice in the input's dtype instead of
-one fp32 tensor of the input's size. On Llama-3.1-8B under QLoRA (r 32, all linear) the
-recomputed block holds about 48 KiB less per token (three hidden-wide fp32 copies), and each
-MLP tile less again (docs/long-context.md has the measured table).
-Costs: the fp32 cast of the input runs twice (forward and backward), a cheap elementwise pass.
+of the 16-bit input the base layer or the norm already keeps. Its output, the output's
+gradient and the input's gradient are fp32 tensors as wide as the layer, too. This path
+computes the same product but keeps the input itself (that same 16-bit storage, no new
+bytes) and the rank-r product `x A^T`; every fp32 tensor as wide as the input or the output
+exists one slice of rows at a time (`SLICE_ELEMENTS`), in forward and in backward, and the
+input's gradient is written slice by slice in the input's dtype. On a small Llama at 2048
+tokens the tracker measures a quarter to a third of the step's peak gone
+(benchmarks/bench_efficient_lora.py); on Llama-3.1-8B under QLoRA (r 32, all linear) the
+recomputed block holds 48 KiB less per token by the closed form (three hidden-wide fp32
+copies), and each MLP tile less again.
+Costs: the input is cast twice (forward and backward), an elementwise pass; long inputs run
+as several smaller matmuls.
 
 Numerics: the forward runs PEFT's operations in PEFT's order (the cast, `lora_A`, `lora_B`,
 `* scaling`, and how the result joins the base layer's output for each layer class), so its
-output is bit-identical up to one slice of rows (16M elements; longer inputs are cast and
-multiplied slice by slice, the same dot products). Backward is the analytic gradient of
-those operations in the adapters' dtype: fp32 within ~1e-6 relative of autograd's.
+output is bit-identical (longer inputs than one slice: the same dot products, slice by
+slice). Backward is the analytic gradient of those operations in the matmuls' dtype, the
+scale applied to the rank-r products: fp32 within ~1e-6 relative of autograd's.
 
 Where: PEFT's `Linear`, and bitsandbytes' `Linear4bit` and `Linear8bitLt` adapters with one
 active plain adapter (no dropout, DoRA, bias or mixed adapter batches: those layers keep
-PEFT's forward, and the summary counts them). At run time PEFT's own path runs, and the log
-says so once, under autocast (the adapter's matmul then keeps autocast's 16-bit copy, already
-2 bytes an element) and where DeepSpeed ZeRO-3 partitions the adapter's weights (it gathers
-them in the adapter's own forward, which this path does not call).
+PEFT's forward, and the summary counts them). Under autocast it computes in autocast's
+dtype, as PEFT's layers do there, where the input already is in that dtype. PEFT's own
+path runs, said once in the log and in the run's fallbacks, where autocast would cast a
+wider input (its 16-bit copy, 2 bytes an element, is then less than keeping the input) and
+where DeepSpeed ZeRO-3 partitions the adapters' weights (it gathers them in the adapter's
+own forward, which this path does not call).
 """
 
 from __future__ import annotations
