@@ -15,6 +15,7 @@ from memfit.config_loading import load_config
 from memfit.techniques import efficient_lora
 from memfit.techniques.efficient_lora import adapted_linear, apply_efficient_lora
 from memfit.techniques.lora import apply_lora, quantization_config
+from sgd_twin import assert_same_after_sgd
 from tiny_llama import tiny_llama
 
 VOCAB = 256
@@ -118,15 +119,7 @@ def test_a_twice_wrong_gradient_is_caught_by_sgd():
     plain = _with_adapters(tiny_llama().to(torch.bfloat16))
     efficient = copy.deepcopy(plain)
     apply_efficient_lora(efficient)
-    input_ids = _tokens()
-    for model in (plain, efficient):
-        optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)
-        for _ in range(2):
-            model.zero_grad(set_to_none=True)
-            model(input_ids=input_ids, labels=input_ids).loss.backward()
-            optimizer.step()
-    for (name, p), q in zip(plain.named_parameters(), efficient.parameters(), strict=True):
-        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-7, msg=name)
+    assert_same_after_sgd(plain, efficient, _tokens(), atol=1e-7)
 
 
 def test_gpt2_conv1d_base_gives_the_same_gradients():

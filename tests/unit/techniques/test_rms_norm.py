@@ -13,6 +13,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from memfit.memory.tracker import MemoryTracker
 from memfit.techniques.checkpointing import apply_gradient_checkpointing
 from memfit.techniques.rms_norm import apply_efficient_rms_norm, efficient_rms_norm
+from sgd_twin import assert_same_after_sgd
 from tiny_llama import tiny_llama
 
 VOCAB = 256
@@ -165,15 +166,7 @@ def test_a_twice_wrong_gradient_is_caught_by_sgd():
     plain = tiny_llama(hidden=64, layers=2, vocab=VOCAB)
     efficient = copy.deepcopy(plain)
     apply_efficient_rms_norm(efficient)
-    input_ids = _tokens(2, 32)
-    for model in (plain, efficient):
-        optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
-        for _ in range(2):
-            model.zero_grad(set_to_none=True)
-            model(input_ids=input_ids, labels=input_ids).loss.backward()
-            optimizer.step()
-    for (name, p), q in zip(plain.named_parameters(), efficient.parameters(), strict=True):
-        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6, msg=name)
+    assert_same_after_sgd(plain, efficient, _tokens(2, 32))
 
 
 def test_gemma_style_and_layer_norms_are_left_alone():
