@@ -163,6 +163,24 @@ def tiled_mlp_backward_bytes(arch: Architecture, precision: Precision, tokens: i
     return per_tile_token * tile + precision.residual * h * tokens + weights
 
 
+def norm_module_bytes_per_token(arch: Architecture, precision: Precision) -> float:
+    """What a block's two norms keep themselves, per token (the linears' inputs they feed aside).
+
+    RMSNorm: the fp32 upcast of its input, the fp32 1/rms and, when its weight trains, the
+    normalised tensor (residual dtype); memfit's efficient RMSNorm its input and the 1/rms.
+    LayerNorm: its input, mean and 1/std. On an fp32 residual stream (fp32 weights, with
+    autocast or without) the norms run in fp32 and keep the same bytes either way.
+    """
+    r, h = precision.residual, arch.hidden
+    if arch.rms_norm and precision.efficient_norm:
+        one = r * h + 4
+    elif arch.rms_norm:
+        one = 4 * h + (0 if precision.lora_rank > 0 else r * h) + 4
+    else:
+        one = r * h + 8
+    return 2 * one
+
+
 def layer_bytes_per_token(arch: Architecture, precision: Precision, attention: str, seq_len: int,
                           mlp_tiles: int = 0) -> float:
     """Bytes one block keeps for backward, per token of the micro-batch.
@@ -175,15 +193,7 @@ def layer_bytes_per_token(arch: Architecture, precision: Precision, attention: s
     a = precision.attention or c
     h = arch.hidden
     frozen = precision.lora_rank > 0
-    if arch.rms_norm and precision.efficient_norm:
-        # its input in the residual dtype and the fp32 1/rms; the linear's input
-        norm = r * h + 4 + c * h
-    elif arch.rms_norm:
-        # fp32 upcast of the input, the normalised tensor (residual dtype, only kept for the
-        # weight's gradient: not when frozen), the linear's input
-        norm = 4 * h + (0 if frozen else r * h) + c * h + 4
-    else:
-        norm = r * h + 8 + c * h
+    norm = norm_module_bytes_per_token(arch, precision) / 2 + c * h  # each norm, and the linear's input
     # Q, K, V as SDPA receives them; GQA keeps K and V narrow except in eager, which repeats them.
     kv = arch.kv_width if attention != "eager" else arch.q_width
     if arch.fused_qkv and arch.rms_norm:

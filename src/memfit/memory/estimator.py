@@ -40,6 +40,7 @@ from memfit.memory.activations import (
     architecture_of,
     layer_bytes_per_token,
     logits_bytes,
+    norm_module_bytes_per_token,
 )
 from memfit.memory.categories import CATEGORIES
 from memfit.models.state_bytes import (  # noqa: F401  (re-exported: the estimator's public closed forms)
@@ -457,20 +458,24 @@ def _layer_per_token(run: RunShape, arch, hf_config, precision: Precision, seq_l
     """A block's bytes per token measured from the model's code, for families the closed forms do not describe."""
     if arch.model_type in CLOSED_FORM_FAMILIES:
         return None
-    from memfit.memory.layer_probe import probed_layer_bytes_per_token
+    from memfit.memory.layer_probe import probed_layer_bytes_per_token, probed_layer_parts
 
     attention = run.attention.replace("flash", "sdpa")
     if not (run.autocast and run.weight_bytes == 4):
         return probed_layer_bytes_per_token(hf_config, run.weight_bytes, False, attention, seq_len, run.lora_r,
                                             run.efficient_norm, run.efficient_lora)
     # Autocast over fp32 weights: a fake-tensor probe under CPU autocast misses the casts it
-    # saves (it counted 40 % of a Llama block); probe in fp32 and scale by the closed forms'
-    # autocast/fp32 ratio for this block shape (checked on Llama, Starcoder2, Gemma 3, GPT-NeoX).
-    fp32 = probed_layer_bytes_per_token(hf_config, 4, False, attention, seq_len, run.lora_r, run.efficient_norm,
-                                        run.efficient_lora)
+    # saves (it counted 40 % of a Llama block); probe in fp32 and scale what is not the norms'
+    # by the closed forms' autocast/fp32 ratio for this block shape. The norms run in fp32 on
+    # the fp32 residual stream either way and keep their fp32 bytes: scaled with the rest, a
+    # family with many norms (Gemma 3: four and two on Q and K) fell 12 % short at 512 tokens.
+    fp32, norms = probed_layer_parts(hf_config, 4, False, attention, seq_len, run.lora_r, run.efficient_norm,
+                                     run.efficient_lora)
     plain = Precision(4, 4, 4, precision.lora_rank, precision.adapter_input, efficient_norm=precision.efficient_norm)
-    return fp32 * (layer_bytes_per_token(arch, precision, run.attention, seq_len)
-                   / layer_bytes_per_token(arch, plain, run.attention, seq_len))
+    closed_norms = norm_module_bytes_per_token(arch, precision)  # the same under autocast and in fp32
+    rest_ratio = ((layer_bytes_per_token(arch, precision, run.attention, seq_len) - closed_norms)
+                  / (layer_bytes_per_token(arch, plain, run.attention, seq_len) - closed_norms))
+    return norms + (fp32 - norms) * rest_ratio
 
 
 def _analytical_peak(config, run: RunShape, hf_config, inventory, parts) -> tuple[dict, float, dict]:

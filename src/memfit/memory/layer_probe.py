@@ -36,16 +36,28 @@ def probed_layer_bytes_per_token(hf_config: Any, weight_bytes: int, autocast: bo
     run memfit's memory-efficient RMSNorm where it applies, as `memfit train` runs them;
     `efficient_lora`: the adapters run memfit's memory-efficient path likewise.
     """
+    return probed_layer_parts(hf_config, weight_bytes, autocast, attention, seq_len, lora_r, efficient_norm,
+                              efficient_lora)[0]
+
+
+def probed_layer_parts(hf_config: Any, weight_bytes: int, autocast: bool, attention: str, seq_len: int,
+                       lora_r: int = 0, efficient_norm: bool = False,
+                       efficient_lora: bool = False) -> tuple[float, float]:
+    """(bytes one block keeps per token, the part its norm modules keep themselves), as above.
+
+    The norms' part is what was saved while a module named like a norm (`...Norm`) ran:
+    on an fp32 residual stream they run in fp32, autocast or not.
+    """
     key = hf_config.to_json_string(use_diff=False)
     short, long = (_measure(key, weight_bytes, autocast, attention, s, lora_r, efficient_norm, efficient_lora)
                    for s in PROBE_SEQ_LENS)
-    slope = (long - short) / (PROBE_SEQ_LENS[1] - PROBE_SEQ_LENS[0])
-    return short + slope * (seq_len - PROBE_SEQ_LENS[0])
+    span = PROBE_SEQ_LENS[1] - PROBE_SEQ_LENS[0]
+    return tuple(a + (b - a) / span * (seq_len - PROBE_SEQ_LENS[0]) for a, b in zip(short, long, strict=True))
 
 
 @lru_cache(maxsize=256)
 def _measure(config_json: str, weight_bytes: int, autocast: bool, attention: str, seq_len: int,
-             lora_r: int = 0, efficient_norm: bool = False, efficient_lora: bool = False) -> float:
+             lora_r: int = 0, efficient_norm: bool = False, efficient_lora: bool = False) -> tuple[float, float]:
     import json
 
     import torch
@@ -74,15 +86,22 @@ def _measure(config_json: str, weight_bytes: int, autocast: bool, attention: str
         blocks = _blocks(model)
         parameters = {id(p.untyped_storage()) for p in model.parameters()}
         counted: dict[int, Any] = {}  # id(storage) -> storage, kept alive so ids stay unique
-        inside = [False]
+        in_norms: set[int] = set()  # ids of the storages first saved while a norm module ran
+        inside, norm_depth = [False], [0]
         second = blocks[1]
         second.register_forward_pre_hook(lambda *_: inside.__setitem__(0, True))
         second.register_forward_hook(lambda *_: inside.__setitem__(0, False))
+        for module in second.modules():
+            if type(module).__name__.endswith("Norm"):
+                module.register_forward_pre_hook(lambda *_: norm_depth.__setitem__(0, norm_depth[0] + 1))
+                module.register_forward_hook(lambda *_: norm_depth.__setitem__(0, norm_depth[0] - 1))
 
         def pack(tensor):
             storage = tensor.untyped_storage()
             if inside[0] and id(storage) not in parameters and id(storage) not in counted:
                 counted[id(storage)] = storage
+                if norm_depth[0]:
+                    in_norms.add(id(storage))
             return tensor
 
         input_ids = torch.zeros((1, seq_len), dtype=torch.long)
@@ -91,7 +110,8 @@ def _measure(config_json: str, weight_bytes: int, autocast: bool, attention: str
             backbone = model.get_decoder() if hasattr(model, "get_decoder") else model.base_model
             backbone(input_ids=input_ids)
         total = sum(storage.nbytes() for storage in counted.values())
-    return total / seq_len
+        norms = sum(storage.nbytes() for key, storage in counted.items() if key in in_norms)
+    return total / seq_len, norms / seq_len
 
 
 def _scalar_reads_mode():
