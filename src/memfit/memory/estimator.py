@@ -448,7 +448,9 @@ def _precision(run: RunShape) -> Precision:
 def _adapter_input_bytes(run: RunShape) -> int:
     """Bytes per element of the copy of its input each adapter keeps (see Precision.adapter_input)."""
     if run.autocast and run.weight_bytes == 4:
-        return 2  # autocast's 16-bit cast for the adapter's matmul (memfit's path leaves this to PEFT)
+        # autocast's 16-bit cast for the adapter's matmul: the adapters reading the norms' fp32
+        # outputs run PEFT's path; counted so for every adapter (o and down run memfit's: less)
+        return 2
     if run.efficient_lora:
         return 0  # the input itself, kept anyway
     return 2 if run.autocast else 4
