@@ -79,9 +79,14 @@ class _AdaptedLinear(torch.autograd.Function):
             adapter = F.linear(product[part], b).mul_(scaling)
             if join == "cast first":
                 # bitsandbytes' adapter layers round the adapter's output to the base's dtype, then add
-                adapter = adapter.to(base_rows.dtype)
-            # else add in the promoted dtype ("round sum": PEFT's Linear then rounds to the base's dtype)
-            torch.add(base_rows[part], adapter, out=output[part])
+                torch.add(base_rows[part], adapter.to(base_rows.dtype), out=output[part])
+            elif join == "promote":
+                # bitsandbytes' layers under autocast add in the promoted dtype and keep it
+                torch.add(base_rows[part], adapter, out=output[part])
+            else:
+                # PEFT's Linear adds in the promoted dtype and rounds the sum to the base's dtype:
+                # here slice by slice, so no output-wide sum in the adapters' dtype exists
+                output[part] = adapter.add_(base_rows[part])
         ctx.save_for_backward(x, product, weight_a, weight_b)
         ctx.scaling, ctx.compute, ctx.base_dtype = scaling, compute, base_output.dtype
         return output.view(*base_output.shape[:-1], -1)
@@ -122,9 +127,7 @@ def adapted_linear(x: torch.Tensor, base_output: torch.Tensor, weight_a: torch.T
     dtype (PEFT's Linear); "promote" adds in the promoted dtype and keeps it (bitsandbytes'
     layers under autocast). compute: the matmuls' dtype (default: the adapters').
     """
-    output = _AdaptedLinear.apply(x, base_output, weight_a, weight_b, scaling,
-                                  "promote" if join == "round sum" else join, compute or weight_a.dtype)
-    return output.to(base_output.dtype) if join == "round sum" else output
+    return _AdaptedLinear.apply(x, base_output, weight_a, weight_b, scaling, join, compute or weight_a.dtype)
 
 
 def _plain_adapter(module: nn.Module) -> str | None:
