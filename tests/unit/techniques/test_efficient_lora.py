@@ -17,6 +17,7 @@ from memfit.techniques.efficient_lora import adapted_linear, apply_efficient_lor
 from memfit.techniques.lora import apply_lora, quantization_config
 from sgd_twin import assert_same_after_sgd
 from tiny_llama import tiny_llama
+from tracked_against_estimate import peaks_and_estimates
 
 VOCAB = 256
 
@@ -231,22 +232,16 @@ RUN_CASES = {
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(RUN_CASES))
 def test_tracker_measures_the_saving_and_the_estimate_follows(name, long_context_llama, tmp_path, monkeypatch):
-    from memfit.memory.estimator import ERROR_BAND, estimate
-    from memfit.train.profiling import profile_run
+    from memfit.memory.estimator import ERROR_BAND
 
     # The slice as large next to this block's inputs as 16M elements are next to Llama-3.1-8B's at 80K tokens
     monkeypatch.setattr(efficient_lora, "SLICE_ELEMENTS", 8192)
     model, corpus = long_context_llama
-    peaks, estimates = {}, {}
-    for efficient in (False, True):
-        config = load_config(overrides={
-            "model": str(model), "dataset": str(corpus), "batch_size": 1, "max_steps": 2, "log_every": 1000,
-            "output_dir": str(tmp_path / f"run{efficient}"), "report": False, "seq_len": 2048, "dtype": "bf16",
-            "lora_r": 8, "lora_targets": "all-linear", "efficient_lora": efficient, **RUN_CASES[name],
-        })
-        estimates[efficient] = estimate(config).peak_bytes
-        report, _ = profile_run(config)
-        peaks[efficient] = report.to_dict()["peak_bytes"]
+    peaks, estimates = peaks_and_estimates({efficient: load_config(overrides={
+        "model": str(model), "dataset": str(corpus), "batch_size": 1, "max_steps": 2, "log_every": 1000,
+        "output_dir": str(tmp_path / f"run{efficient}"), "report": False, "seq_len": 2048, "dtype": "bf16",
+        "lora_r": 8, "lora_targets": "all-linear", "efficient_lora": efficient, **RUN_CASES[name],
+    }) for efficient in (False, True)})
     print(f"{name}: tracked {peaks}, estimated {estimates}")
     assert peaks[True] < 0.85 * peaks[False]  # a fifth to a third of the peak goes
     assert estimates[True] < estimates[False]

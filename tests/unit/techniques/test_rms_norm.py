@@ -15,6 +15,7 @@ from memfit.techniques.checkpointing import apply_gradient_checkpointing
 from memfit.techniques.rms_norm import apply_efficient_rms_norm, efficient_rms_norm
 from sgd_twin import assert_same_after_sgd
 from tiny_llama import tiny_llama
+from tracked_against_estimate import peaks_and_estimates
 
 VOCAB = 256
 
@@ -257,20 +258,14 @@ ESTIMATE_CASES = {
 @pytest.mark.parametrize("name", list(ESTIMATE_CASES))
 def test_estimate_follows_the_tracker_with_and_without_the_efficient_norm(name, saved_llama, tmp_path):
     from memfit.config_loading import load_config
-    from memfit.memory.estimator import ERROR_BAND, estimate
-    from memfit.train.profiling import profile_run
+    from memfit.memory.estimator import ERROR_BAND
 
     model, corpus = saved_llama
-    peaks, estimates = {}, {}
-    for efficient in (False, True):
-        config = load_config(overrides={
-            "model": str(model), "dataset": str(corpus), "batch_size": 2, "max_steps": 2, "log_every": 1000,
-            "output_dir": str(tmp_path / f"run{efficient}"), "report": False, "seq_len": 512, "dtype": "bf16",
-            "efficient_norm": efficient, **ESTIMATE_CASES[name],
-        })
-        estimates[efficient] = estimate(config).peak_bytes
-        report, _ = profile_run(config)
-        peaks[efficient] = report.to_dict()["peak_bytes"]
+    peaks, estimates = peaks_and_estimates({efficient: load_config(overrides={
+        "model": str(model), "dataset": str(corpus), "batch_size": 2, "max_steps": 2, "log_every": 1000,
+        "output_dir": str(tmp_path / f"run{efficient}"), "report": False, "seq_len": 512, "dtype": "bf16",
+        "efficient_norm": efficient, **ESTIMATE_CASES[name],
+    }) for efficient in (False, True)})
     print(f"{name}: tracked {peaks}, estimated {estimates}")
     assert peaks[True] < peaks[False] and estimates[True] < estimates[False]
     for efficient in (False, True):
