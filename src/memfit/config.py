@@ -31,6 +31,9 @@ QUANTIZE_MODES = ("none", "4bit", "8bit")
 SHARDING_MODES = ("none", "ddp", "fsdp")
 KERNEL_CHOICES = ("auto", "liger", "none")
 ROPE_SCALINGS = ("auto", "linear", "yarn", "llama3")
+DATASET_FORMATS = ("auto", "text", "prompt-completion", "messages", "alpaca", "sharegpt")
+TRAIN_ON_CHOICES = ("assistant", "last", "all")
+PACKING_MODES = ("auto", "samples", "off", "wrapped")
 
 
 def _choices(*values: str) -> dict:
@@ -61,17 +64,31 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     dataset: str | None = None
-    """Training text: a .txt, .jsonl or .parquet file, or hf:NAME[:CONFIG][@SPLIT]. Default: the bundled corpus."""
+    """Training data: a .txt, .jsonl or .parquet file, hf:NAME[:CONFIG][@SPLIT], or builtin:chat (conversations shipped with memfit). Default: the bundled corpus."""
     text_field: str = "text"
     """Field holding the text in .jsonl, .parquet and Hugging Face datasets."""
     seq_len: int = 256
     """Tokens per training sample (window). Lower it if activations do not fit."""
     stride: int = 0
     """Tokens shared by consecutive windows of a long document (0: no overlap)."""
-    packing: bool = True
-    """Pack short documents together into full windows; --no-packing pads them instead."""
+    packing: str = field(default="auto", metadata=_choices(*PACKING_MODES))
+    """samples: several whole samples per window, attention and positions restart at each (no padding); off: one sample per row, padded; wrapped: plain text laid end to end and cut (attention crosses documents); auto: samples for chat/instruction data, wrapped for plain text. --packing/--no-packing: auto/off."""
     cache_dir: str | None = None
     """Where tokenized datasets are cached. Default: <output-dir>/cache; share one between runs to tokenize once."""
+    dataset_format: str = field(default="auto", metadata=_choices(*DATASET_FORMATS))
+    """Record format: auto (from the first record's fields), text, prompt-completion, messages, alpaca or sharegpt (see docs/data.md)."""
+    messages_field: str = "messages"
+    """Field holding the list of {role, content} turns of a messages dataset."""
+    prompt_field: str = "prompt"
+    """Field holding the prompt of a prompt-completion dataset (a string or a list of messages)."""
+    completion_field: str = "completion"
+    """Field holding the completion of a prompt-completion dataset (a string or a list of messages)."""
+    chat_template: str | None = None
+    """Chat template for conversations: the tokenizer's own by default; chatml, llama3, system-default (shipped for base models) or a .jinja file."""
+    train_on: str = field(default="assistant", metadata=_choices(*TRAIN_ON_CHOICES))
+    """Tokens that carry loss in conversations and prompt-completion data: assistant (every answer, end of turn included), last (the final answer) or all (--train-on-prompt)."""
+    truncate: bool = False
+    """Cut samples longer than --seq-len instead of dropping them (a cut answer teaches a wrong ending)."""
 
 
 @dataclass
@@ -182,6 +199,20 @@ class OutputConfig:
     """Metrics JSONL file; default <output-dir>/metrics.jsonl."""
     save_every: int = 0
     """Save a resumable checkpoint every N optimizer steps (0: only at the end)."""
+    save_every_minutes: float = 0.0
+    """Also save a checkpoint when this many minutes have passed since the last one (0: off); a step boundary, never mid-step."""
+    save_total_limit: int = 2
+    """Keep the newest N checkpoints (0: all), plus the best by eval loss when best.json names one; an old one is deleted only after its successor is complete."""
+    async_save: bool = False
+    """Write checkpoints in a background thread from a host copy of the state: training goes on meanwhile (costs one checkpoint of host memory); the final save waits."""
+    disk_check: bool = True
+    """Before training, stop (exit 2) if the output directory's free space cannot hold the checkpoints kept plus the final model; --no-disk-check goes on."""
+    preempt_signals: str = "SIGTERM,SIGUSR1"
+    """Signals that make the run finish its step, save a checkpoint and exit 75 (resume with --resume auto), comma-separated; add SIGINT to save on Ctrl-C too (else Ctrl-C exits 130 at once); 'none': off."""
+    preempt_grace_seconds: float = 25.0
+    """After a preemption signal, exit (75) at the latest after this many seconds even if the save is not done; set it a little under your scheduler's time between signal and kill."""
+    resume_allow_changes: bool = False
+    """Resume even when the effective batch, the data or the model differ from the checkpoint's (logged); without it such a resume is refused."""
     resume: str | None = None
     """'auto' resumes from the latest complete checkpoint in --output-dir, or give a checkpoint directory."""
     log_every: int = 10
@@ -208,6 +239,45 @@ class DistributedConfig:
     """With --zero-stage: offload optimizer state (and parameters at stage 3) to the CPU."""
 
 
+EVAL_STRATEGIES = ("steps", "epoch", "no")
+
+
+@dataclass
+class EvalConfig:
+    eval_dataset: str | None = None
+    """Evaluation data, in any format the training data takes (a file or hf:NAME[:CONFIG][@SPLIT]); evaluated every --eval-every steps and at the end."""
+    eval_fraction: float = 0.0
+    """Hold out this share of the training samples for evaluation, chosen by --seed (the same every run); training uses the rest."""
+    eval_every: int = 0
+    """Evaluate every N optimizer steps (0: only at the end of the run)."""
+    eval_strategy: str = field(default="steps", metadata=_choices(*EVAL_STRATEGIES))
+    """When to evaluate: steps (every --eval-every steps), epoch (after each pass over the training data) or no (never); at the end too, except with no."""
+    eval_batch_size: int | None = None
+    """Samples per evaluation forward (default: the training micro-batch); out of memory halves it, never training's."""
+    save_best: bool = False
+    """Keep the model of the lowest eval loss in <output-dir>/best/, its step and loss in best.json."""
+
+    def problems(self) -> list[str]:
+        """What is wrong with these settings, by flag name (TrainConfig.validate reports them)."""
+        found = []
+        if not 0 <= self.eval_fraction < 1:
+            found.append(f"--eval-fraction must be at least 0 and below 1 (a share of the training samples), got {self.eval_fraction}")
+        if self.eval_dataset and self.eval_fraction:
+            found.append("give --eval-dataset or --eval-fraction, not both")
+        if self.eval_every < 0:
+            found.append(f"--eval-every must be 0 (only at the end) or positive, got {self.eval_every}")
+        if self.eval_batch_size is not None and self.eval_batch_size < 1:
+            found.append(f"--eval-batch-size must be at least 1, got {self.eval_batch_size}")
+        has_set = bool(self.eval_dataset or self.eval_fraction)
+        if not has_set and self.eval_strategy != "no":
+            for flag, given in (("--eval-every", self.eval_every), ("--save-best", self.save_best)):
+                if given:
+                    found.append(f"{flag} needs an evaluation set: add --eval-dataset FILE or --eval-fraction 0.05")
+        if self.save_best and self.eval_strategy == "no":
+            found.append("--save-best needs evaluation: drop --eval-strategy no")
+        return found
+
+
 SECTIONS: dict[str, type] = {
     "model": ModelConfig,
     "data": DataConfig,
@@ -217,6 +287,7 @@ SECTIONS: dict[str, type] = {
     "lora": LoraConfig,
     "output": OutputConfig,
     "distributed": DistributedConfig,
+    "evaluation": EvalConfig,
 }
 
 
@@ -232,6 +303,7 @@ class TrainConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    evaluation: EvalConfig = field(default_factory=EvalConfig)
 
     def __post_init__(self) -> None:
         # Where the settings came from: not settings themselves, so not fields (to_dict and
@@ -350,10 +422,16 @@ class TrainConfig:
             problems.append("--gradient-checkpointing auto needs --memory-budget (or --gpu / --memory-cap) to aim at")
         if m.memory_budget is not None and m.gpu is not None:
             problems.append("give --memory-budget or --gpu, not both")
+        out = self.output
+        if out.save_every < 0 or out.save_every_minutes < 0 or out.save_total_limit < 0:
+            problems.append("--save-every, --save-every-minutes and --save-total-limit must be 0 (off / keep all) or more")
+        if out.preempt_grace_seconds <= 0:
+            problems.append(f"--preempt-grace-seconds must be positive, got {out.preempt_grace_seconds}")
         if self.distributed.zero_stage is not None and self.distributed.zero_stage not in (1, 2, 3):
             problems.append(f"--zero-stage must be 1, 2 or 3, got {self.distributed.zero_stage}")
         if self.distributed.deepspeed and self.distributed.sharding == "fsdp":
             problems.append("--deepspeed and --sharding fsdp are two engines: pick one")
+        problems.extend(self.evaluation.problems())
         if problems:
             raise UsageError("; ".join(problems))
 

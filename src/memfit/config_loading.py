@@ -46,6 +46,16 @@ ALIASES: dict[str, str] = {
     "resume_from_checkpoint": "resume",
     "attn_implementation": "attention",
     "torch_dtype": "dtype",
+    # Evaluation: the Hugging Face Trainer / TRL (eval_steps, per_device_eval_batch_size, eval_strategy,
+    # load_best_model_at_end: memfit keeps the best model in best/), Axolotl (val_set_size) and LLaMA-Factory (val_size).
+    "eval_steps": "eval_every",
+    "per_device_eval_batch_size": "eval_batch_size",
+    "evaluation_strategy": "eval_strategy",
+    "load_best_model_at_end": "save_best",
+    "val_set_size": "eval_fraction",
+    "val_size": "eval_fraction",
+    "sample_packing": "packing",  # Axolotl
+    "neat_packing": "packing",  # LLaMA-Factory: packing without attention across samples
 }
 
 # Boolean switches of AI-OS (--amp, --use-8bit-optimizer) and the Hugging Face Trainer (bf16, fp16) -> a memfit value.
@@ -75,6 +85,9 @@ VALUE_ALIASES: dict[str, dict[str, str]] = {
     "lr_schedule": {"cosine_with_warmup": "cosine", "linear_with_warmup": "linear", "constant_with_warmup": "constant"},
     "quantize": {"nf4": "4bit", "int4": "4bit", "int8": "8bit", "off": "none", "false": "none"},
     "sharding": {"off": "none", "fsdp2": "fsdp"},
+    "eval_strategy": {"none": "no", "off": "no", "false": "no"},
+    # Old `packing: true/false` (and TRL's `packing`) keep their meaning: pack the way the data allows, or pad.
+    "packing": {"true": "auto", "false": "off", "yes": "auto", "no": "off", "on": "auto", "1": "auto", "0": "off"},
 }
 
 

@@ -26,7 +26,7 @@ from memfit.config_loading import (
 from memfit.errors import UsageError
 
 # Choice fields that may also be given bare, as AI-OS and DNALLM do (`--gradient-checkpointing`).
-BARE_VALUES = {"gradient_checkpointing": ("full", "off")}
+BARE_VALUES = {"gradient_checkpointing": ("full", "off"), "packing": ("auto", "off")}
 
 
 def _is_bool_field(name: str, owner: type, f: dataclasses.Field) -> bool:

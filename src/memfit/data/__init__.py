@@ -19,6 +19,7 @@ from memfit.config import DataConfig
 from memfit.data.cache import TokenStore, load_or_tokenize, tokenizer_fingerprint
 from memfit.data.collate import collate, target_token_count
 from memfit.data.dataset import TokenizedDataset
+from memfit.data.packing import PackedDataset, best_fit_decreasing, packing_efficiency, resolve_packing
 from memfit.data.schedule import BatchSchedule
 from memfit.data.sources import TextSource, bundled_corpus_path, resolve_source
 from memfit.data.windows import IGNORE_INDEX, Windows, make_windows
@@ -27,6 +28,7 @@ from memfit.errors import UsageError
 __all__ = [
     "IGNORE_INDEX",
     "BatchSchedule",
+    "PackedDataset",
     "TextSource",
     "TokenStore",
     "TokenizedDataset",
@@ -35,6 +37,9 @@ __all__ = [
     "collate",
     "load_training_data",
     "make_windows",
+    "best_fit_decreasing",
+    "packing_efficiency",
+    "resolve_packing",
     "resolve_source",
     "target_token_count",
     "tokenizer_fingerprint",
@@ -83,9 +88,11 @@ def load_training_data(
         raise UsageError(f"--stride must be between 0 and --seq-len - 1 ({seq_len - 1}), got {stride}")
     source = resolve_source(data_cfg.dataset, data_cfg.text_field)
     windows: list[Windows] = []
+    # Plain text: `wrapped` cuts one stream; `off` and `samples` keep one document per window (samples packs them later).
+    wrapped = resolve_packing(data_cfg.packing, supervised=False) == "wrapped"
 
     def check(store: TokenStore) -> None:
-        found = make_windows(store.doc_offsets, seq_len, stride, data_cfg.packing)
+        found = make_windows(store.doc_offsets, seq_len, stride, wrapped)
         if len(found) < min_samples:
             raise UsageError(
                 f"the dataset has {len(found)} samples of {seq_len} tokens, fewer than one effective batch"
@@ -94,4 +101,4 @@ def load_training_data(
         windows.append(found)
 
     store = load_or_tokenize(source, tokenizer, data_cfg.cache_dir, check=check)
-    return TokenizedDataset(store, windows[-1], seq_len, stride, data_cfg.packing, source.label)
+    return TokenizedDataset(store, windows[-1], seq_len, stride, wrapped, source.label)

@@ -25,6 +25,9 @@ def collate(
     `length` is the longest sample, rounded up to `pad_to_multiple_of` when given (fewer
     distinct shapes help compiled kernels). Padding sits on the right: input_ids take
     `pad_token_id` (0 when the tokenizer has none), labels -100, attention_mask 0.
+    Packed rows (samples with `position_ids`, memfit.data.packing) keep them, padded with 0:
+    each pad position then reads as a one-token sample of its own, so the positions alone
+    keep attention within samples and away from padding.
     """
     if not samples:
         raise ValueError("collate needs at least one sample")
@@ -36,12 +39,20 @@ def collate(
     input_ids = torch.full((batch, length), pad, dtype=torch.long)
     labels = torch.full((batch, length), IGNORE_INDEX, dtype=torch.long)
     attention_mask = torch.zeros((batch, length), dtype=torch.long)
+    packed = any("position_ids" in sample for sample in samples)
+    position_ids = torch.zeros((batch, length), dtype=torch.long) if packed else None
     for row, sample in enumerate(samples):
         size = len(sample["input_ids"])
         input_ids[row, :size] = sample["input_ids"]
         labels[row, :size] = sample["labels"]
         attention_mask[row, :size] = 1
-    return {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}
+        if position_ids is not None:
+            own = sample.get("position_ids")
+            position_ids[row, :size] = own if own is not None else torch.arange(size)
+    batch_dict = {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}
+    if position_ids is not None:
+        batch_dict["position_ids"] = position_ids
+    return batch_dict
 
 
 def target_token_count(samples: Sequence[dict[str, torch.Tensor]]) -> int:

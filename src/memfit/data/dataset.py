@@ -40,6 +40,11 @@ class TokenizedDataset(torch.utils.data.Dataset):
         return {"input_ids": input_ids, "labels": labels}
 
     @property
+    def lengths(self) -> np.ndarray:
+        """Tokens of every sample (what --packing samples packs by)."""
+        return self.windows.lengths
+
+    @property
     def num_tokens(self) -> int:
         """Tokens in the dataset, EOS separators included."""
         return self.store.num_tokens

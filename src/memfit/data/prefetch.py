@@ -41,7 +41,8 @@ class BatchPrefetcher:
         pin: pin the host tensors before the copy (default: on CUDA), which lets the copy
             run asynchronously.
         drop_full_attention_mask: leave out an attention mask without padding, checked on
-            the host before the copy (no device sync), so SDPA takes its causal fast path.
+            the host before the copy (no device sync), so SDPA takes its causal fast path;
+            and the mask of packed rows, whose position_ids say where each sample is.
     """
 
     def __init__(self, collate: Callable[[Sequence[dict]], Batch], device: torch.device, pin: bool | None = None,
@@ -93,7 +94,9 @@ def _without_full_mask(collate: Callable[[Sequence[dict]], Batch]) -> Callable[[
     def collate_without_full_mask(samples: Sequence[dict]) -> Batch:
         batch = collate(samples)
         mask = batch.get("attention_mask")
-        if mask is not None and bool(mask.all()):
+        # Packed rows: transformers finds sample boundaries from position_ids only when no mask is given;
+        # padding has positions 0, 0, ... and so stays out of every sample (memfit.data.collate).
+        if mask is not None and ("position_ids" in batch or bool(mask.all())):
             batch = {name: tensor for name, tensor in batch.items() if name != "attention_mask"}
         return batch
 

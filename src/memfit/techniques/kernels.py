@@ -131,6 +131,7 @@ def fused_loss_sum(
     labels: torch.Tensor,
     attention_mask: torch.Tensor | None = None,
     chunk_size: int = 0,
+    position_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`causal_lm_loss_sum` through liger's fused linear cross-entropy: no logits are built.
 
@@ -144,7 +145,7 @@ def fused_loss_sum(
     lm = unwrap_causal_lm(model)
     head = lm.get_output_embeddings()
     # The model's own forward with the head swapped out (as the chunked loss does): wrappers' hooks run.
-    hidden, empty_logits = final_hidden_states(model, lm, head, input_ids, attention_mask)
+    hidden, empty_logits = final_hidden_states(model, lm, head, input_ids, attention_mask, position_ids)
     targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
     softcap = getattr(lm.config, "final_logit_softcapping", None) or None
     loss = LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE_INDEX, reduction="sum", softcap=softcap)

@@ -69,6 +69,7 @@ def causal_lm_loss_sum(
     attention_mask: torch.Tensor | None = None,
     chunk_size: int = 0,
     token_loss: Callable[..., torch.Tensor] | None = None,
+    position_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Sum of next-token cross-entropy over the target tokens of a micro-batch (fp32).
 
@@ -79,11 +80,13 @@ def causal_lm_loss_sum(
     the gradients equal the plain computation up to float summation order.
     `token_loss`: what turns logits into the summed loss (default `token_loss_sum`;
     --compile passes a compiled one).
+    `position_ids`: packed rows' positions, restarting at each sample (memfit.data.packing).
     """
     token_loss = token_loss or token_loss_sum
     if chunk_size > 0:
-        return chunked_causal_lm_loss_sum(model, input_ids, labels, attention_mask, chunk_size, token_loss)
-    outputs = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        return chunked_causal_lm_loss_sum(model, input_ids, labels, attention_mask, chunk_size, token_loss,
+                                          position_ids=position_ids)
+    outputs = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **_positions(position_ids))
     logits = outputs.logits
     # Shift the labels, not the logits: slicing off the last position would copy all of
     # [batch, seq, vocab] (and its gradient); the padded last target is ignored instead.
@@ -111,13 +114,14 @@ def chunked_causal_lm_loss_sum(
     attention_mask: torch.Tensor | None,
     chunk_size: int,
     token_loss: Callable[..., torch.Tensor] | None = None,
+    position_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`causal_lm_loss_sum` without the full logits: see the module docstring."""
     lm = unwrap_causal_lm(model)
     head = lm.get_output_embeddings()
     if head is None:
         raise ValueError(f"{type(lm).__name__} has no output embeddings; use --loss-chunk-size 0")
-    hidden, empty_logits = final_hidden_states(model, lm, head, input_ids, attention_mask)
+    hidden, empty_logits = final_hidden_states(model, lm, head, input_ids, attention_mask, position_ids)
     # Shift the labels, not the hidden states (as the plain loss does): the flattened
     # hidden states stay a view, and the last position of each row is simply ignored.
     hidden = hidden.reshape(-1, hidden.size(-1))
@@ -156,6 +160,7 @@ def final_hidden_states(
     head: torch.nn.Module,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None,
+    position_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The hidden states the head would receive, and the (empty) logits of the forward.
 
@@ -166,7 +171,7 @@ def final_hidden_states(
     probe = _HiddenStateProbe()
     setattr(parent, name, probe)
     try:
-        outputs = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        outputs = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **_positions(position_ids))
     finally:
         setattr(parent, name, head)
     if probe.hidden is None:
@@ -175,6 +180,11 @@ def final_hidden_states(
         )
     logits = outputs.logits if hasattr(outputs, "logits") else outputs[0]
     return probe.hidden, logits
+
+
+def _positions(position_ids: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    # Passed only when given: wrappers and models then see the same call as before packing existed.
+    return {} if position_ids is None else {"position_ids": position_ids}
 
 
 def _parent_of(root: torch.nn.Module, child: torch.nn.Module) -> tuple[torch.nn.Module, str]:

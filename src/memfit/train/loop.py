@@ -25,6 +25,7 @@ from memfit.checkpoint_files import TrainerState, resolve_resume
 from memfit.config import TrainConfig
 from memfit.memory.stats import memory_stats, reset_peaks
 from memfit.reporting.memory_record import save_memory_record
+from memfit.techniques.packed_attention import packing_facts
 from memfit.train.metrics import NullLogger, build_loggers
 from memfit.train.progress import Progress
 from memfit.train.setup import TrainingSession, build_session
@@ -311,6 +312,7 @@ def run_facts(session: TrainingSession) -> dict[str, Any]:
         "kernels": session.kernels.description,
         "compile": session.compiled,
         "rope_scaling": session.loaded.rope_scaling.describe() if session.loaded.rope_scaling else None,
+        "packing": packing_facts(session.dataset),
         "fallbacks": dict(session.fallbacks),
     }
 

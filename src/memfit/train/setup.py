@@ -37,6 +37,7 @@ from memfit.techniques.checkpointing import apply_gradient_checkpointing
 from memfit.techniques.compile import compile_blocks, compile_token_loss
 from memfit.techniques.kernels import KernelChoice, apply_kernels
 from memfit.techniques.optimizers import OptimizerChoice, build_optimizer, build_scheduler, parameter_groups
+from memfit.techniques.packed_attention import pack_for_model
 from memfit.techniques.precision import PrecisionChoice, resolve_precision
 from memfit.train.engine import Engine, choose_engine
 from memfit.train.metrics import check_trackers
@@ -162,6 +163,9 @@ def _build_session(config: TrainConfig) -> TrainingSession:
     )
     if dist.is_main:
         dist.barrier()
+    # --packing samples: whole samples share windows, attention restricted to each (or `off` for stateful layers).
+    dataset = pack_for_model(dataset, config.data.packing, None, loaded.model, ran, config.data.seq_len,
+                             effective_batch, fallbacks)
     schedule = BatchSchedule(len(dataset), effective_batch, config.training.seed, dist.rank, dist.world_size)
     total_steps = (
         schedule.steps_for_epochs(config.training.epochs) if config.training.epochs is not None else config.training.max_steps

@@ -215,7 +215,8 @@ class StepRunner:
             self._last_phase = "forward"
             with self._phase("forward"), self.precision.autocast(self.device):
                 loss_sum = self.loss_fn(
-                    self.model, batch["input_ids"], batch["labels"], batch.get("attention_mask"), self.loss_chunk_size
+                    self.model, batch["input_ids"], batch["labels"], batch.get("attention_mask"), self.loss_chunk_size,
+                    **packed_positions(batch),
                 )
             if self._upcoming:
                 self.prefetcher.prepare(self._upcoming)  # overlaps this micro-batch's compute on CUDA
@@ -309,6 +310,11 @@ class StepRunner:
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def packed_positions(batch: dict) -> dict:
+    """{"position_ids": ...} for packed rows (positions restart per sample), else nothing: see data.packing."""
+    return {"position_ids": batch["position_ids"]} if "position_ids" in batch else {}
 
 
 def _read_once(loss_sum: torch.Tensor, grad_norm: torch.Tensor | float | None) -> tuple[float, float | None]:
