@@ -173,6 +173,10 @@ class MemoryConfig:
     """Compile each transformer block with torch.compile (regional compilation: short compile, no recompile per length)."""
     kernels: str = field(default="auto", metadata=_choices(*KERNEL_CHOICES))
     """Fused kernels: liger (liger-kernel's RMSNorm, SwiGLU, RoPE and fused linear cross-entropy; CUDA), none, or auto (liger where it is installed and supported)."""
+    chunked_training: bool = False
+    """AI-OS's chunked long-context training (--use-chunked-training): sequence tiling at --chunk-size, i.e. tiled MLP and chunked loss at that chunk with full checkpointing, each unless set."""
+    chunk_size: int = 2048
+    """Tokens per chunk of --chunked-training (AI-OS's chunk_size)."""
 
 
 @dataclass
@@ -374,6 +378,7 @@ class TrainConfig:
             ("gradient-accumulation-steps", t.gradient_accumulation_steps),
             ("seq-len", d.seq_len),
             ("checkpoint-every", m.checkpoint_every),
+            ("chunk-size", m.chunk_size),
         ):
             if value < 1:
                 problems.append(f"--{name} must be at least 1, got {value}")
@@ -459,6 +464,8 @@ def derive_defaults(values: dict[str, Any], user_set: frozenset[str]) -> tuple[d
     if values.get("activation_offload_blocks") is not None and "activation_offload" not in user_set:
         values["activation_offload"] = True
         derived["activation_offload"] = "activation offload is on: --activation-offload-blocks offloads part of the block inputs"
+    if values.get("chunked_training"):
+        _derive_chunked_training(values, user_set, derived)
     if values.get("optimizer_in_backward") and "max_grad_norm" not in user_set:
         # Each parameter is updated as its gradient arrives, before the global norm exists.
         values["max_grad_norm"] = 0.0
@@ -467,3 +474,27 @@ def derive_defaults(values: dict[str, Any], user_set: frozenset[str]) -> tuple[d
             " norm is known (--max-grad-norm 0 says so explicitly)"
         )
     return values, derived
+
+
+def _derive_chunked_training(values: dict[str, Any], user_set: frozenset[str], derived: dict[str, str]) -> None:
+    """AI-OS's chunked long-context training as memfit's sequence tiling, each part unless the user set it.
+
+    AI-OS bounds activation memory by running a long sequence in chunks of `chunk_size` tokens. memfit
+    gets the same bound without changing the numerics: each block's MLP over tiles of at most that many
+    tokens, the output projection and loss in chunks of that many, blocks recomputed in backward (full
+    checkpointing); attention stays the memory-efficient kernel `--attention auto` picks.
+    """
+    chunk = int(values.get("chunk_size") or MemoryConfig.chunk_size)
+    seq_len = int(values.get("seq_len") or DataConfig.seq_len)
+    why = f"--use-chunked-training at --chunk-size {chunk}"
+    if "tiled_mlp" not in user_set:
+        tiles = max(1, -(-seq_len // chunk))
+        values["tiled_mlp"] = tiles if tiles > 1 else 0
+        derived["tiled_mlp"] = (f"tiled MLP over {tiles} tiles of <= {chunk} tokens ({why})" if tiles > 1
+                                else f"tiled MLP off: --seq-len {seq_len} is one chunk ({why})")
+    if "loss_chunk_size" not in user_set:
+        values["loss_chunk_size"] = chunk
+        derived["loss_chunk_size"] = f"chunked loss over {chunk} tokens at a time ({why})"
+    if "gradient_checkpointing" not in user_set:
+        values["gradient_checkpointing"] = "full"
+        derived["gradient_checkpointing"] = f"full checkpointing, one chunk's activations live at a time ({why})"

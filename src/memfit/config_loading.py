@@ -46,6 +46,9 @@ ALIASES: dict[str, str] = {
     "resume_from_checkpoint": "resume",
     "attn_implementation": "attention",
     "torch_dtype": "dtype",
+    "max_length": "seq_len",  # TRL's SFTConfig
+    "dataset_text_field": "text_field",  # TRL's SFTConfig
+    "use_chunked_training": "chunked_training",  # AI-OS
     # Evaluation: the Hugging Face Trainer / TRL (eval_steps, per_device_eval_batch_size, eval_strategy,
     # load_best_model_at_end: memfit keeps the best model in best/), Axolotl (val_set_size) and LLaMA-Factory (val_size).
     "eval_steps": "eval_every",
@@ -65,6 +68,11 @@ SWITCHES: dict[str, tuple[str, Any, Any]] = {
     "use_8bit_optimizer": ("optimizer", "adamw-8bit", "adamw"),
     "bf16": ("precision", "bf16", "fp32"),
     "fp16": ("precision", "fp16", "fp32"),
+    # Loss on the answers only (TRL's SFTConfig) or on every token (Axolotl, LLaMA-Factory, memfit's --train-on-prompt).
+    "completion_only_loss": ("train_on", "assistant", "all"),
+    "assistant_only_loss": ("train_on", "assistant", "all"),
+    "train_on_inputs": ("train_on", "all", "assistant"),
+    "train_on_prompt": ("train_on", "all", "assistant"),
 }
 
 # Spellings of choice values other tools use -> memfit's spelling.

@@ -20,6 +20,7 @@ COMMANDS = {
     "presets": ("presets", "the models and GPUs the offline tables know"),
     "report": ("report", "a run's HTML report: curves, memory at the peak, advice (offline)"),
     "compare": ("compare", "several runs overlaid in one HTML page"),
+    "data": ("data", "a dataset as the model sees it: rendered samples, loss masks, lengths, packing"),
 }
 
 USAGE = "usage: memfit {" + ",".join(COMMANDS) + "} [--FLAG VALUE ...]   (memfit COMMAND --help for its flags)"

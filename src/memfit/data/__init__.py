@@ -20,6 +20,7 @@ from memfit.data.cache import TokenStore, load_or_tokenize, tokenizer_fingerprin
 from memfit.data.collate import collate, target_token_count
 from memfit.data.dataset import TokenizedDataset
 from memfit.data.packing import PackedDataset, best_fit_decreasing, packing_efficiency, resolve_packing
+from memfit.data.samples import SFTDataset, load_supervised_data
 from memfit.data.schedule import BatchSchedule
 from memfit.data.sources import TextSource, bundled_corpus_path, resolve_source
 from memfit.data.windows import IGNORE_INDEX, Windows, make_windows
@@ -29,6 +30,7 @@ __all__ = [
     "IGNORE_INDEX",
     "BatchSchedule",
     "PackedDataset",
+    "SFTDataset",
     "TextSource",
     "TokenStore",
     "TokenizedDataset",
@@ -53,7 +55,7 @@ def load_training_data(
     max_positions: int | None = None,
     min_samples: int = 1,
     rope_positions: int | None = None,
-) -> TokenizedDataset:
+) -> TokenizedDataset | SFTDataset:
     """Read, tokenize (once; cached on disk) and window the training text of `data_cfg`.
 
     Args:
@@ -86,6 +88,10 @@ def load_training_data(
         raise UsageError(f"--seq-len must be at least 2 (one token predicts the next), got {seq_len}")
     if not 0 <= stride < seq_len:
         raise UsageError(f"--stride must be between 0 and --seq-len - 1 ({seq_len - 1}), got {stride}")
+    # Conversations, prompt-completion, Alpaca, ShareGPT: whole samples with loss masks (data/samples.py).
+    supervised = load_supervised_data(data_cfg, tokenizer, min_samples=min_samples)
+    if supervised is not None:
+        return supervised
     source = resolve_source(data_cfg.dataset, data_cfg.text_field)
     windows: list[Windows] = []
     # Plain text: `wrapped` cuts one stream; `off` and `samples` keep one document per window (samples packs them later).
