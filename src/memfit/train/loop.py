@@ -26,6 +26,7 @@ from memfit.config import TrainConfig
 from memfit.memory.stats import memory_stats, reset_peaks
 from memfit.reporting.memory_record import save_memory_record
 from memfit.techniques.packed_attention import packing_facts
+from memfit.train.evaluation import Evaluator
 from memfit.train.metrics import NullLogger, build_loggers
 from memfit.train.progress import Progress
 from memfit.train.setup import TrainingSession, build_session
@@ -103,6 +104,7 @@ def train(
     runner = StepRunner.from_session(session, tracker=tracker, micro_batch_size=micro_batch_size)
     describe_run(session, micro_batch_size)
     speed = SpeedMeter.from_session(session)  # MFU per step; the planner's step time beside the measured one
+    evaluator = Evaluator.from_session(session, runner, tracker, resumed=resume_from is not None) if save_outputs else None
     logger.log({"event": "start", **run_facts(session), **speed.start_facts(),
                 "resumed_from": str(resume_from) if resume_from else None})
 
@@ -133,6 +135,8 @@ def train(
             state.step = step + 1
             state.tokens_seen += result.input_tokens * world_size
             state.micro_batch_size = runner.micro_batch_size
+            # Before the tracker closes the step: evaluation's peak is this step's "eval" phase.
+            evaluation = evaluator.maybe_run(state.step) if evaluator is not None else None
             skipped_steps += int(result.skipped)
             oom_events += sum(1 for event in result.events if event.get("event") == "oom")
             for event in result.events:
@@ -168,6 +172,8 @@ def train(
             record.update(engine.step_metrics(record))  # every rank takes part
             logger.log(record)
             progress.update(state.step, loss, record["tokens_per_second"], stats.get("peak_memory_bytes"))
+            if evaluation is not None:
+                evaluator.publish(evaluation, logger, progress)  # the eval line, trackers, --save-best
             if save_outputs and config.output.save_every and state.step % config.output.save_every == 0 and state.step < session.total_steps:
                 engine.save_checkpoint(session.output_dir, state, session.scheduler, config.to_dict())
     wall = time.perf_counter() - started
@@ -187,6 +193,7 @@ def train(
         "skipped_steps": skipped_steps,
         **run_facts(session),
         **speed.summary(),
+        **(evaluator.summary() if evaluator is not None else {}),
     }
     summary.update(engine.summary_metrics(summary))
     logger.log(summary)

@@ -154,6 +154,8 @@ class TrackerLogger:
             self._config({**self._pending_config, **facts})
         elif kind == "summary":
             self._scalars(record.get("steps") or 0, {f"summary/{key}": value for key, value in step_scalars(record).items()})
+        elif kind == "eval" and isinstance(record.get("step"), int):  # eval_loss -> eval/loss, at its step
+            self._scalars(record["step"], {f"eval/{key.removeprefix('eval_')}": value for key, value in step_scalars(record).items()})
         elif kind is not None:
             if isinstance(record.get("step"), int):
                 self._scalars(record["step"], {f"events/{kind}": 1.0})

@@ -45,6 +45,16 @@ class Progress:
         elif step % self.every == 0 or step == self.total or step == self.start + 1:
             print(f"step {step}/{self.total} | {status}", file=sys.stderr, flush=True)
 
+    def evaluation(self, step: int, loss: float, perplexity: float) -> None:
+        """An evaluation's result: its own line in a pipe, on the bar's status line on a terminal."""
+        if not self.enabled:
+            return
+        status = f"eval loss {loss:.4f} | perplexity {perplexity:,.2f}"
+        if self._bar is not None:
+            self._bar.console.print(f"step {step}/{self.total} | {status}")
+        else:
+            print(f"step {step}/{self.total} | {status}", file=sys.stderr, flush=True)
+
     def __exit__(self, *exc) -> None:
         if self._bar is not None:
             self._bar.__exit__(*exc)

@@ -17,6 +17,12 @@ def memory_report(summary: dict) -> str:
         lines.append(f"  RoPE scaling {summary['rope_scaling']} (a context-extension fine-tune)")
     if summary.get("first_loss") is not None:
         lines.append(f"  loss {summary['first_loss']:.4f} -> {summary['final_loss']:.4f} over {summary['steps']} steps")
+    if summary.get("eval_loss") is not None:
+        lines.append(f"  eval loss {summary['eval_loss']:.4f} (perplexity {summary['eval_perplexity']:,.2f}) at step"
+                     f" {summary['eval_step']}, over {summary['eval_tokens']:,} target tokens")
+    if summary.get("best_dir"):
+        lines.append(f"  best eval loss {summary['best_eval_loss']:.4f} at step {summary['best_eval_step']}:"
+                     f" model in {summary['best_dir']}")
     peak = summary.get("peak_memory_bytes")
     label = "peak allocated (CUDA)" if str(summary["device"]).startswith("cuda") else "process peak RSS"
     if peak:

@@ -40,6 +40,7 @@ from memfit.techniques.optimizers import OptimizerChoice, build_optimizer, build
 from memfit.techniques.packed_attention import pack_for_model
 from memfit.techniques.precision import PrecisionChoice, resolve_precision
 from memfit.train.engine import Engine, choose_engine
+from memfit.train.evaluation import load_eval_data, split_for_evaluation
 from memfit.train.metrics import check_trackers
 
 log = logging.getLogger("memfit")
@@ -76,6 +77,8 @@ class TrainingSession:
     """What --compile compiled ('4 of 4 blocks (inductor) and the loss'), or 'off'."""
     token_loss: Callable[..., torch.Tensor] | None = None
     """--compile: the compiled logits-to-loss tail (techniques.loss.token_loss_sum); None: the eager one."""
+    eval_dataset: Any = None
+    """The samples evaluation runs on (--eval-dataset or --eval-fraction; train/evaluation.py), or None."""
 
     @property
     def model(self) -> torch.nn.Module:
@@ -161,11 +164,13 @@ def _build_session(config: TrainConfig) -> TrainingSession:
         _data_config(config), loaded.tokenizer, max_positions=loaded.max_positions, min_samples=effective_batch,
         rope_positions=loaded.rope_positions,
     )
+    eval_source = load_eval_data(config, _data_config(config), loaded)  # --eval-dataset: read like the training data
     if dist.is_main:
         dist.barrier()
     # --packing samples: whole samples share windows, attention restricted to each (or `off` for stateful layers).
     dataset = pack_for_model(dataset, config.data.packing, None, loaded.model, ran, config.data.seq_len,
                              effective_batch, fallbacks)
+    dataset, eval_dataset = split_for_evaluation(config, dataset, eval_source, loaded.model, ran, effective_batch)
     schedule = BatchSchedule(len(dataset), effective_batch, config.training.seed, dist.rank, dist.world_size)
     total_steps = (
         schedule.steps_for_epochs(config.training.epochs) if config.training.epochs is not None else config.training.max_steps
@@ -204,6 +209,7 @@ def _build_session(config: TrainConfig) -> TrainingSession:
         kernels=kernels,
         compiled=compiled,
         token_loss=token_loss,
+        eval_dataset=eval_dataset,
     )
 
 
