@@ -164,6 +164,10 @@ def curves_figure(run: RunData):
             if key == "mfu":
                 ys = [100 * y for y in ys]  # the metrics keep a fraction of the device's peak
             figure.add_trace(line_trace(go, xs, ys, key.replace("_", " "), RUN_COLORS[0], showlegend=False), row, col)
+            if key == "loss" and run.evaluations:  # the eval loss on the same axes (a token-weighted mean, like the loss)
+                evals = [(e["step"], e["eval_loss"]) for e in run.evaluations if isinstance(e.get("eval_loss"), (int, float))]
+                figure.add_trace(line_trace(go, [s for s, _ in evals], [v for _, v in evals], "eval loss", RUN_COLORS[1],
+                                            dash="dash"), row, col)
             if key == "lr":
                 figure.update_yaxes(exponentformat="e", row=row, col=col)
         figure.update_xaxes(title_text="step" if position >= len(panels) - columns else None, row=row, col=col)

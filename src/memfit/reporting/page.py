@@ -123,6 +123,14 @@ def glance(run: RunData) -> list[tuple[str, str, str]]:
         cards.append(
             ("final loss", _number(run.final_loss), f"from {_number(run.first_loss)} at step {run.steps[0]['step']}")
         )
+    if run.evaluations:
+        last, summary = run.evaluations[-1], run.summary or {}
+        perplexity = last.get("eval_perplexity")  # "inf" (a string in JSON) when the loss is past exp's range
+        perplexity = _number(perplexity) if isinstance(perplexity, (int, float)) else str(perplexity)
+        note = f"perplexity {perplexity} at step {last['step']}, {last.get('eval_tokens', '?')} target tokens"
+        if summary.get("best_eval_step") is not None:
+            note += f"; best {_number(summary.get('best_eval_loss'))} at step {summary['best_eval_step']}, kept in best/"
+        cards.append(("eval loss", _number(last.get("eval_loss")), note))
     speed = run.typical_tokens_per_second()
     if speed is not None:
         cards.append(("tokens/s", _number(speed, 4), "median over steps after the first"))

@@ -60,6 +60,12 @@ class RunData:
         return xs, ys
 
     @property
+    def evaluations(self) -> list[dict[str, Any]]:
+        """The eval lines ({"event": "eval", "step", "eval_loss", ...}) by step; after a resume the later one of a step."""
+        by_step = {e["step"]: e for e in self.events if e.get("event") == "eval" and isinstance(e.get("step"), int)}
+        return [by_step[step] for step in sorted(by_step)]
+
+    @property
     def oom_events(self) -> list[dict[str, Any]]:
         return [event for event in self.events if event.get("event") == "oom"]
 
