@@ -381,3 +381,26 @@ def _refuse_wrapped(packing: Any) -> None:
     except ImportError:  # packing modes not installed in this tree: nothing to refuse
         return
     resolve_packing(packing, supervised=True)
+
+
+def dataset_facts(dataset: Any) -> dict[str, Any] | None:
+    """What the metrics record about fine-tuning data (format, template, length policy); None for plain text."""
+    facts = getattr(dataset, "data_facts", None)
+    return facts() if callable(facts) else None
+
+
+def describe_facts(facts: dict[str, Any]) -> str:
+    """`dataset_facts` in words (the HTML report's data row)."""
+    template = f", template {facts['chat_template']}" if facts.get("chat_template") else ""
+    text = (f"{facts.get('format')}{template}, loss on {facts.get('train_on')}: {facts.get('samples_kept', 0):,} samples,"
+            f" {facts.get('target_tokens', 0):,} of {facts.get('tokens', 0):,} tokens carry loss")
+    cost = []
+    if facts.get("samples_dropped_long"):
+        cost.append(f"{facts['samples_dropped_long']:,} longer than {facts.get('seq_len')} tokens dropped")
+    if facts.get("samples_truncated"):
+        cost.append(f"{facts['samples_truncated']:,} cut to {facts.get('seq_len')} tokens")
+    if facts.get("samples_dropped_no_target"):
+        cost.append(f"{facts['samples_dropped_no_target']:,} without a target token dropped")
+    if cost:
+        text += "; " + ", ".join(cost) + f" ({facts.get('target_tokens_lost', 0):,} target tokens lost)"
+    return text

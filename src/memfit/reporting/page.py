@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from memfit.data.samples import describe_facts
 from memfit.reporting import compare, figures
 from memfit.reporting.run_data import RunData
 from memfit.units import format_bytes
@@ -166,6 +167,8 @@ def configuration_rows(run: RunData) -> list[tuple[str, str]]:
     facts, config = run.facts, run.config or {}
     last = run.steps[-1] if run.steps else {}
     rows = [("model", facts.get("model")), ("data", config.get("dataset") or ("bundled corpus" if config else None))]
+    if facts.get("data"):  # fine-tuning data: format, loss mask, what the length policy dropped or cut
+        rows.append(("fine-tuning data", describe_facts(facts["data"])))
     precision = facts.get("precision")
     if facts.get("precision_reason"):
         precision = f"{precision} ({facts['precision_reason']})"
