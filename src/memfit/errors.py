@@ -25,3 +25,15 @@ class DoesNotFitError(MemfitError):
     """The run does not fit in the memory available, even after recovery."""
 
     exit_code = 3
+
+
+class CheckpointWriteError(MemfitError):
+    """A checkpoint could not be written (the disk is full, a file-size limit): the previous one is intact."""
+
+    exit_code = 74  # EX_IOERR of sysexits.h
+
+
+class PreemptedError(MemfitError):
+    """The run was asked to stop (SIGTERM, SIGUSR1, ...) and saved a checkpoint: resume it with --resume auto."""
+
+    exit_code = 75  # EX_TEMPFAIL of sysexits.h: "try again later", what a requeue wants to see

@@ -41,7 +41,7 @@ def save_sharded(
     write_shards: Callable[[Path], None],
     scheduler: Any,
     config_dict: dict[str, Any],
-    keep_last: int = 2,
+    keep_last: int | None = None,
 ) -> Path:
     """Write one checkpoint from every rank; `write_shards(tmp_dir)` runs on all of them."""
     root = Path(output_dir) / CHECKPOINT_DIR

@@ -179,6 +179,12 @@ class DataParallelEngine(LocalStepEngine):
         self.dist.barrier()
         return path
 
+    def checkpoint_snapshot(self, output_dir: Path, state: TrainerState, scheduler: Any, config_dict: dict):
+        """--async-save: rank 0 copies the (replicated) state and writes it in the background; the others write nothing."""
+        if not self.dist.is_main:
+            return None
+        return self.local.checkpoint_snapshot(output_dir, state, scheduler, config_dict)
+
     def load_checkpoint(self, path: Path, scheduler: Any) -> TrainerState:
         return self.local.load_checkpoint(path, scheduler)
 

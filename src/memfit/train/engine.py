@@ -29,13 +29,22 @@ when it spans ranks), and pick it in `choose_engine`.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
-from memfit.checkpoint_files import TrainerState, load_checkpoint, save_checkpoint, save_final_model
+from memfit.checkpoint_files import (
+    TrainerState,
+    load_checkpoint,
+    save_checkpoint,
+    save_final_model,
+    take_snapshot,
+    write_snapshot,
+)
 from memfit.config import TrainConfig
 from memfit.distributed.context import DistContext
 from memfit.techniques.optimizers import OptimizerChoice
@@ -187,6 +196,14 @@ class SingleProcessEngine:
 
     def save_checkpoint(self, output_dir: Path, state: TrainerState, scheduler: Any, config_dict: dict) -> Path:
         return save_checkpoint(output_dir, state, self.model, self.optimizer, scheduler, self.scaler, config_dict)
+
+    def checkpoint_snapshot(
+        self, output_dir: Path, state: TrainerState, scheduler: Any, config_dict: dict
+    ) -> Callable[[], Path]:
+        """--async-save: copy the state to host memory now; the returned call writes it (in a background thread)."""
+        snapshot = take_snapshot(self.model, self.optimizer, scheduler, self.scaler, host_copy=True)
+        saved = dataclasses.replace(state, extra=copy.deepcopy(state.extra))
+        return lambda: write_snapshot(snapshot, output_dir, saved, config_dict)
 
     def load_checkpoint(self, path: Path, scheduler: Any) -> TrainerState:
         return load_checkpoint(path, self.model, self.optimizer, scheduler, self.scaler)

@@ -23,13 +23,13 @@ from typing import Any
 
 from memfit.checkpoint_files import TrainerState, resolve_resume
 from memfit.config import TrainConfig
-from memfit.data.samples import dataset_facts
 from memfit.memory.stats import memory_stats, reset_peaks
 from memfit.reporting.memory_record import save_memory_record
 from memfit.techniques.packed_attention import packing_facts
 from memfit.train.evaluation import Evaluator
 from memfit.train.metrics import NullLogger, build_loggers
 from memfit.train.progress import Progress
+from memfit.train.saving import Saver, prepare_long_run, start_preemption
 from memfit.train.setup import TrainingSession, build_session
 from memfit.train.speed import SpeedMeter
 from memfit.train.step import StepRunner
@@ -97,6 +97,8 @@ def train(
             micro_batch_size = min(micro_batch_size, state.micro_batch_size)  # do not repeat an OOM
         if session.dist.is_main:
             log.info("memfit: resumed from %s at step %d (micro-batch %d)", resume_from, state.step, micro_batch_size)
+    # A resume that changes the run, a disk too small for the checkpoints: refused before the first step.
+    state.extra["run"] = prepare_long_run(session, resume_from, state.step, save_outputs)
 
     if session.dist.is_main and save_outputs:
         session.output_dir.mkdir(parents=True, exist_ok=True)
@@ -106,6 +108,7 @@ def train(
     describe_run(session, micro_batch_size)
     speed = SpeedMeter.from_session(session)  # MFU per step; the planner's step time beside the measured one
     evaluator = Evaluator.from_session(session, runner, tracker, resumed=resume_from is not None) if save_outputs else None
+    saver = Saver(session, logger, start_preemption(session, save_outputs), enabled=save_outputs)  # train/saving.py
     logger.log({"event": "start", **run_facts(session), **speed.start_facts(),
                 "resumed_from": str(resume_from) if resume_from else None})
 
@@ -119,7 +122,7 @@ def train(
     progress = Progress(session.total_steps, state.step, config.output.log_every, enabled=session.dist.is_main)
     activation_offload = _activation_offload_context(session)
     started = time.perf_counter()
-    with tracker if tracker is not None else contextlib.nullcontext(), progress, activation_offload, _oom_is_fatal(runner, config):
+    with tracker if tracker is not None else contextlib.nullcontext(), progress, activation_offload, _oom_is_fatal(runner, config), saver.preemption:
         upcoming = _samples_of(session, state.step)
         first_step = state.step
         for step in range(state.step, session.total_steps):
@@ -175,9 +178,9 @@ def train(
             progress.update(state.step, loss, record["tokens_per_second"], stats.get("peak_memory_bytes"))
             if evaluation is not None:
                 evaluator.publish(evaluation, logger, progress)  # the eval line, trackers, --save-best
-            if save_outputs and config.output.save_every and state.step % config.output.save_every == 0 and state.step < session.total_steps:
-                engine.save_checkpoint(session.output_dir, state, session.scheduler, config.to_dict())
+            saver.after_step(state)  # every N steps or M minutes; on a preemption signal: save, then exit 75
     wall = time.perf_counter() - started
+    saver.finish()  # a background write in flight completes (or raises) before the final save
     final_dir = _save_final(session, state) if save_outputs else None
     summary = {
         "event": "summary",
@@ -194,6 +197,7 @@ def train(
         "skipped_steps": skipped_steps,
         **run_facts(session),
         **speed.summary(),
+        **saver.summary(),
         **(evaluator.summary() if evaluator is not None else {}),
     }
     summary.update(engine.summary_metrics(summary))
@@ -321,7 +325,6 @@ def run_facts(session: TrainingSession) -> dict[str, Any]:
         "compile": session.compiled,
         "rope_scaling": session.loaded.rope_scaling.describe() if session.loaded.rope_scaling else None,
         "packing": packing_facts(session.dataset),
-        "data": dataset_facts(session.dataset),
         "fallbacks": dict(session.fallbacks),
     }
 
