@@ -23,6 +23,7 @@ from typing import Any
 
 from memfit.checkpoint_files import TrainerState, resolve_resume
 from memfit.config import TrainConfig
+from memfit.data.samples import dataset_facts
 from memfit.memory.stats import memory_stats, reset_peaks
 from memfit.reporting.memory_record import save_memory_record
 from memfit.techniques.packed_attention import packing_facts
@@ -325,6 +326,7 @@ def run_facts(session: TrainingSession) -> dict[str, Any]:
         "compile": session.compiled,
         "rope_scaling": session.loaded.rope_scaling.describe() if session.loaded.rope_scaling else None,
         "packing": packing_facts(session.dataset),
+        "data": dataset_facts(session.dataset),
         "fallbacks": dict(session.fallbacks),
     }
 
