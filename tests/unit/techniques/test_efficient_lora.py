@@ -67,6 +67,7 @@ CASES = {
 }
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("name", list(CASES))
 def test_forward_is_bit_identical_and_gradients_equal_peft(name, llama_dir):
     build, autocast = CASES[name]
@@ -84,6 +85,7 @@ def test_forward_is_bit_identical_and_gradients_equal_peft(name, llama_dir):
         torch.testing.assert_close(grad, grads_ref[parameter_name], rtol=1e-5, atol=1e-8, msg=parameter_name)
 
 
+@pytest.mark.numerics
 def test_many_slices_give_the_same_output_and_gradients(monkeypatch):
     """An input longer than one slice is cast, multiplied and differentiated slice by slice."""
     plain = _with_adapters(tiny_llama().to(torch.bfloat16))
@@ -99,6 +101,7 @@ def test_many_slices_give_the_same_output_and_gradients(monkeypatch):
         torch.testing.assert_close(grad, grads_ref[parameter_name], rtol=1e-4, atol=1e-7, msg=parameter_name)
 
 
+@pytest.mark.numerics
 def test_one_adapted_linear_against_float64_autograd():
     """The Function alone: every gradient (input, base output, A, B) against float64 autograd."""
     generator = torch.Generator().manual_seed(0)
@@ -115,6 +118,7 @@ def test_one_adapted_linear_against_float64_autograd():
         torch.testing.assert_close(ours.grad.double(), reference.grad, rtol=1e-5, atol=1e-5, msg=what)
 
 
+@pytest.mark.numerics
 def test_a_twice_wrong_gradient_is_caught_by_sgd():
     """SGD without clipping, two steps: the adapters of the two models agree, so a scaled gradient would not."""
     plain = _with_adapters(tiny_llama().to(torch.bfloat16))
@@ -123,6 +127,7 @@ def test_a_twice_wrong_gradient_is_caught_by_sgd():
     assert_same_after_sgd(plain, efficient, _tokens(), atol=1e-7)
 
 
+@pytest.mark.numerics
 def test_gpt2_conv1d_base_gives_the_same_gradients():
     """GPT-2's Conv1D base (PEFT's fan_in_fan_out): the adapters are plain linears all the same."""
     torch.manual_seed(0)
@@ -146,6 +151,7 @@ def test_adapters_with_dropout_keep_peft_forward():
     assert not any("forward" in m.__dict__ for m in model.modules() if hasattr(m, "lora_A"))
 
 
+@pytest.mark.numerics
 def test_autocast_over_fp32_weights_runs_peft_path_and_says_so(caplog, monkeypatch):
     """autocast's bf16 copy of an fp32 input (the norms' outputs) is smaller than the input: PEFT's
     path there, logged once; the adapters whose inputs autocast made bf16 (o, down) take memfit's."""
@@ -175,6 +181,7 @@ def test_disabled_adapters_give_the_base_output():
     assert torch.equal(base_logits, reference) and not torch.equal(adapted_logits, reference)
 
 
+@pytest.mark.numerics
 def test_a_compiled_block_matches_and_breaks_no_more_graphs():
     """Dynamo traces the adapter path inside a decoder block (regional compilation's unit)."""
     model = _with_adapters(tiny_llama(layers=1).to(torch.bfloat16))

@@ -70,6 +70,7 @@ def test_gradients_and_adam_state_exist_only_for_the_adapters():
     assert summary.trainable_parameters * 4 == adapter_bytes
 
 
+@pytest.mark.numerics
 def test_initial_loss_equals_the_base_model():
     base = tiny_llama()
     input_ids = batch()
@@ -160,6 +161,7 @@ def load_4bit(directory):
     return AutoModelForCausalLM.from_pretrained(directory, quantization_config=config, device_map={"": "cpu"})
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
 def test_qlora_4bit_trains_on_cpu(saved_llama, checkpointing):
     base = load_4bit(saved_llama)
@@ -212,6 +214,7 @@ def dequantized_copy(directory, quantized):
     return model
 
 
+@pytest.mark.numerics
 def test_merge_and_save_round_trip(tmp_path):
     model, _ = apply_lora(tiny_llama(), LoraConfig(lora_r=4, lora_alpha=8), gradient_checkpointing=False)
     train(model, steps=3)  # B is no longer zero: the merge must fold a real update in

@@ -39,6 +39,7 @@ def _saved_activation_bytes(model, input_ids, precision) -> tuple[int, float]:
     return sum(seen.values()), loss.item()
 
 
+@pytest.mark.numerics
 def test_bf16_autocast_shrinks_activations_and_keeps_the_loss():
     # Large enough that activations, not the bf16 weight copies autocast also saves, dominate.
     input_ids = torch.randint(0, 256, (8, 128), generator=torch.Generator().manual_seed(0))
@@ -108,6 +109,7 @@ def test_8bit_adamw_state_is_about_a_quarter():
     assert eight_losses[-1] == pytest.approx(full_losses[-1], rel=0.02)
 
 
+@pytest.mark.numerics
 def test_adamw_kernels_give_the_same_update():
     results = {}
     for impl in ("fused", "foreach", "for-loop"):

@@ -53,6 +53,7 @@ def _fp64_reference(x: torch.Tensor, weight: torch.Tensor, grad_out: torch.Tenso
     return x64.grad, w64.grad
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("trainable", [True, False])
 def test_one_norm_forward_is_bit_identical_and_gradients_agree(dtype, trainable):
@@ -80,6 +81,7 @@ def test_one_norm_forward_is_bit_identical_and_gradients_agree(dtype, trainable)
     assert (gw is None) == (not trainable)
 
 
+@pytest.mark.numerics
 def test_mixed_dtypes_and_autocast_match_the_plain_norm():
     """A bf16 input through an fp32 weight (fp32 output), and under bf16 autocast."""
     norm, x, grad_out = _norm_input_and_grads(torch.float32)
@@ -292,6 +294,7 @@ def test_bf16_step_keeps_less_by_the_tracker():
     assert abs(saved - expected) <= 0.02 * expected, (saved, expected)
 
 
+@pytest.mark.numerics
 def test_compiles_without_graph_breaks():
     norm, x, grad_out = _norm_input_and_grads(torch.bfloat16)
     _, gx_ref, gw_ref = _run(norm, x, grad_out)
@@ -350,6 +353,7 @@ def test_estimate_follows_the_tracker_with_and_without_the_efficient_norm(name, 
         assert abs(estimates[efficient] / peaks[efficient] - 1) <= ERROR_BAND["analytical"], (efficient, estimates, peaks)
 
 
+@pytest.mark.numerics
 def test_a_compiled_block_has_no_more_graph_breaks_and_the_same_output():
     """Dynamo traces the replaced norms inside a whole decoder block (regional compilation's unit)."""
     model = tiny_llama(hidden=64, layers=1, vocab=VOCAB)

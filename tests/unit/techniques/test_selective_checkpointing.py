@@ -83,6 +83,7 @@ def run(mode: str, input_ids: torch.Tensor):
     return activation_bytes, loss.detach(), grads
 
 
+@pytest.mark.numerics
 def test_selective_saves_between_off_and_full_with_identical_numerics():
     input_ids = torch.randint(0, 256, (2, 128), generator=torch.Generator().manual_seed(0))
     off_bytes, off_loss, off_grads = run("off", input_ids)
