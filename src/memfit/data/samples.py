@@ -223,13 +223,11 @@ def load_sft_data(
     """Samples of a conversational or prompt-completion source, built once and cached; the length
     policy applied. Raises UsageError for bad records, a missing template, or too few samples left."""
     fields = field_names(data_cfg)
-    template = template_name = None
+    template = template_name = choice = None
     if fmt != "prompt-completion" or _conversational_prompts(source, fields):
         choice = data_cfg.chat_template
         if not choice and not getattr(tokenizer, "chat_template", None) and _is_builtin_byte_tokenizer(tokenizer):
             choice = BUILTIN_TOKENIZER_TEMPLATE
-            logger.warning("memfit: chat template: the built-in byte tokenizer has none; conversations are rendered"
-                           " with memfit's %s (--chat-template %s)", choice, choice)
         template = resolve_chat_template(tokenizer, choice, getattr(tokenizer, "name_or_path", "") or "the model")
         template_name = choice or "the tokenizer's"
         if choice:
@@ -258,11 +256,14 @@ def load_sft_data(
     final = root / key
     if (final / "index.json").is_file():
         check(open_samples(final))
-        return datasets[-1]
-    renderer = ChatRenderer(tokenizer, template) if template else None
-    build_and_publish(root, key, lambda directory: write_samples(
-        directory, source, fmt, fields, renderer, tokenizer, data_cfg.train_on, parts), check)
-    datasets[-1].store.from_cache = False
+    else:
+        renderer = ChatRenderer(tokenizer, template) if template else None
+        build_and_publish(root, key, lambda directory: write_samples(
+            directory, source, fmt, fields, renderer, tokenizer, data_cfg.train_on, parts), check)
+        datasets[-1].store.from_cache = False
+    if choice and not data_cfg.chat_template:  # said once the data is good: bad input stays one line
+        logger.warning("memfit: chat template: the built-in byte tokenizer has none; conversations are rendered"
+                       " with memfit's %s (--chat-template %s)", choice, choice)
     return datasets[-1]
 
 
