@@ -21,6 +21,8 @@ COMMANDS = {
     "report": ("report", "a run's HTML report: curves, memory at the peak, advice (offline)"),
     "compare": ("compare", "several runs overlaid in one HTML page"),
     "data": ("data", "a dataset as the model sees it: rendered samples, loss masks, lengths, packing"),
+    "merge": ("merge", "a LoRA run's base model with its adapters merged (safetensors, from_pretrained)"),
+    "generate": ("generate", "sample from the model a run trained, through its chat template"),
 }
 
 USAGE = "usage: memfit {" + ",".join(COMMANDS) + "} [--FLAG VALUE ...]   (memfit COMMAND --help for its flags)"
