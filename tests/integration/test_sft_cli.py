@@ -112,3 +112,15 @@ def test_chunked_training_log_says_what_it_became(tmp_path, llama_dir, text_file
     said = [line for line in result.stderr.splitlines() if "--use-chunked-training at --chunk-size 32" in line]
     assert any("tiled MLP over 2 tiles" in line for line in said), result.stderr
     assert any("chunked loss over 32" in line for line in said), result.stderr
+
+
+def test_plan_from_the_dataset_lengths(tmp_path, warm_memfit):
+    answers = ["ok"] * 50 + ["a longer answer " * 8]
+    data = jsonl(tmp_path / "chat.jsonl", [{"messages": [CHAT[0], {"role": "assistant", "content": a}]} for a in answers])
+    result = warm_memfit.run("plan", "--model", "tiny", "--memory-budget", "2GiB", "--dataset", data, "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    lengths = report["dataset_lengths"]
+    assert lengths["samples"] == 51 and lengths["max"] > lengths["p50"]
+    assert lengths["seq_len"] == lengths["max"] and lengths["basis"] == "the longest sample"
+    assert f"--seq-len {lengths['max']}" in report["command"] and f"--dataset {data}" in report["command"]

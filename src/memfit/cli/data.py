@@ -149,3 +149,59 @@ def render(report: dict[str, Any], color: bool = False) -> str:
     lines.append(f"packing efficiency at --seq-len {report['seq_len']}: {report['packing_efficiency']:.1%} of positions hold"
                  f" a token with --packing samples, {report['padded_efficiency']:.1%} padded to --seq-len one sample a row")
     return "\n".join(lines)
+
+
+def plan_from_dataset(config: Any) -> tuple[Any, dict[str, Any]]:
+    """`memfit plan --dataset D`: the config with --seq-len taken from D's sample lengths, and what was chosen.
+
+    Conversations and prompt-completion samples are never cut across windows, so the planned length is
+    the longest sample, or the p99 length when a few outliers are over 1.5x longer (those would be dropped,
+    or cut with --truncate). Plain text is cut into windows of any length: --seq-len stays as given.
+    A --seq-len the user gave is kept.
+    """
+    import numpy as np
+
+    lengths, supervised = _sample_lengths(config)
+    quantiles = {f"p{q}": int(np.percentile(lengths, q, method="higher")) for q in (50, 90, 99)}
+    longest = int(lengths.max())
+    facts: dict[str, Any] = {"samples": len(lengths), **quantiles, "max": longest}
+    given = "seq_len" in (config.user_set or ())
+    if not supervised or given:
+        seq_len = config.data.seq_len
+        facts["basis"] = "plain text, cut into windows of --seq-len" if not supervised else "--seq-len as given"
+    elif longest <= 1.5 * quantiles["p99"]:
+        seq_len, facts["basis"] = longest, "the longest sample"
+    else:
+        seq_len, facts["basis"] = quantiles["p99"], "the p99 sample length (a few outliers are far longer)"
+    seq_len = max(seq_len, 2)
+    facts["seq_len"] = seq_len
+    facts["samples_longer"] = int((lengths > seq_len).sum()) if supervised else 0
+    return (config if seq_len == config.data.seq_len else config.replace(seq_len=seq_len)), facts
+
+
+def describe_plan_basis(dataset: str, facts: dict[str, Any]) -> str:
+    line = (f"planned at --seq-len {facts['seq_len']:,}: {facts['basis']} of {dataset} ({facts['samples']:,} samples;"
+            f" p50 {facts['p50']:,}, p90 {facts['p90']:,}, p99 {facts['p99']:,}, max {facts['max']:,} tokens)")
+    if facts["samples_longer"]:
+        line += f"; {facts['samples_longer']:,} longer samples would be dropped (--truncate cuts them)"
+    return line
+
+
+def _sample_lengths(config: Any) -> tuple[Any, bool]:
+    """Token counts of every sample of config.data.dataset (whole, before any length policy), and whether it is
+    a supervised format. Tokenized into a temporary directory unless --cache-dir is given."""
+    import numpy as np
+
+    from memfit.data import load_training_data
+    from memfit.models.loader import load_tokenizer
+
+    name = config.model.tokenizer or config.model.model
+    tokenizer = load_tokenizer("tiny" if name.startswith("preset") else name, config.model.trust_remote_code)
+    with tempfile.TemporaryDirectory(prefix="memfit-data-") as scratch:
+        # No length policy and one document a window: every sample is seen whole.
+        data_cfg = dataclasses.replace(config.data, cache_dir=config.data.cache_dir or scratch, seq_len=1 << 30,
+                                       stride=0, packing="off", truncate=False)
+        dataset = load_training_data(data_cfg, tokenizer)
+        if getattr(dataset, "supervised", False):
+            return np.diff(np.asarray(dataset.store.offsets)), True
+        return np.asarray(dataset.lengths, dtype=np.int64).copy(), False

@@ -34,12 +34,21 @@ def run(argv: list[str]) -> int:
 
     config, extras = parse_command_line(argv, extras=[PlanOptions])
     options: PlanOptions = extras[PlanOptions]
+    basis = None
+    if config.data.dataset and "dataset" in (config.user_set or ()):  # plan from the data's own lengths
+        from memfit.cli.data import describe_plan_basis, plan_from_dataset
+        from memfit.cli.output import stdout_to_stderr
+
+        with stdout_to_stderr(options.json):
+            config, basis = plan_from_dataset(config)
     sharding = "zero3" if config.distributed.zero_stage == 3 else config.distributed.sharding
     result = plan(config, allow=options.allow, world_size=options.world_size, sharding=sharding,
                   maximize=options.maximize, host_memory=options.host_memory)
     if options.json:
-        sys.stdout.write(json.dumps(result.to_dict()) + "\n")
+        sys.stdout.write(json.dumps(result.to_dict() | ({"dataset_lengths": basis} if basis else {})) + "\n")
         return 0
+    if basis:
+        print(describe_plan_basis(config.data.dataset, basis))
     print(render(result))
     return 0
 
