@@ -26,12 +26,16 @@ relative, 16-bit within its rounding.
 Which norms: every module with a `weight` and an `eps` or `variance_epsilon` whose forward
 gives bit-identical outputs to this one on a small random input of its own width and
 dtype. Variants that compute something else (Gemma's `(1 + weight)` in fp32, LayerNorm)
-fail that check and keep their own forward. liger-kernel's RMSNorm (`--kernels liger`,
+fail that check and keep their own forward; so do norms whose forward takes more than the
+hidden states (Mamba-2's and Falcon-H1's gated norms take a `gate`, and compute another
+thing when it is given), checked from the signature before anything is swapped and named in
+what `apply_efficient_rms_norm` returns. liger-kernel's RMSNorm (`--kernels liger`,
 applied after this) binds its own forward over this one where it runs.
 """
 
 from __future__ import annotations
 
+import inspect
 import types
 
 import torch
@@ -96,6 +100,16 @@ def _is_candidate(module: nn.Module) -> bool:
     )
 
 
+def _extra_inputs(module: nn.Module) -> list[str]:
+    """Names of the forward's inputs beyond the hidden states (Mamba-2's and Falcon-H1's gated norms take a
+    `gate`): such a norm computes something else when they are given, so it keeps its own forward."""
+    try:
+        parameters = list(inspect.signature(type(module).forward).parameters.values())[1:]  # past self
+    except (TypeError, ValueError):  # a forward without a Python signature: not one this norm can stand for
+        return ["(unknown signature)"]
+    return [p.name for p in parameters[1:] if p.kind not in (p.VAR_KEYWORD,)]
+
+
 def _computes_the_same(module: nn.Module) -> bool:
     """Whether the module's own forward equals this one bit for bit on a small random input.
 
@@ -129,14 +143,25 @@ def _computes_the_same(module: nn.Module) -> bool:
 def apply_efficient_rms_norm(model: nn.Module) -> str:
     """Give every RMSNorm of `model` that computes Llama's norm the memory-efficient forward (in place).
 
-    Returns what was done, e.g. "9 of 9 norms" (norms that compute something else keep theirs).
+    Returns what was done, e.g. "9 of 9 norms" (norms that compute something else keep theirs), and
+    names the norms left alone because their forward takes more inputs than the hidden states.
     """
     candidates = [m for m in model.modules() if _is_candidate(m)]
     replaced = 0
+    more_inputs: dict[str, int] = {}
     for module in candidates:
+        extra = _extra_inputs(module)
+        if extra:
+            key = f"{type(module).__name__} ({', '.join(extra)})"
+            more_inputs[key] = more_inputs.get(key, 0) + 1
+            continue
         if _computes_the_same(module):
             # An instance attribute, as liger-kernel patches norms: the class and its other
             # instances are untouched, and a later liger patch replaces this one.
             module.forward = types.MethodType(_efficient_forward, module)
             replaced += 1
-    return f"{replaced} of {len(candidates)} norms"
+    done = f"{replaced} of {len(candidates)} norms"
+    if more_inputs:
+        kept = ", ".join(f"{count} {name}" for name, count in more_inputs.items())
+        done += f"; kept their own forward, which takes more than the hidden states: {kept}"
+    return done

@@ -269,6 +269,23 @@ def test_gemma_style_and_layer_norms_are_left_alone():
     assert apply_efficient_rms_norm(model) == "0 of 2 norms"
 
 
+def test_gated_norms_keep_their_forward_and_a_mamba2_model_trains():
+    """Mamba-2's gated norm takes a second input (the gate): it must keep its own forward, say so, and the
+    model must train with the technique on (its default)."""
+    from transformers import Mamba2Config, Mamba2ForCausalLM
+
+    config = Mamba2Config(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_heads=4, head_dim=16,
+                          state_size=8, n_groups=1, expand=2, chunk_size=16)
+    torch.manual_seed(0)
+    plain = Mamba2ForCausalLM(config)
+    efficient = copy.deepcopy(plain)
+    done = apply_efficient_rms_norm(efficient)
+    assert done.startswith("3 of 5 norms") and "2 MambaRMSNormGated (gate)" in done, done
+    gated = [m for m in efficient.modules() if type(m).__name__ == "MambaRMSNormGated"]
+    assert gated and all("forward" not in m.__dict__ for m in gated)
+    assert_same_after_sgd(plain, efficient, _tokens(2, 16))
+
+
 def test_bf16_step_keeps_less_by_the_tracker():
     """bf16 weights, full fine-tuning, no checkpointing: each norm keeps its bf16 input and 1/rms
     instead of the fp32 upcast and the bf16 normalised tensor (6 bytes per element less 2)."""
