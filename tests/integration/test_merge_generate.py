@@ -71,6 +71,21 @@ def test_merged_model_gives_the_adapter_models_logits(lora_run, llama_dir, warm_
     assert AutoTokenizer.from_pretrained(target).chat_template
 
 
+def test_qlora_run_merges_into_the_unquantized_base(llama_dir, tmp_path, warm_memfit):
+    out = tmp_path / "qlora"
+    train(_lora_config(llama_dir, out, quantize="4bit", lr=2.0))
+    result = warm_memfit.run("merge", out)
+    assert result.returncode == 0, result.stderr
+    notes = [line for line in result.stderr.splitlines() if line.startswith("memfit merge:")]
+    assert len(notes) == 1 and "4bit base" in notes[0] and "unquantized base" in notes[0]
+    merged = AutoModelForCausalLM.from_pretrained(out / "merged", dtype=torch.float32)
+    assert not hasattr(merged.config, "quantization_config")
+    unquantized = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32)
+    expected = _logits(PeftModel.from_pretrained(unquantized, out / "final"))
+    torch.testing.assert_close(_logits(merged), expected, atol=1e-5, rtol=0)
+    assert float((_logits(AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32)) - expected).abs().max()) > 1e-4
+
+
 def test_merge_library_default_directory(lora_run):
     result = merge_run(open_run(lora_run["out"]))
     assert result.directory == lora_run["out"] / "merged"

@@ -120,12 +120,14 @@ def load_base(run: TrainedRun, device: torch.device, quantization=None) -> torch
     return load_model_and_tokenizer(config, device, _attention(config, device), quantization).model
 
 
-def load_for_inference(run: TrainedRun, device: torch.device, merge: bool = True) -> tuple[torch.nn.Module, Any]:
+def load_for_inference(run: TrainedRun, device: torch.device, merge: bool = True,
+                       keep_quantized: bool = True) -> tuple[torch.nn.Module, Any]:
     """The trained model on `device`, in eval mode, with the tokenizer saved beside it.
 
     A LoRA run: the base plus the adapters, merged in memory (`merge`) when the base is not
     quantized; a QLoRA run on a CUDA device with bitsandbytes keeps its 4/8-bit base and the
-    adapters unmerged, as in training, elsewhere it runs on the unquantized base.
+    adapters unmerged, as in training, elsewhere it runs on the unquantized base (said in the log).
+    `keep_quantized=False` always loads the base unquantized (what merging needs).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -136,11 +138,11 @@ def load_for_inference(run: TrainedRun, device: torch.device, merge: bool = True
         from peft import PeftModel
 
         quantization = None
-        if run.quantized != "none" and device.type == "cuda":
+        if run.quantized != "none" and keep_quantized and device.type == "cuda":
             from memfit.techniques.lora import quantization_config
 
             quantization = quantization_config(run.config.lora, torch.bfloat16)
-        elif run.quantized != "none":
+        elif run.quantized != "none" and keep_quantized:
             log.info("memfit: the run trained over a %s base; on %s it runs over the unquantized base", run.quantized,
                      device.type)
         base = load_base(run, device, quantization)
@@ -189,7 +191,7 @@ def merge_run(run: TrainedRun, output_dir: str | Path | None = None, memory_cap:
         raise UsageError(f"--output {directory} holds files that are not a model; give an empty or new directory")
     device = torch.device("cpu")
     with _memory_capped(device, memory_cap, "merging"):
-        model, tokenizer = load_for_inference(run, device, merge=True)
+        model, tokenizer = load_for_inference(run, device, merge=True, keep_quantized=False)
         temporary = directory.with_name(f".tmp-{directory.name}-{os.getpid()}")
         shutil.rmtree(temporary, ignore_errors=True)
         model.config.use_cache = True
