@@ -53,6 +53,7 @@ from memfit.models.state_bytes import (  # noqa: F401  (re-exported: the estimat
     optimizer_step_temporary_bytes,
     parameter_inventory,
 )
+from memfit.techniques.packed_attention import packed_mask_estimate
 from memfit.units import GIB
 
 BREAKDOWN_KEYS = CATEGORIES  # the one category set: estimate, traced estimate and profile report the same
@@ -327,6 +328,11 @@ def estimate(
         moment, per_layer, notes = _traced_peak(config, run, hf_config, inventory, parts)
     moment = _apply_sharding(moment, parts, sharding, world_size, hf_config, run,
                              notes.get("autocast_weight_copies_bytes", 0))
+    packed_mask = packed_mask_estimate(config.data, config.training.batch_size, run.attention, run.checkpointing,
+                                       architecture_of(hf_config), _precision(run).attention)
+    if packed_mask:  # --packing samples under SDPA: the block-diagonal mask and its per-layer copies
+        moment["activations"] += packed_mask
+        notes["packed_mask_bytes"] = packed_mask
     if run.device_type == "cuda":
         allocated = sum(moment.values())
         moment["other"] += CUDA_CONTEXT_BYTES + int(FRAGMENTATION * allocated)

@@ -5,13 +5,16 @@ from __future__ import annotations
 import logging
 
 import numpy as np
+import pytest
 import torch
 
+from memfit.config import DataConfig
 from memfit.data.packing import PackedDataset
 from memfit.techniques.packed_attention import (
     attention_restriction,
     block_mask_bytes,
     pack_for_model,
+    packed_mask_estimate,
     packing_facts,
     stateful_layers,
 )
@@ -90,7 +93,61 @@ def test_plain_text_auto_stays_wrapped(tmp_path, text_file):
     assert len(packed) < len(documents) and packed.facts()["efficiency"] > 0.9
 
 
-def test_block_mask_bytes_square_in_the_length_and_none_for_flash():
-    assert block_mask_bytes(2, 1024, "sdpa") == 2 * 1024 * 1024
-    assert block_mask_bytes(2, 1024, "eager") == block_mask_bytes(2, 1024, "sdpa")
+def test_block_mask_bytes_square_in_the_length_and_only_under_sdpa():
+    assert block_mask_bytes(2, 1024, "sdpa", layers_holding=2, element_bytes=4) == 2 * 1024 * 1024 * 9
+    assert block_mask_bytes(2, 1024, "sdpa", 2, 4, expanded_kv_bytes_per_token=256) == 2 * 1024 * (1024 * 9 + 2 * 256)
+    assert block_mask_bytes(2, 1024, "eager") == 0  # eager builds the same mask for plain causal rows
     assert block_mask_bytes(2, 1024, "flash") == 0
+
+
+def _tracked_step_peak(layers: int, batch: int, seq_len: int, packed: bool) -> int:
+    from memfit.memory.tracker import MemoryTracker
+    from memfit.techniques.loss import causal_lm_loss_sum
+
+    model = tiny_llama(layers=layers, max_positions=1024)  # 4 query heads, 2 key-value heads
+    model.config._attn_implementation = "sdpa"
+    ids = torch.randint(0, 256, (batch, seq_len), generator=torch.Generator().manual_seed(0))
+    positions = torch.cat([torch.arange(100), torch.arange(seq_len - 100)]).expand(batch, seq_len)
+    tracker = MemoryTracker("cpu")
+    tracker.attach(model)
+    try:
+        with tracker:
+            causal_lm_loss_sum(model, ids, ids, None, 0, **({"position_ids": positions} if packed else {})).backward()
+        return tracker.peak_bytes
+    finally:
+        tracker.detach()
+
+
+@pytest.mark.parametrize("layers", [4, 6])
+def test_mask_bytes_bound_the_tracked_cost_of_packed_rows(layers):
+    """The tracker's peak of a packed step minus a plain causal one, against what the estimator adds (fp32, CPU)."""
+    from memfit.memory.activations import architecture_of
+
+    batch, seq_len = 2, 512
+    measured = _tracked_step_peak(layers, batch, seq_len, True) - _tracked_step_peak(layers, batch, seq_len, False)
+    arch = architecture_of(tiny_llama(layers=layers, max_positions=1024).config)
+    predicted = packed_mask_estimate(DataConfig(seq_len=seq_len, packing="samples"), batch, "sdpa", "off", arch, 4)
+    assert measured <= predicted <= 1.05 * measured
+
+
+def test_estimator_counts_the_mask_where_samples_packing_runs(llama_dir):
+    from memfit.config_loading import load_config
+    from memfit.memory.activations import architecture_of
+    from memfit.memory.estimator import estimate
+
+    def peak(**settings):
+        config = load_config(overrides=dict(model=str(llama_dir), seq_len=256, batch_size=4, precision="fp32", **settings))
+        return estimate(config)
+
+    arch = architecture_of(tiny_llama(layers=2).config)
+    off, packed = peak(packing="off"), peak(packing="samples")
+    expected = block_mask_bytes(4, 256, "sdpa", 2, 4, 2 * (arch.q_width - arch.kv_width) * 4)
+    assert packed.details["packed_mask_bytes"] == expected
+    assert packed.breakdown["activations"] - off.breakdown["activations"] == expected
+    assert packed.peak_bytes - off.peak_bytes == expected
+    assert "packed_mask_bytes" not in peak(packing="samples", attention="flash").details
+    assert "packed_mask_bytes" not in peak(packing="auto").details  # plain text: wrapped
+    assert peak(packing="auto", dataset="builtin:chat").details["packed_mask_bytes"] == expected
+    checkpointed = peak(packing="samples", gradient_checkpointing="full")
+    assert checkpointed.details["packed_mask_bytes"] == block_mask_bytes(
+        4, 256, "sdpa", 1, 4, 2 * (arch.q_width - arch.kv_width) * 4)

@@ -237,3 +237,24 @@ def test_samples_against_off_fails_when_positions_do_not_reach_the_model(llama_d
     monkeypatch.setattr(step, "packed_positions", lambda batch: {})
     samples, _ = run_weights(llama_dir, path, tmp_path, "samples", packed_rows, 2)
     assert max(float((samples[name] - weight).abs().max()) for name, weight in off.items()) > 1e-4
+
+
+@pytest.mark.gpu
+def test_flash_attention_varlen_keeps_samples_apart():
+    """On CUDA with flash-attn: packed rows without a mask go through its variable-length path (bf16 tolerance)."""
+    pytest.importorskip("flash_attn")
+    samples = Samples(lengths_of_varied_samples())
+    packed = PackedDataset(samples, SEQ_LEN)
+    model = tiny_model("llama", "flash_attention_2").to("cuda", torch.bfloat16).eval()
+    rows = [packed[i] for i in range(len(packed))]
+    batch = {name: tensor.cuda() for name, tensor in packed_batch(rows).items()}
+    assert "attention_mask" not in batch
+    with torch.no_grad():
+        logits = forward_logits(model, batch).float()
+        for r, members in enumerate(packed.rows):
+            start = 0
+            for index in members.tolist():
+                ids = samples[index]["input_ids"].cuda()[None]
+                alone = model(input_ids=ids, use_cache=False).logits.float()[0]
+                torch.testing.assert_close(logits[r, start : start + len(ids[0])], alone, atol=3e-2, rtol=3e-2)
+                start += len(ids[0])
