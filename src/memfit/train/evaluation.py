@@ -81,6 +81,12 @@ class SampleView(torch.utils.data.Dataset):
         return np.asarray(self.base.lengths)[self.indices]
 
     @property
+    def num_samples(self) -> int:
+        """Whole samples in these rows (several per row when the base is packed)."""
+        rows = getattr(self.base, "rows", None)
+        return len(self) if rows is None else int(sum(len(rows[int(i)]) for i in self.indices))
+
+    @property
     def description(self) -> str:
         inner = getattr(self.base, "description", f"{len(self.base):,} samples")
         return f"{inner}; {len(self):,} of its {len(self.base):,} rows for {self.role}"
@@ -161,6 +167,7 @@ class EvalResult:
     """Summed token loss of the eval set / its target tokens."""
     target_tokens: int
     samples: int
+    """Whole samples evaluated (packed rows count each of theirs)."""
     batch_size: int
     """The eval batch at the end (lower than asked after an out-of-memory split)."""
     seconds: float
@@ -283,7 +290,8 @@ class Evaluator:
         finally:
             self.model.train(was_training)
         loss = float(total.item()) / max(target_tokens, 1)
-        result = EvalResult(step, loss, target_tokens, count, self.batch_size, time.perf_counter() - started, events)
+        samples = int(getattr(self.samples, "num_samples", count))  # packed rows hold several
+        result = EvalResult(step, loss, target_tokens, samples, self.batch_size, time.perf_counter() - started, events)
         self.last = result
         return result
 

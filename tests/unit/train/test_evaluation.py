@@ -216,3 +216,61 @@ def test_trackers_get_the_eval_loss_at_its_step():
 
     Recorder({}).log({"event": "eval", "step": 7, "eval_loss": 2.5, "eval_perplexity": 12.18, "eval_tokens": 90})
     assert seen == [(7, {"eval/loss": 2.5, "eval/perplexity": 12.18, "eval/tokens": 90.0})]
+
+
+class _Samples(torch.utils.data.Dataset):
+    """Whole samples with the `lengths` array packing reads."""
+
+    def __init__(self, samples):
+        self.items = samples
+        self.lengths = np.asarray([len(s["input_ids"]) for s in samples])
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, index):
+        return self.items[index]
+
+
+def _training_collate(pieces):
+    """The step's own collate: the mask of packed rows dropped, so position_ids say where each sample is."""
+    from memfit.data.prefetch import BatchPrefetcher
+
+    return BatchPrefetcher(lambda s: collate(s, 256), torch.device("cpu"), drop_full_attention_mask=True).collate(pieces)
+
+
+def test_eval_over_packed_rows_equals_the_samples_one_by_one(run):
+    from memfit.data.packing import PackedDataset
+
+    model = AutoModelForCausalLM.from_pretrained(run["result"].final_dir, dtype=torch.float32, attn_implementation="sdpa")
+    samples = run["samples"]
+    packed = PackedDataset(_Samples(samples), seq_len=256)
+    assert len(packed) < len(samples)  # several samples share a row
+    one_by_one = _evaluator(model, samples, 1).evaluate()
+    evaluator = _evaluator(model, packed, 2)
+    evaluator.collate = _training_collate
+    result = evaluator.evaluate()
+    assert result.samples == len(samples) and result.target_tokens == one_by_one.target_tokens
+    assert result.loss == pytest.approx(one_by_one.loss, abs=1e-5)
+    # The twin: rows without their positions let each sample attend to the one before it.
+    evaluator.collate = lambda pieces: {k: v for k, v in collate(pieces, 256).items() if k != "position_ids"}
+    assert abs(evaluator.evaluate().loss - one_by_one.loss) > 1e-4
+
+
+def test_eval_dataset_of_conversations(llama_dir, tmp_path):
+    conversations = tmp_path / "eval.jsonl"
+    rows = [{"messages": [{"role": "user", "content": f"What is {n} plus {n}?"},
+                          {"role": "assistant", "content": f"{n} plus {n} is {2 * n}."}]} for n in range(6)]
+    conversations.write_text("\n".join(json.dumps(row) for row in rows) + "\n")
+    config = load_config(overrides=dict(
+        model=str(llama_dir), dataset="builtin:chat", chat_template="chatml", eval_dataset=str(conversations),
+        seq_len=256, batch_size=4, max_steps=1, loss_chunk_size=0, output_dir=str(tmp_path / "out"), **SGD_NO_CLIPPING,
+    ))
+    result = train(config)
+    (last,) = _eval_lines(tmp_path / "out")
+    assert last["eval_samples"] == 6
+    session = build_session(config.replace(output_dir=str(tmp_path / "again")))
+    samples = [session.eval_dataset.samples[i] for i in range(6)]  # the conversations, before packing
+    # Only the answers carry loss: fewer target tokens than tokens.
+    assert last["eval_tokens"] < sum(len(s["input_ids"]) for s in samples)
+    assert last["eval_loss"] == pytest.approx(_reference_loss(result.final_dir, samples), abs=1e-5)
