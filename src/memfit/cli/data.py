@@ -146,8 +146,13 @@ def render(report: dict[str, Any], color: bool = False) -> str:
         extra = (f", {policy['samples_dropped_no_target']:,} dropped with nothing left to train on"
                  if policy["samples_dropped_no_target"] else "")
         lines.append(f"at --seq-len {report['seq_len']}: {what}{extra}; {policy['target_tokens_lost']:,} target tokens lost")
-    lines.append(f"packing efficiency at --seq-len {report['seq_len']}: {report['packing_efficiency']:.1%} of positions hold"
-                 f" a token with --packing samples, {report['padded_efficiency']:.1%} padded to --seq-len one sample a row")
+    if report["format"] == "text":  # plain text is laid end to end and cut (--packing wrapped): no packing to weigh
+        lines.append(f"plain text in {report['samples']:,} windows of <= {report['seq_len']} tokens:"
+                     f" {report['padded_efficiency']:.1%} of positions hold a token")
+    else:
+        lines.append(f"packing efficiency at --seq-len {report['seq_len']}: {report['packing_efficiency']:.1%} of positions"
+                     f" hold a token with --packing samples, {report['padded_efficiency']:.1%} padded to --seq-len one"
+                     " sample a row")
     return "\n".join(lines)
 
 
