@@ -134,3 +134,29 @@ def test_builtin_chat_is_shipped_and_every_record_is_valid():
     assert any(e.messages[0]["role"] == "system" for e in examples)
     with pytest.raises(UsageError, match="unknown bundled dataset builtin:nope"):
         resolve("builtin:nope")
+
+
+def test_hf_dataset_records_are_read_as_rows(monkeypatch):
+    """`hf:` sources go through `datasets.load_dataset` (faked here: nothing is downloaded) and come back as rows."""
+    import sys
+    import types
+
+    rows = [{"messages": CHAT, "id": i} for i in range(2500)]  # more than one slice of 1,000
+
+    class FakeSplit:
+        column_names = ["messages", "id"]
+
+        def __len__(self):
+            return len(rows)
+
+        def __getitem__(self, window):  # a slice of a Dataset is a dict of columns
+            return {name: [row[name] for row in rows[window]] for name in self.column_names}
+
+    calls = []
+    fake = types.SimpleNamespace(load_dataset=lambda name, config, split: calls.append((name, config, split)) or FakeSplit())
+    monkeypatch.setitem(sys.modules, "datasets", fake)
+    source = resolve("hf:someone/chats:default@train")
+    assert resolve_format(source, "auto", FIELDS) == "messages"
+    records = list(iter_records(source))
+    assert [r["id"] for r in records] == list(range(2500)) and records[7]["messages"] == CHAT
+    assert calls[-1] == ("someone/chats", "default", "train")
