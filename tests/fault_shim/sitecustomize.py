@@ -31,3 +31,33 @@ if _scale or _keep_rng:
     if _keep_rng:
         torch.set_rng_state = lambda state: None
         torch.random.set_rng_state = lambda state: None
+
+# MEMFIT_FAULT_PREEMPT_PARTIAL=1   once the run's SIGTERM handler has been called, the next optimizer
+#                                 step updates only every other parameter: the step in flight half
+#                                 applied when the checkpoint is written.
+if os.environ.get("MEMFIT_FAULT_PREEMPT_PARTIAL"):
+    import signal as _signal
+
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    _preempt = {"signalled": False, "done": False}
+    _install = _signal.signal
+
+    def _noting_signal(number, handler):
+        if number == _signal.SIGTERM and callable(handler):
+            def noted(signum, frame, _handler=handler):
+                _preempt["signalled"] = True
+                return _handler(signum, frame)
+
+            return _install(number, noted)
+        return _install(number, handler)
+
+    def _half_step(optimizer, args, kwargs):
+        if _preempt["signalled"] and not _preempt["done"]:
+            _preempt["done"] = True
+            parameters = [p for group in optimizer.param_groups for p in group["params"]]
+            for parameter in parameters[1::2]:
+                parameter.grad = None
+
+    _signal.signal = _noting_signal
+    register_optimizer_step_pre_hook(_half_step)

@@ -65,6 +65,9 @@ class Saver:
             raise self._preempted(state)
         if due or (agreed == 1 and state.step < total):
             self.save(state)
+            # A signal that came during the save stops the run now, on the checkpoint just written.
+            if self.preemption.signals and self.session.dist.all_reduce_max(float(self.preemption.requested)):
+                raise self._preempted(state)
 
     def save(self, state: Any, background: bool = True) -> None:
         """One checkpoint of `state`, in the background when --async-save runs and `background`."""
@@ -100,6 +103,7 @@ class Saver:
                 "checkpoint_stall_seconds_mean": round(sum(self.stalls) / len(self.stalls), 4)}
 
     def _preempted(self, state: Any) -> PreemptedError:
+        self.finish()  # the checkpoint written in the background is complete before the run says so
         received = self.preemption.received.name if self.preemption.received is not None else "another rank's signal"
         self.logger.log({"event": "preempted", "step": state.step, "signal": received})
         self.logger.close()
