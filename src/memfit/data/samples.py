@@ -32,6 +32,7 @@ import torch
 from memfit.data.cache import default_cache_dir, token_dtype, tokenizer_fingerprint, vocab_size
 from memfit.data.formats import FieldNames, detect_format, to_example
 from memfit.data.masks import build_sample
+from memfit.data.packing import resolve_packing
 from memfit.data.records import first_record, iter_records
 from memfit.data.sources import TextSource
 from memfit.data.templates import ChatRenderer, resolve_chat_template, template_fingerprint
@@ -371,17 +372,8 @@ def load_supervised_data(data_cfg: Any, tokenizer: Any, *, min_samples: int = 1)
     fmt = resolve_format(source, data_cfg.dataset_format, field_names(data_cfg))
     if fmt == "text":
         return None
-    _refuse_wrapped(data_cfg.packing)
+    resolve_packing(data_cfg.packing, supervised=True)  # whole samples only: --packing wrapped refused before any write
     return load_sft_data(data_cfg, tokenizer, source, fmt, min_samples=min_samples)
-
-
-def _refuse_wrapped(packing: Any) -> None:
-    """Whole samples only: refused before anything is tokenized or written."""
-    try:
-        from memfit.data.packing import resolve_packing
-    except ImportError:  # packing modes not installed in this tree: nothing to refuse
-        return
-    resolve_packing(packing, supervised=True)
 
 
 def dataset_facts(dataset: Any) -> dict[str, Any] | None:

@@ -187,3 +187,11 @@ def test_alpaca_and_sharegpt_files_train_on_their_answers(tmp_path):
         sample = data[0]
         target = sample["labels"] != -100
         assert tok.decode(sample["input_ids"][target].tolist()) == answer + "<|im_end|>\n"
+
+
+def test_wrapped_packing_is_refused_for_conversations_before_any_write(tmp_path, records):
+    cache = tmp_path / "cache"
+    with pytest.raises(UsageError, match="--packing wrapped .* would cut conversations"):
+        load_training_data(DataConfig(dataset=str(write(tmp_path / "d.jsonl", records)), packing="wrapped",
+                                      cache_dir=str(cache)), tokenizer())
+    assert not cache.exists()
