@@ -93,6 +93,8 @@ VALUE_ALIASES: dict[str, dict[str, str]] = {
     "lr_schedule": {"cosine_with_warmup": "cosine", "linear_with_warmup": "linear", "constant_with_warmup": "constant"},
     "quantize": {"nf4": "4bit", "int4": "4bit", "int8": "8bit", "off": "none", "false": "none"},
     "sharding": {"off": "none", "fsdp2": "fsdp"},
+    # TRL's names of dataset types.
+    "dataset_format": {"conversational": "messages", "chat": "messages", "language_modeling": "text", "language-modeling": "text"},
     "eval_strategy": {"none": "no", "off": "no", "false": "no"},
     # Old `packing: true/false` (and TRL's `packing`) keep their meaning: pack the way the data allows, or pad.
     "packing": {"true": "auto", "false": "off", "yes": "auto", "no": "off", "on": "auto", "1": "auto", "0": "off"},

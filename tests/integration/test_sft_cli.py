@@ -124,3 +124,9 @@ def test_plan_from_the_dataset_lengths(tmp_path, warm_memfit):
     assert lengths["samples"] == 51 and lengths["max"] > lengths["p50"]
     assert lengths["seq_len"] == lengths["max"] and lengths["basis"] == "the longest sample"
     assert f"--seq-len {lengths['max']}" in report["command"] and f"--dataset {data}" in report["command"]
+
+
+def test_trl_dataset_type_names_select_the_format():
+    assert load_config(None, [("dataset-format", "conversational")]).data.dataset_format == "messages"
+    assert load_config(None, [("dataset_format", "language_modeling")]).data.dataset_format == "text"
+    assert load_config(None, [("dataset-format", "prompt_completion")]).data.dataset_format == "prompt-completion"
