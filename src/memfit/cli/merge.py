@@ -18,7 +18,7 @@ SUMMARY = (
 @dataclass
 class MergeOptions:
     output: str | None = None
-    """Directory to write the merged model to [default: RUN_DIR/merged]."""
+    """Directory to write the merged model to (RUN_DIR/merged when not given)."""
     best: bool = False
     """Merge the best model by eval loss (RUN_DIR/best, from --save-best) instead of the final one."""
     memory_cap: int | None = field(default=None, metadata={"size": True})

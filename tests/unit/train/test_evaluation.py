@@ -274,3 +274,39 @@ def test_eval_dataset_of_conversations(llama_dir, tmp_path):
     # Only the answers carry loss: fewer target tokens than tokens.
     assert last["eval_tokens"] < sum(len(s["input_ids"]) for s in samples)
     assert last["eval_loss"] == pytest.approx(_reference_loss(result.final_dir, samples), abs=1e-5)
+
+
+def test_bad_eval_dataset_stops_before_anything_is_written(llama_dir, tmp_path):
+    bad = tmp_path / "eval.jsonl"
+    bad.write_text(json.dumps({"messages": [{"role": "user", "content": "Only a question?"}]}) + "\n")
+    out = tmp_path / "out"
+    config = load_config(overrides=dict(model=str(llama_dir), dataset="builtin:chat", chat_template="chatml",
+                                        eval_dataset=str(bad), seq_len=256, output_dir=str(out)))
+    with pytest.raises(UsageError, match="--eval-dataset") as error:
+        train(config)
+    assert "\n" not in str(error.value)
+    assert not out.exists()
+
+
+def test_epoch_strategy_evaluates_after_each_pass(llama_dir, text_file, tmp_path):
+    config = _config(llama_dir, text_file, tmp_path, eval_strategy="epoch", max_steps=1, eval_fraction=0.5)
+    session = build_session(config)
+    evaluator = Evaluator.from_session(session, type("Runner", (), {
+        "model": session.model, "prefetcher": type("P", (), {"collate": None})(), "loss_fn": None,
+        "loss_chunk_size": 0, "micro_batch_size": 4})())
+    per_epoch = session.schedule.steps_per_epoch
+    assert evaluator.every == per_epoch
+    assert [step for step in range(1, 2 * per_epoch + 1) if evaluator.due(step)] == [1, per_epoch, 2 * per_epoch]
+
+
+def test_a_resumed_run_keeps_the_best_it_had(llama_dir, text_file, tmp_path):
+    """lr 1.0 makes the eval loss rise after the first step: a resumed run must not replace that best model."""
+    first = _config(llama_dir, text_file, tmp_path, eval_every=1, save_best=True, max_steps=1, save_every=1)
+    train(first)
+    best = json.loads((tmp_path / "best.json").read_text())
+    weights = (tmp_path / "best" / "model.safetensors").read_bytes()
+    train(_config(llama_dir, text_file, tmp_path, eval_every=1, save_best=True, max_steps=3, resume="auto"))
+    evals = _eval_lines(tmp_path)
+    assert [e["step"] for e in evals] == [1, 2, 3] and min(e["eval_loss"] for e in evals[1:]) > best["eval_loss"]
+    assert json.loads((tmp_path / "best.json").read_text()) == best
+    assert (tmp_path / "best" / "model.safetensors").read_bytes() == weights
