@@ -128,7 +128,8 @@ def take_snapshot(
         rng_state(),
     )
     if host_copy:
-        snapshot = Snapshot(*(_host_copy(part) for part in dataclasses.astuple(snapshot, tuple_factory=list)))
+        # Field by field (dataclasses.astuple would deep-copy every tensor once more).
+        snapshot = Snapshot(*(_host_copy(getattr(snapshot, f.name)) for f in dataclasses.fields(snapshot)))
     return snapshot
 
 
