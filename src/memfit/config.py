@@ -23,7 +23,9 @@ from memfit.errors import UsageError
 PRECISIONS = ("auto", "amp", "fp32", "bf16", "fp16")
 WEIGHT_DTYPES = ("fp32", "bf16", "fp16")
 ATTENTION_KINDS = ("auto", "flash", "sdpa", "eager")
-OPTIMIZERS = ("adamw", "adamw-8bit", "paged-adamw-8bit", "adafactor", "sgd")
+SMALL_STATE_OPTIMIZERS = ("galore-adamw", "galore-adamw-8bit", "apollo-adamw", "apollo-mini", "adam-mini", "adamw-4bit")
+"""Optimizers with a fraction of AdamW's state (memfit.techniques.small_state_optimizers); the first five need full weights."""
+OPTIMIZERS = ("adamw", "adamw-8bit", "paged-adamw-8bit", "adafactor", "sgd", *SMALL_STATE_OPTIMIZERS)
 OPTIMIZER_IMPLS = ("auto", "fused", "foreach", "for-loop")
 LR_SCHEDULES = ("cosine", "linear", "constant")
 CHECKPOINTING_MODES = ("off", "full", "selective", "auto")
@@ -115,6 +117,16 @@ class OptimizerConfig:
     """Optimizer steps of linear warmup."""
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this value; 0 turns clipping off (the default under --optimizer-in-backward)."""
+    optim_target_modules: str = "all-linear"
+    """Weights GaLore and APOLLO project: all-linear (every Linear, the output head included), all (every matrix, embeddings too) or module names / regexes, comma-separated (q_proj,v_proj); the rest keep AdamW's full moments."""
+    optim_rank: int | None = None
+    """Rank of the GaLore / APOLLO projection (default 128; apollo-mini: 1). Lower: less state, further from AdamW."""
+    optim_update_proj_gap: int | None = None
+    """Optimizer steps between refreshes of each GaLore / APOLLO projection (default 200)."""
+    optim_scale: float | None = None
+    """Scale of the projected update (default: GaLore 0.25, APOLLO 1, APOLLO-Mini 128)."""
+    optim_args: str | None = None
+    """The Trainer's optim_args for GaLore / APOLLO: 'rank=64,update_proj_gap=100,scale=0.25,proj_type=std,proj=random,scale_type=channel'."""
 
 
 @dataclass
@@ -282,6 +294,43 @@ class EvalConfig:
         return found
 
 
+TASKS = ("causal-lm", "masked-lm", "sequence-classification", "token-classification", "regression")
+PROBLEM_TYPES = ("auto", "single-label", "multi-label")
+
+
+@dataclass
+class TaskConfig:
+    task: str = field(default="causal-lm", metadata=_choices(*TASKS))
+    """What is learned: causal-lm (next token), masked-lm, sequence-classification, token-classification or regression (memfit.tasks; docs/tasks.md)."""
+    problem_type: str = field(default="auto", metadata=_choices(*PROBLEM_TYPES))
+    """sequence-classification: single-label (one class a sample) or multi-label (each label column 0/1); auto: multi-label when several --label-fields are given."""
+    num_labels: int | None = None
+    """Classes (or regression targets) of the head; default: what the training data holds."""
+    label_names: str | None = None
+    """Class names in id order, comma-separated (default: the names found in the training data, sorted); saved as id2label with the model."""
+    sequence_field: str = "sequence"
+    """Column holding the sequence in CSV/TSV/JSONL/Parquet tables (DNALLM's name)."""
+    label_fields: str = "label"
+    """Label column(s) of a table, comma-separated: several mean multi-label classification or multi-target regression."""
+    mlm_probability: float = 0.15
+    """masked-lm: share of tokens masked (80% become the mask token, 10% a random token, 10% stay), drawn from (--seed, step, sample)."""
+    threshold: float = 0.5
+    """multi-label: probability at which a label counts as predicted, for the evaluation metrics."""
+
+    def problems(self) -> list[str]:
+        """What is wrong with these settings, by flag name (TrainConfig.validate reports them)."""
+        found = []
+        if self.num_labels is not None and self.num_labels < 1:
+            found.append(f"--num-labels must be at least 1, got {self.num_labels}")
+        if not 0 < self.mlm_probability < 1:
+            found.append(f"--mlm-probability must be between 0 and 1 (a share of the tokens), got {self.mlm_probability}")
+        if not 0 < self.threshold < 1:
+            found.append(f"--threshold must be between 0 and 1 (a probability), got {self.threshold}")
+        if self.problem_type == "multi-label" and self.task != "sequence-classification":
+            found.append(f"--problem-type multi-label is for --task sequence-classification, not {self.task}")
+        return found
+
+
 SECTIONS: dict[str, type] = {
     "model": ModelConfig,
     "data": DataConfig,
@@ -292,6 +341,7 @@ SECTIONS: dict[str, type] = {
     "output": OutputConfig,
     "distributed": DistributedConfig,
     "evaluation": EvalConfig,
+    "task": TaskConfig,
 }
 
 
@@ -308,6 +358,7 @@ class TrainConfig:
     output: OutputConfig = field(default_factory=OutputConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     evaluation: EvalConfig = field(default_factory=EvalConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
 
     def __post_init__(self) -> None:
         # Where the settings came from: not settings themselves, so not fields (to_dict and
@@ -403,6 +454,7 @@ class TrainConfig:
             problems.append(f"--max-grad-norm must be 0 (off) or positive, got {o.max_grad_norm}")
         if o.warmup_steps < 0:
             problems.append(f"--warmup-steps must be 0 or more, got {o.warmup_steps}")
+        problems.extend(_small_state_optimizer_problems(o, lo, m.optimizer_offload))
         if m.activation_offload_blocks is not None:
             if m.activation_offload_blocks < 0:
                 problems.append(f"--activation-offload-blocks must be 0 or more, got {m.activation_offload_blocks}")
@@ -437,8 +489,28 @@ class TrainConfig:
         if self.distributed.deepspeed and self.distributed.sharding == "fsdp":
             problems.append("--deepspeed and --sharding fsdp are two engines: pick one")
         problems.extend(self.evaluation.problems())
+        problems.extend(self.task.problems())
         if problems:
             raise UsageError("; ".join(problems))
+
+
+def _small_state_optimizer_problems(o: OptimizerConfig, lo: LoraConfig, optimizer_offload: bool) -> list[str]:
+    """Settings of the projected and block-wise optimizers that cannot work."""
+    problems = []
+    for flag, value in (("optim-rank", o.optim_rank), ("optim-update-proj-gap", o.optim_update_proj_gap)):
+        if value is not None and value < 1:
+            problems.append(f"--{flag} must be at least 1, got {value}")
+    if o.optim_scale is not None and not o.optim_scale > 0:
+        problems.append(f"--optim-scale must be positive, got {o.optim_scale}")
+    if lo.lora_r and o.optimizer in SMALL_STATE_OPTIMIZERS[:5]:
+        what = "projects full weight gradients to low rank" if o.optimizer != "adam-mini" else (
+            "partitions full weights into attention heads and rows")
+        problems.append(f"--optimizer {o.optimizer} {what}; LoRA adapters are already small: drop --lora-r, or use"
+                        " --optimizer adamw / adamw-8bit / adamw-4bit with LoRA")
+    if optimizer_offload and o.optimizer in SMALL_STATE_OPTIMIZERS:
+        problems.append(f"--optimizer-offload steps torch's AdamW on the host; --optimizer {o.optimizer} keeps its"
+                        " small state on the device: drop one of them")
+    return problems
 
 
 # ---------------------------------------------------------------------------

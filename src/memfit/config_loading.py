@@ -86,6 +86,15 @@ VALUE_ALIASES: dict[str, dict[str, str]] = {
         "adamw_torch_fused": "adamw",
         "adamw_hf": "adamw",
         "adam": "adamw",
+        # The Trainer's names of GaLore, APOLLO, Adam-mini and torchao's 4-bit AdamW; its layer-wise forms are
+        # memfit's --optimizer-in-backward (set it too).
+        "galore_adamw": "galore-adamw",
+        "galore_adamw_8bit": "galore-adamw-8bit",
+        "apollo_adamw": "apollo-adamw",
+        "apollo_mini": "apollo-mini",
+        "adam_mini": "adam-mini",
+        "adamw_torch_4bit": "adamw-4bit",
+        "adamw_4bit": "adamw-4bit",
     },
     "gradient_checkpointing": {"true": "full", "false": "off", "on": "full", "none": "off"},
     "precision": {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "no": "fp32"},

@@ -33,6 +33,7 @@ from memfit.config import TrainConfig
 from memfit.distributed.context import DistContext
 from memfit.distributed.memory import gradient_bytes, optimizer_state_bytes, parameter_bytes
 from memfit.errors import UsageError
+from memfit.models.optimizer_state import refusal_under_sharding
 from memfit.techniques.optimizers import refusal_under_fsdp
 
 log = logging.getLogger("memfit")
@@ -212,6 +213,8 @@ def check_supported(config: TrainConfig, engine: str) -> None:
         problems.append(f"--merge-adapter is not supported with {engine}: merge the saved adapter afterwards")
     if "fsdp" in engine and refusal_under_fsdp(config.optimizer.optimizer):
         problems.append(refusal_under_fsdp(config.optimizer.optimizer))
+    elif engine != "--sharding ddp" and refusal_under_sharding(config.optimizer.optimizer):  # DeepSpeed ZeRO
+        problems.append(refusal_under_sharding(config.optimizer.optimizer))
     if problems:
         raise UsageError("; ".join(problems))
 

@@ -68,7 +68,9 @@ def refusal_under_fsdp(optimizer: str) -> str | None:
             "--optimizer adafactor cannot run under --sharding fsdp (torch's Adafactor has no DTensor version of its"
             " factored second moment); use --optimizer adamw-8bit for small optimizer state, or --sharding ddp"
         )
-    return None
+    from memfit.models.optimizer_state import refusal_under_sharding
+
+    return refusal_under_sharding(optimizer)
 
 
 def build_optimizer(
@@ -188,5 +190,9 @@ def measured_optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
 
 def _tensors(values: Iterable) -> Iterable[torch.Tensor]:
     for value in values:
-        if isinstance(value, torch.Tensor):
+        if isinstance(value, torch.Tensor) and hasattr(value, "__tensor_flatten__"):
+            # a quantized state (torchao's 4-bit moments): its codes, scales and code book hold the bytes
+            names, _ = value.__tensor_flatten__()
+            yield from _tensors(getattr(value, name) for name in names)
+        elif isinstance(value, torch.Tensor):
             yield value

@@ -32,6 +32,7 @@ from memfit.errors import UsageError
 from memfit.hardware import training_device
 from memfit.memory.stats import configure_cuda_allocator
 from memfit.models.loader import LoadedModel, load_model_and_tokenizer
+from memfit.models.optimizer_state import SMALL_STATE_OPTIMIZERS
 from memfit.techniques.attention import AttentionChoice, attention_that_ran, choose_attention
 from memfit.techniques.checkpointing import apply_gradient_checkpointing
 from memfit.techniques.compile import compile_blocks, compile_token_loss
@@ -266,6 +267,10 @@ def _build_optimizer(
     config: TrainConfig, model: torch.nn.Module, device: torch.device, fallbacks: dict
 ) -> OptimizerChoice:
     groups = parameter_groups(model, config.optimizer.weight_decay)
+    if config.optimizer.optimizer in SMALL_STATE_OPTIMIZERS:  # GaLore, APOLLO, Adam-mini, 4-bit AdamW
+        from memfit.techniques.small_state_optimizers import build_run_optimizer
+
+        return build_run_optimizer(model, groups, config.optimizer, device, config.memory.optimizer_in_backward, fallbacks)
     if config.memory.optimizer_in_backward:
         from memfit.techniques.optimizer_in_backward import OptimizerInBackward
         made: list[OptimizerChoice] = []

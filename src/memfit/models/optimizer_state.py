@@ -1,0 +1,290 @@
+"""What each small-state optimizer keeps, in bytes and in extra step work: the module each new optimizer extends.
+
+The estimator (state bytes, step temporaries), the speed model (extra FLOPs of a step) and the
+optimizer factory (which tensors are projected, the settings) all read this module, so adding an
+optimizer means a row here and a builder in `memfit.techniques.small_state_optimizers`.
+
+- GaLore (`galore-adamw`, `galore-adamw-8bit`): each projected m x n matrix keeps one orthonormal
+  r x min(m, n) projection (refreshed by an SVD of the gradient every `update_proj_gap` steps) and
+  AdamW's two moments of the r x max(m, n) projected gradient; 8-bit: those moments block-quantized.
+- APOLLO (`apollo-adamw`, `apollo-mini`): the same shapes, a random projection (from a seed, refreshed
+  every `update_proj_gap` steps) and one norm of the last update per matrix; APOLLO-Mini is rank 1
+  with one scale per tensor.
+- Adam-mini: the first moment in full and one second moment per block (per attention head for
+  queries and keys, per output row for values, MLPs, embeddings and the head, one per other tensor);
+  biases keep AdamW's two moments.
+- `adamw-4bit` (torchao): both moments in 4 bits with one fp32 scale per 128 values, for tensors of at
+  least 4096 values that 128 divides; others keep full-precision moments.
+Tensors that are not projected keep AdamW's two moments in the parameters' dtype.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from memfit.config import SMALL_STATE_OPTIMIZERS  # noqa: F401  (the names, with the config's choices)
+from memfit.errors import UsageError
+
+LOW_RANK_OPTIMIZERS = ("galore-adamw", "galore-adamw-8bit", "apollo-adamw", "apollo-mini")
+TARGET_CHOICES = ("all-linear", "all")
+BNB_8BIT_MIN_SIZE = 4096
+BNB_8BIT_BLOCK = 256
+TORCHAO_4BIT_BLOCK = 128
+TORCHAO_QMAP_VALUES = 16
+"""torchao's 4-bit code books: 16 fp32 values, one per state tensor."""
+
+_DEFAULTS = {
+    # Each as the Hugging Face Trainer sets it for optim=...; APOLLO-Mini as its authors' recipe.
+    "galore": {"rank": 128, "update_proj_gap": 200, "scale": 0.25, "proj_type": "std"},
+    "apollo-adamw": {"rank": 128, "update_proj_gap": 200, "scale": 1.0, "proj_type": "std", "proj": "random",
+                     "scale_type": "channel"},
+    "apollo-mini": {"rank": 1, "update_proj_gap": 200, "scale": 128.0, "proj_type": "std", "proj": "random",
+                    "scale_type": "tensor"},
+}
+_ARG_TYPES = {"rank": int, "update_proj_gap": int, "scale": float, "proj_type": str, "proj": str, "scale_type": str}
+_ARG_VALUES = {"proj_type": ("std", "reverse_std", "left", "right"), "proj": ("random", "svd"),
+               "scale_type": ("channel", "tensor")}
+
+
+def refusal_under_sharding(optimizer: str) -> str | None:
+    """Why `optimizer` cannot run on FSDP2 / DeepSpeed shards (None: it can or is not one of these)."""
+    if optimizer in LOW_RANK_OPTIMIZERS:
+        return (f"--optimizer {optimizer} projects each whole weight gradient (an SVD or a random projection of its"
+                " full matrix), which sharded training splits over ranks: use --sharding ddp")
+    if optimizer == "adam-mini":
+        return ("--optimizer adam-mini averages its second moment over whole attention heads and rows, which"
+                " sharded training splits over ranks: use --sharding ddp")
+    if optimizer == "adamw-4bit":
+        return ("--optimizer adamw-4bit: torchao's compiled step cannot update sharded parameters here:"
+                " use --sharding ddp, or --optimizer adamw-8bit under FSDP")
+    return None
+
+
+@dataclass(frozen=True)
+class LowRankSettings:
+    """Settings of a GaLore / APOLLO projection (the Trainer's `optim_args`)."""
+
+    rank: int
+    update_proj_gap: int
+    scale: float
+    proj_type: str = "std"
+    proj: str = "svd"
+    scale_type: str = "channel"
+    target_modules: str = "all-linear"
+
+    def group_options(self, optimizer: str) -> dict[str, Any]:
+        """The options the library reads from a projected parameter group."""
+        options = {"rank": self.rank, "update_proj_gap": self.update_proj_gap, "scale": self.scale,
+                   "proj_type": self.proj_type}
+        if optimizer.startswith("apollo"):
+            options.update(proj=self.proj, scale_type=self.scale_type)
+        return options
+
+
+def low_rank_settings(optimizer_config: Any) -> LowRankSettings:
+    """Defaults of `optimizer_config.optimizer`, then --optim-args, then --optim-rank / --optim-update-proj-gap / --optim-scale."""
+    name = optimizer_config.optimizer
+    values = dict(_DEFAULTS["galore" if name.startswith("galore") else name])
+    values.update(parse_optim_args(optimizer_config.optim_args))
+    for key, flag in (("rank", "optim_rank"), ("update_proj_gap", "optim_update_proj_gap"), ("scale", "optim_scale")):
+        if getattr(optimizer_config, flag) is not None:
+            values[key] = getattr(optimizer_config, flag)
+    if name.startswith("galore"):
+        if values.pop("proj", "svd") != "svd":
+            raise UsageError("GaLore projects by SVD only: drop proj= from --optim-args")
+        values.pop("scale_type", None)
+    return LowRankSettings(target_modules=optimizer_config.optim_target_modules, **values)
+
+
+def parse_optim_args(text: str | None) -> dict[str, Any]:
+    """'rank=64,update_proj_gap=100,scale=0.25' (the Trainer's optim_args) -> typed values; UsageError when bad."""
+    values: dict[str, Any] = {}
+    for item in filter(None, (part.strip() for part in (text or "").split(","))):
+        key, _, raw = item.partition("=")
+        key, raw = key.strip(), raw.strip()
+        if key not in _ARG_TYPES or not raw:
+            raise UsageError(f"--optim-args takes key=value pairs of {', '.join(_ARG_TYPES)}; got {item!r}")
+        try:
+            value = _ARG_TYPES[key](raw)
+        except ValueError:
+            raise UsageError(f"--optim-args {key} must be a {_ARG_TYPES[key].__name__}, got {raw!r}") from None
+        if key in _ARG_VALUES and value not in _ARG_VALUES[key]:
+            raise UsageError(f"--optim-args {key} must be one of {', '.join(_ARG_VALUES[key])}, got {raw!r}")
+        values[key] = value
+    return values
+
+
+@dataclass(frozen=True)
+class NamedTensor:
+    """A trainable tensor as an optimizer sees it."""
+
+    name: str
+    shape: tuple[int, ...]
+    kind: str
+    """'linear' (the weight of a Linear, output head included), 'embedding' or 'other'."""
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def parameter_kinds(model: Any) -> dict[str, str]:
+    """Parameter name -> 'linear' / 'embedding' for the weights of those modules (others are 'other')."""
+    from torch import nn
+
+    kinds = {}
+    for module_name, module in model.named_modules():
+        prefix = f"{module_name}." if module_name else ""
+        if isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D":
+            kinds[prefix + "weight"] = "linear"
+        elif isinstance(module, nn.Embedding):
+            kinds[prefix + "weight"] = "embedding"
+    return kinds
+
+
+def named_trainable(model: Any) -> list[NamedTensor]:
+    """The trainable parameters of `model` (tied weights once) with their kinds."""
+    kinds = parameter_kinds(model)
+    return [NamedTensor(name, tuple(p.shape), kinds.get(name, "other"))
+            for name, p in model.named_parameters() if p.requires_grad]
+
+
+def is_projected(tensor: NamedTensor, target_modules: str) -> bool:
+    """Whether GaLore / APOLLO project `tensor` under --optim-target-modules.
+
+    all-linear: every Linear weight, the output head included (the Trainer's meaning); all: every
+    matrix (embeddings too); else comma-separated module names, each matching a module whose name
+    contains it or that it matches in full as a regular expression.
+    """
+    if len(tensor.shape) != 2:
+        return False
+    if target_modules == "all":
+        return True
+    if tensor.kind != "linear":
+        return False
+    if target_modules == "all-linear":
+        return True
+    module = tensor.name.rsplit(".", 1)[0]
+    return any(key in module or re.fullmatch(key, module) for key in _target_keys(target_modules))
+
+
+def _target_keys(target_modules: str) -> list[str]:
+    return [key.strip() for key in target_modules.split(",") if key.strip()]
+
+
+def check_target_modules(tensors: list[NamedTensor], target_modules: str) -> None:
+    """UsageError when --optim-target-modules selects no matrix or is not a valid pattern."""
+    if target_modules not in TARGET_CHOICES:
+        for key in _target_keys(target_modules):
+            try:
+                re.compile(key)
+            except re.error as error:
+                raise UsageError(f"--optim-target-modules {key!r} is not a valid pattern ({error})") from None
+    if not any(is_projected(t, target_modules) for t in tensors):
+        raise UsageError(f"--optim-target-modules {target_modules!r} selects no Linear weight of this model:"
+                         " use all-linear, all, or module names such as q_proj,v_proj")
+
+
+def _projected_shapes(shape: tuple[int, int], rank: int) -> tuple[int, int]:
+    """(elements of the projection, elements of the projected gradient) of an m x n matrix."""
+    m, n = shape
+    r = min(rank, m, n)  # the SVD (and the library's slicing) gives at most min(m, n) directions
+    return r * min(m, n), r * max(m, n)
+
+
+def _bnb_8bit_state(numel: int) -> int:
+    if numel >= BNB_8BIT_MIN_SIZE:
+        return 2 * numel + 2 * 4 * math.ceil(numel / BNB_8BIT_BLOCK)
+    return 8 * numel
+
+
+def adam_mini_block_count(tensor: NamedTensor, head_block: int) -> int:
+    """Second moments Adam-mini 1.1.1 keeps for `tensor`, from its name as its partition reads it."""
+    name = tensor.name.lower()
+    if "bias" in name:
+        return tensor.numel  # AdamW's own second moment
+    if any(key in name for key in ("k_proj", "q_proj", "wq", "wk", "query", "key")):
+        return tensor.numel // head_block  # one per attention head
+    if any(key in name for key in ("embed", "embd", "wte", "lm_head", "output", "final_layer", "v_proj", "wv",
+                                   "value", "feed_forward", "linear", "mlp", "o_proj", "wo", "attn.proj")):
+        return tensor.shape[0]  # one per output row
+    return 1
+
+
+def state_bytes(optimizer: str, tensors: list[NamedTensor], param_bytes: int, settings: LowRankSettings | None,
+                head_block: int = 1, in_backward: bool = False) -> int:
+    """Bytes of optimizer state of `optimizer` (one of SMALL_STATE_OPTIMIZERS) over `tensors`."""
+    total = 0
+    for tensor in tensors:
+        n = tensor.numel
+        if optimizer in LOW_RANK_OPTIMIZERS and is_projected(tensor, settings.target_modules):
+            projection, moments = _projected_shapes(tensor.shape, settings.rank)
+            total += projection * param_bytes
+            if optimizer == "galore-adamw-8bit":
+                total += _bnb_8bit_state(moments)
+            else:
+                total += 2 * moments * param_bytes
+            if optimizer.startswith("apollo"):
+                total += param_bytes  # the norm of the last scaled update (its growth limiter)
+        elif optimizer == "galore-adamw-8bit":
+            total += _bnb_8bit_state(n)
+        elif optimizer == "adam-mini":
+            total += (n + adam_mini_block_count(tensor, head_block)) * param_bytes
+        elif optimizer == "adamw-4bit":
+            if n >= 4096 and n % TORCHAO_4BIT_BLOCK == 0:
+                total += 2 * (n // 2 + 4 * (n // TORCHAO_4BIT_BLOCK) + 4 * TORCHAO_QMAP_VALUES)
+            else:
+                total += 2 * n * param_bytes
+            total += 4  # its step count, an fp32 tensor on the host
+        elif optimizer in LOW_RANK_OPTIMIZERS:
+            total += 2 * n * param_bytes
+        else:
+            raise UsageError(f"unknown optimizer {optimizer!r}")
+    if optimizer == "galore-adamw-8bit":
+        # bitsandbytes' two quantization maps, one pair per optimizer (one per parameter in backward)
+        total += 2 * BNB_8BIT_BLOCK * 4 * (len(tensors) if in_backward else 1)
+    return total
+
+
+STEP_TEMPORARY_FACTOR = {"galore-adamw": 2.0, "galore-adamw-8bit": 3.0, "apollo-adamw": 2.0, "apollo-mini": 2.0,
+                         "adam-mini": 2.0, "adamw-4bit": 2.0}
+"""Temporaries of one tensor's step, in copies of that tensor (torch 2.13, measured with the tracker on CPU).
+
+GaLore's projected-back update and its scaled copy; APOLLO's scaled gradient and its product;
+Adam-mini's squared gradient and its update; torchao's compiled 4-bit step, the dequantized
+moments of one tensor; GaLore 8-bit also clones the parameter around bitsandbytes' step.
+"""
+
+
+def step_temporary_bytes(optimizer: str, largest_numel: int, param_bytes: int) -> int:
+    """Bytes one step allocates on top of the state: these optimizers work a tensor at a time."""
+    return int(STEP_TEMPORARY_FACTOR[optimizer] * param_bytes * largest_numel)
+
+
+SVD_FLOP_RATE = 0.05
+"""Fraction of the matmul rate an SVD reaches (LAPACK / cuSOLVER on one matrix at a time; not measured on a GPU)."""
+
+
+def step_extra_flops(optimizer: str, tensors: list[NamedTensor], settings: LowRankSettings | None) -> float:
+    """Matmul-equivalent FLOPs one step of `optimizer` costs beyond AdamW's element-wise work.
+
+    GaLore: projecting the gradient and the update back (2 x 2mnr), plus an SVD of each projected
+    gradient (about 4mn min(m, n) at SVD_FLOP_RATE) every update_proj_gap steps. APOLLO: projecting
+    the gradient (2mnr) and a new random matrix every update_proj_gap steps. Adam-mini: about
+    AdamW's work. torchao 4-bit: quantizing both moments, about 20 operations an element.
+    """
+    flops = 0.0
+    for tensor in tensors:
+        if optimizer in LOW_RANK_OPTIMIZERS and is_projected(tensor, settings.target_modules):
+            m, n = tensor.shape
+            r = min(settings.rank, m, n)
+            if optimizer.startswith("galore"):
+                flops += 4 * m * n * r + 4 * m * n * min(m, n) / SVD_FLOP_RATE / settings.update_proj_gap
+            else:
+                flops += 2 * m * n * r + 10 * r * max(m, n) / settings.update_proj_gap
+        elif optimizer == "adamw-4bit":
+            flops += 20 * tensor.numel
+    return flops
