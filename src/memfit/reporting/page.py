@@ -204,6 +204,14 @@ def configuration_rows(run: RunData) -> list[tuple[str, str]]:
             ("learning rate", f"{config.get('lr')} ({config.get('lr_schedule')}, warmup {config.get('warmup_steps')})"),
             ("memory cap", _bytes(config.get("memory_cap")) if config.get("memory_cap") else "none"),
         ]
+        if (config.get("eval_dataset") or config.get("eval_fraction")) and config.get("eval_strategy") != "no":
+            held = config.get("eval_dataset") or f"{config['eval_fraction']:.0%} of the training rows held out"
+            when = "each epoch" if config.get("eval_strategy") == "epoch" else (
+                f"every {config['eval_every']} steps" if config.get("eval_every") else None)
+            last = run.evaluations[-1] if run.evaluations else {}
+            batch = f", eval batch {last['eval_batch_size']}" if last.get("eval_batch_size") else ""
+            rows.append(("evaluation", f"{held}, {when + ' and ' if when else ''}at the end{batch}"
+                         + ("; best model kept in best/" if config.get("save_best") else "")))
     return [(name, str(value)) for name, value in rows if value is not None]
 
 

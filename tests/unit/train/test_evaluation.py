@@ -310,3 +310,17 @@ def test_a_resumed_run_keeps_the_best_it_had(llama_dir, text_file, tmp_path):
     assert [e["step"] for e in evals] == [1, 2, 3] and min(e["eval_loss"] for e in evals[1:]) > best["eval_loss"]
     assert json.loads((tmp_path / "best.json").read_text()) == best
     assert (tmp_path / "best" / "model.safetensors").read_bytes() == weights
+
+
+def test_report_shows_the_eval_loss(run):
+    from memfit.reporting import load_run
+    from memfit.reporting.figures import curves_figure
+    from memfit.reporting.page import configuration_rows, glance
+
+    data = load_run(run["out"])
+    evals = _eval_lines(run["out"])
+    card = [c for c in glance(data) if c[0] == "eval loss"]
+    assert card and card[0][1] == f"{evals[-1]['eval_loss']:.4g}" and "best" in card[0][2]
+    assert dict(configuration_rows(data))["evaluation"].startswith("2% of the training rows held out, every 1 steps")
+    trace = [t for t in curves_figure(data).data if t.name == "eval loss"]
+    assert trace and list(trace[0].x) == [1, 2, 3]
