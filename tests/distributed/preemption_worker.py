@@ -1,0 +1,38 @@
+"""Run `memfit train` several times in one torchrun launch, each with its own environment, keeping every exit code.
+
+    torchrun --nproc_per_node 2 preemption_worker.py RUNS.json
+
+RUNS.json: [{"name": NAME, "args": [train flags...], "env": {VAR: VALUE}}, ...]. Unlike exactness_worker.py, a run
+that exits non-zero (a preempted run exits 75) does not stop the later ones; NAME.rankR.code holds its code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from exactness_worker import _run_logged
+
+
+def run_all() -> int:
+    spec = Path(sys.argv[1])
+    rank = os.environ.get("RANK", "0")
+    for run in json.loads(spec.read_text()):
+        saved = {name: os.environ.get(name) for name in run.get("env", {})}
+        os.environ.update(run.get("env", {}))
+        try:
+            code = _run_logged(["train", *run["args"]], spec.with_name(f"{run['name']}.rank{rank}.log"))
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+        spec.with_name(f"{run['name']}.rank{rank}.code").write_text(str(code))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_all())
