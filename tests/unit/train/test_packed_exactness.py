@@ -258,3 +258,47 @@ def test_flash_attention_varlen_keeps_samples_apart():
                 alone = model(input_ids=ids, use_cache=False).logits.float()[0]
                 torch.testing.assert_close(logits[r, start : start + len(ids[0])], alone, atol=3e-2, rtol=3e-2)
                 start += len(ids[0])
+
+
+@pytest.fixture(scope="module")
+def short_conversations(tmp_path_factory):
+    """Ten multi-turn conversations of the bundled chat set that fit in one window each."""
+    import importlib.resources
+    import json
+
+    lines = (importlib.resources.files("memfit.data") / "chat" / "chat.jsonl").read_text().splitlines()
+    short = [line for line in lines if len(line) < 260][:10]
+    assert len(short) == 10 and any(len(json.loads(line)["messages"]) > 2 for line in short)
+    path = tmp_path_factory.mktemp("chat") / "short.jsonl"
+    path.write_text("\n".join(short) + "\n")
+    return path
+
+
+def test_conversations_packed_train_to_the_weights_of_one_per_row(llama_dir, short_conversations, tmp_path):
+    """Supervised data (loss on the answers only): `samples` (the default) against `off`, the whole set each step."""
+    from memfit.data import load_training_data
+    from memfit.models.loader import load_tokenizer
+
+    def config(packing: str, rows: int, micro_batch: int):
+        return load_config(overrides=dict(
+            model=str(llama_dir), dataset=str(short_conversations), chat_template="chatml", seq_len=SEQ_LEN * 4,
+            packing=packing, effective_batch_size=rows, batch_size=micro_batch, max_steps=3, optimizer="sgd", lr=1.0,
+            max_grad_norm=0, loss_chunk_size=0, lr_schedule="constant", precision="fp32",
+            output_dir=str(tmp_path / packing), cache_dir=str(tmp_path / "cache"),
+        ))
+
+    from memfit.train.loop import train
+
+    probe = config("off", 10, 5)
+    samples = load_training_data(probe.data, load_tokenizer(str(llama_dir), False))
+    assert len(samples) == 10 and int(np.sum(samples.lengths)) > 0
+    packed_rows = len(best_fit_decreasing(samples.lengths, SEQ_LEN * 4))
+    assert packed_rows < 10
+    off = train(probe)
+    packed = train(config("auto", packed_rows, 1))  # one row a micro-batch: accumulation over packed rows too
+    assert packed.losses == pytest.approx(off.losses, abs=1e-5)
+    off_weights = load_file(str(off.final_dir / "model.safetensors"))
+    packed_weights = load_file(str(packed.final_dir / "model.safetensors"))
+    for name, weight in off_weights.items():
+        torch.testing.assert_close(packed_weights[name], weight, atol=1e-5, rtol=0, msg=name)
+    assert read_metrics(tmp_path / "auto" / "metrics.jsonl")[0]["packing"]["mode"] == "samples"
