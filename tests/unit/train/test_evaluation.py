@@ -324,3 +324,22 @@ def test_report_shows_the_eval_loss(run):
     assert dict(configuration_rows(data))["evaluation"].startswith("2% of the training rows held out, every 1 steps")
     trace = [t for t in curves_figure(data).data if t.name == "eval loss"]
     assert trace and list(trace[0].x) == [1, 2, 3]
+
+
+def test_memory_cap_splits_a_too_large_eval_batch_only(llama_dir, text_file, tmp_path):
+    """A cap that fits the training step but not an eval batch of 48: evaluation halves its own batch."""
+    common = dict(max_steps=1, eval_batch_size=48, eval_fraction=0.05)
+    free = tmp_path / "free"
+    train(_config(llama_dir, text_file, free, track_memory=True, **common))
+    phases = _steps(free)[0]["tracked_phase_peaks"]
+    training_peak = max(phases["forward"], phases["backward"], phases["optimizer"])
+    assert phases["eval"] > training_peak  # 48 samples' logits outweigh 4 samples' step on this model
+    cap = (training_peak + phases["eval"]) // 2
+    capped = tmp_path / "capped"
+    train(_config(llama_dir, text_file, capped, memory_cap=cap, **common))
+    ooms = [r for r in read_metrics(capped / "metrics.jsonl") if r.get("event") == "oom"]
+    assert ooms and {e["phase"] for e in ooms} == {"eval"}
+    (evaluation,) = _eval_lines(capped)
+    assert evaluation["eval_batch_size"] < 48
+    assert [(s["micro_batch_size"], s["gradient_accumulation_steps"]) for s in _steps(capped)] == [(4, 1)]
+    assert evaluation["eval_loss"] == pytest.approx(_eval_lines(free)[0]["eval_loss"], abs=1e-6)
