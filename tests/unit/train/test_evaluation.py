@@ -343,3 +343,25 @@ def test_memory_cap_splits_a_too_large_eval_batch_only(llama_dir, text_file, tmp
     assert evaluation["eval_batch_size"] < 48
     assert [(s["micro_batch_size"], s["gradient_accumulation_steps"]) for s in _steps(capped)] == [(4, 1)]
     assert evaluation["eval_loss"] == pytest.approx(_eval_lines(free)[0]["eval_loss"], abs=1e-6)
+
+
+@pytest.mark.gpu
+def test_eval_peak_on_cuda_is_at_most_the_steps(llama_dir, text_file, tmp_path):
+    """The CUDA allocator's peak of an evaluation stays at or under that of a training step (same micro-batch)."""
+    from memfit.train.step import StepRunner
+
+    session = build_session(_config(llama_dir, text_file, tmp_path, precision="bf16"))
+    assert session.device.type == "cuda"
+    runner = StepRunner.from_session(session)
+    samples = [session.dataset[i] for i in session.schedule.batch_indices(0)]
+    runner.run(samples)  # the first step allocates the optimizer state; the next one is the steady step
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    runner.run(samples)
+    torch.cuda.synchronize()
+    step_peak = torch.cuda.max_memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    result = Evaluator.from_session(session, runner).evaluate()
+    torch.cuda.synchronize()
+    assert result.target_tokens > 0
+    assert torch.cuda.max_memory_allocated() <= step_peak
