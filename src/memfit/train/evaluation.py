@@ -19,7 +19,9 @@ the failed piece; training's micro-batch and accumulation are never touched. A s
 sample that does not fit turns on the chunked loss for evaluation, then gives up.
 
 With several ranks each rank evaluates the whole set (the same forwards on every rank, as
-sharded engines need), so the numbers agree without communication.
+sharded engines need), so the numbers agree without communication; there an out-of-memory
+error in evaluation is not split (one rank would run more forwards than the others) and ends
+the run like one in training that cannot be recovered.
 """
 
 from __future__ import annotations
@@ -237,7 +239,10 @@ class Evaluator:
             loss_fn=runner.loss_fn,
             loss_chunk_size=runner.loss_chunk_size,
             batch_size=evaluation.eval_batch_size or runner.micro_batch_size,
-            oom_recovery=session.config.memory.oom_recovery and session.engine.recovers_from_oom,
+            # One rank splitting alone would run more forwards than the others, and wrappers that sync in forward
+            # (DDP's buffers, FSDP2's gathers) would wait on each other: with several ranks an eval OOM is fatal.
+            oom_recovery=(session.config.memory.oom_recovery and session.engine.recovers_from_oom
+                          and session.dist.world_size == 1),
             tracker=tracker,
         )
         evaluator.every = (
