@@ -290,10 +290,10 @@ def test_bad_eval_dataset_stops_before_anything_is_written(llama_dir, tmp_path):
 
 def test_epoch_strategy_evaluates_after_each_pass(llama_dir, text_file, tmp_path):
     config = _config(llama_dir, text_file, tmp_path, eval_strategy="epoch", max_steps=1, eval_fraction=0.5)
+    from memfit.train.step import StepRunner
+
     session = build_session(config)
-    evaluator = Evaluator.from_session(session, type("Runner", (), {
-        "model": session.model, "prefetcher": type("P", (), {"collate": None})(), "loss_fn": None,
-        "loss_chunk_size": 0, "micro_batch_size": 4})())
+    evaluator = Evaluator.from_session(session, StepRunner.from_session(session))
     per_epoch = session.schedule.steps_per_epoch
     assert evaluator.every == per_epoch
     assert [step for step in range(1, 2 * per_epoch + 1) if evaluator.due(step)] == [1, per_epoch, 2 * per_epoch]
