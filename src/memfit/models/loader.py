@@ -84,14 +84,19 @@ def load_tokenizer(name: str, trust_remote_code: bool):
 
 
 def load_model_and_tokenizer(
-    config: TrainConfig, device: torch.device, attention: AttentionChoice, quantization_config=None
+    config: TrainConfig, device: torch.device, attention: AttentionChoice, quantization_config=None,
+    auto_class: str = "AutoModelForCausalLM", head_config: dict | None = None,
 ) -> LoadedModel:
     """Build or load the model on `device` in the configured weight dtype.
 
+    `auto_class`: the transformers class of the task's head (memfit.tasks), `head_config` its settings
+    (num_labels, id2label, problem_type): a checkpoint without that head gets a new one, seeded by --seed.
     Raises UsageError for a missing path, an unreachable id, or a model without a tokenizer.
     """
-    from transformers import AutoModelForCausalLM
+    import transformers
     from transformers.utils import logging as hf_logging
+
+    model_class = _HeadClass(getattr(transformers, auto_class), head_config or {})
 
     hf_logging.disable_progress_bar()  # memfit shows its own progress
     name = config.model.model
@@ -104,7 +109,7 @@ def load_model_and_tokenizer(
 
         hf_config = tiny_config()
         rope = apply_rope_scale(hf_config, scale, kind)
-        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation=attention.hf_name)
+        model = model_class.from_config(hf_config, dtype=dtype, attn_implementation=attention.hf_name)
         source = "built-in tiny (Llama architecture, random init)"
     elif name.startswith(PRESET_PREFIX):
         # Only on request: 'gpt2' alone means the pretrained weights, not a random model of that shape.
@@ -115,7 +120,7 @@ def load_model_and_tokenizer(
             raise UsageError(f"unknown preset {preset!r}; memfit presets models lists them")
         hf_config = preset_config(preset)
         rope = apply_rope_scale(hf_config, scale, kind)
-        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation=attention.hf_name)
+        model = model_class.from_config(hf_config, dtype=dtype, attn_implementation=attention.hf_name)
         source = f"preset {preset} (random init)"
     else:
         if _looks_like_path(name) and not Path(name).expanduser().exists():
@@ -125,11 +130,11 @@ def load_model_and_tokenizer(
         if scale is not None:  # without the flag the model loads exactly as before, its config untouched
             hf_config = _pretrained_config(name, config)
             rope = apply_rope_scale(hf_config, scale, kind)
-        model = _from_pretrained(name, config, dtype, attention, quantization_config, hf_config)
+        model = _from_pretrained(name, config, dtype, attention, quantization_config, hf_config, model_class)
         source = f"directory {name}" if Path(name).exists() else f"Hugging Face {name}"
         quantization_config = None  # from_pretrained quantized it while loading
     if quantization_config is not None:
-        model = _quantized_copy(model, name, config, dtype, attention, quantization_config, rope)
+        model = _quantized_copy(model, name, config, dtype, attention, quantization_config, rope, model_class)
     else:
         model.to(device)
     model.config.use_cache = False  # the KV cache is for generation; in training it only costs memory
@@ -170,7 +175,7 @@ def _hub_id(name: str) -> str:
 
 
 def _quantized_copy(model, name: str, config: TrainConfig, dtype, attention: AttentionChoice, quantization_config,
-                    rope: RopeScaling | None = None):
+                    rope: RopeScaling | None = None, auto_class=None):
     """bitsandbytes quantizes while loading: write a model built from a config once into the
     run's cache, then load it back quantized (QLoRA on the built-in or a preset model).
 
@@ -180,12 +185,16 @@ def _quantized_copy(model, name: str, config: TrainConfig, dtype, attention: Att
     directory = Path(config.output.output_dir) / "cache" / f"base-{name.replace('/', '-')}-seed{config.training.seed}{rope_tag}"
     if not (directory / "config.json").is_file():
         model.save_pretrained(directory, safe_serialization=True)
-    return _from_pretrained(str(directory), config, dtype, attention, quantization_config)
+    return _from_pretrained(str(directory), config, dtype, attention, quantization_config, auto_class=auto_class)
 
 
-def _from_pretrained(name, config: TrainConfig, dtype, attention: AttentionChoice, quantization_config, hf_config=None):
-    """`hf_config`: the model's config changed before loading (--rope-scale); None reads the saved one."""
+def _from_pretrained(name, config: TrainConfig, dtype, attention: AttentionChoice, quantization_config, hf_config=None,
+                     auto_class=None):
+    """`hf_config`: the model's config changed before loading (--rope-scale); None reads the saved one.
+    `auto_class`: the task's head class (a _HeadClass), AutoModelForCausalLM when None."""
     from transformers import AutoModelForCausalLM
+
+    model_class = auto_class or AutoModelForCausalLM
 
     kwargs = dict(
         dtype=dtype,
@@ -198,15 +207,36 @@ def _from_pretrained(name, config: TrainConfig, dtype, attention: AttentionChoic
         kwargs["quantization_config"] = quantization_config
         kwargs["device_map"] = {"": 0} if torch.cuda.is_available() else {"": "cpu"}
     try:
-        return AutoModelForCausalLM.from_pretrained(name, **kwargs)
+        return model_class.from_pretrained(name, **kwargs)
     except ValueError as error:
         if "attn_implementation" in str(error) or "does not support" in str(error):
             log.warning("memfit: %s does not support %s attention; using eager", name, attention.implementation)
             kwargs["attn_implementation"] = "eager"
-            return AutoModelForCausalLM.from_pretrained(name, **kwargs)
+            return model_class.from_pretrained(name, **kwargs)
         raise UsageError(f"cannot load model {name!r}: {str(error).splitlines()[0][:200]}") from None
     except OSError as error:
         text = str(error).strip().splitlines()[0] if str(error).strip() else "not found"
         raise UsageError(
             f"cannot load model {name!r} ({text[:160]}); check the id or path, or use --model tiny"
         ) from None
+
+
+class _HeadClass:
+    """A transformers auto class with the task head's settings (num_labels, id2label, problem_type) applied,
+    called as the auto class is: `from_config(config, **kw)` and `from_pretrained(name, **kw)`."""
+
+    def __init__(self, auto_class, head_config: dict):
+        self.auto_class = auto_class
+        self.head_config = head_config
+
+    def from_config(self, hf_config, **kwargs):
+        for key, value in self.head_config.items():
+            setattr(hf_config, key, value)
+        return self.auto_class.from_config(hf_config, **kwargs)
+
+    def from_pretrained(self, name, **kwargs):
+        if "config" in kwargs:
+            for key, value in self.head_config.items():
+                setattr(kwargs["config"], key, value)
+            return self.auto_class.from_pretrained(name, **kwargs)
+        return self.auto_class.from_pretrained(name, **kwargs, **self.head_config)

@@ -44,7 +44,9 @@ import torch
 from memfit.data import load_training_data
 from memfit.errors import DoesNotFitError, UsageError
 from memfit.memory.cap import is_out_of_memory
-from memfit.techniques.loss import DEFAULT_LOSS_CHUNK_TOKENS, count_target_tokens
+from memfit.tasks import Task
+from memfit.tasks.masking import EVAL_STEP
+from memfit.techniques.loss import DEFAULT_LOSS_CHUNK_TOKENS
 from memfit.techniques.packed_attention import pack_for_model
 from memfit.train.step import packed_positions
 
@@ -110,19 +112,21 @@ def held_out_indices(num_samples: int, fraction: float, seed: int) -> tuple[np.n
     return np.sort(order[count:]), np.sort(order[:count])
 
 
-def load_eval_data(config: Any, data_config: Any, loaded: Any) -> Any | None:
+def load_eval_data(config: Any, data_config: Any, loaded: Any, load: Any = None) -> Any | None:
     """--eval-dataset read, tokenized and cached like the training data (any format it takes), or None.
 
     `data_config` is the run's data section with its cache directory resolved; `loaded` the
-    memfit.models.loader.LoadedModel (tokenizer, positions). Raises UsageError for bad data.
+    memfit.models.loader.LoadedModel (tokenizer, positions); `load` the task's reader (memfit.tasks),
+    load_training_data by default. Raises UsageError for bad data.
     """
     name = config.evaluation.eval_dataset
     if not name or config.evaluation.eval_strategy == "no":
         return None
     try:
-        return load_training_data(
+        options = {"role": "evaluation"} if load is not None else {}
+        return (load or load_training_data)(
             replace(data_config, dataset=name), loaded.tokenizer, max_positions=loaded.max_positions, min_samples=1,
-            rope_positions=loaded.rope_positions,
+            rope_positions=loaded.rope_positions, **options,
         )
     except UsageError as error:
         raise UsageError(f"--eval-dataset {name}: {error}") from None
@@ -204,7 +208,7 @@ class Evaluator:
     """
 
     def __init__(self, model: torch.nn.Module, samples: Any, device: torch.device, precision, collate, loss_fn,
-                 loss_chunk_size: int, batch_size: int, oom_recovery: bool = True, tracker=None):
+                 loss_chunk_size: int, batch_size: int, oom_recovery: bool = True, tracker=None, task=None):
         self.model = model
         self.samples = samples
         self.device = device
@@ -215,6 +219,7 @@ class Evaluator:
         self.batch_size = batch_size
         self.oom_recovery = oom_recovery
         self.tracker = tracker
+        self.task = task or Task()  # counts the loss's units, masks (masked LM) and streams the metrics
         # What the loop sets (from_session): when to run, where to keep the best model.
         self.every = 0
         self.total_steps = 0
@@ -244,6 +249,7 @@ class Evaluator:
             oom_recovery=(session.config.memory.oom_recovery and session.engine.recovers_from_oom
                           and session.dist.world_size == 1),
             tracker=tracker,
+            task=runner.task,
         )
         evaluator.every = (
             max(1, session.schedule.steps_per_epoch) if evaluation.eval_strategy == "epoch" else evaluation.eval_every
@@ -280,10 +286,11 @@ class Evaluator:
         try:
             while pending:
                 start, end = pending.popleft()
-                pieces = [self.samples[i] for i in range(start, end)]
+                pieces = self.task.prepare([self.samples[i] for i in range(start, end)], range(start, end),
+                                           EVAL_STEP)
                 try:
                     total += self._loss_sum(pieces).to(total.dtype)
-                    target_tokens += sum(count_target_tokens(sample["labels"][None]) for sample in pieces)
+                    target_tokens += sum(self.task.count(sample) for sample in pieces)
                     continue
                 except Exception as error:  # only out-of-memory is handled; the rest propagates
                     if not (is_out_of_memory(error) and self.oom_recovery):

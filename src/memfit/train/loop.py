@@ -254,7 +254,9 @@ def _samples_of(session: TrainingSession, step: int) -> list[dict] | None:
     """The samples of optimizer step `step` (None past the last step)."""
     if step >= session.total_steps:
         return None
-    return [session.dataset[i] for i in session.schedule.batch_indices(step)]
+    indices = session.schedule.batch_indices(step)
+    # The task prepares them for this step (masked LM: masks drawn from the seed, the step and each sample's index).
+    return session.task.prepare([session.dataset[i] for i in indices], indices, step)
 
 
 def _save_final(session: TrainingSession, state: TrainerState) -> Path | None:

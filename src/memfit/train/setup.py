@@ -26,13 +26,14 @@ from typing import Any
 import torch
 
 from memfit.config import TrainConfig
-from memfit.data import BatchSchedule, TokenizedDataset, load_training_data
+from memfit.data import BatchSchedule, TokenizedDataset
 from memfit.distributed.context import DistContext, init_distributed
 from memfit.errors import UsageError
 from memfit.hardware import training_device
 from memfit.memory.stats import configure_cuda_allocator
 from memfit.models.loader import LoadedModel, load_model_and_tokenizer
 from memfit.models.optimizer_state import SMALL_STATE_OPTIMIZERS
+from memfit.tasks import Task, build_task
 from memfit.techniques.attention import AttentionChoice, attention_that_ran, choose_attention
 from memfit.techniques.checkpointing import apply_gradient_checkpointing
 from memfit.techniques.compile import compile_blocks, compile_token_loss
@@ -79,6 +80,8 @@ class TrainingSession:
     token_loss: Callable[..., torch.Tensor] | None = None
     """--compile: the compiled logits-to-loss tail (techniques.loss.token_loss_sum); None: the eager one."""
     eval_dataset: Any = None
+    task: Task = field(default_factory=Task)
+    """What is learned (memfit.tasks): the head's class, the loss and its normalisation, the data, the metrics."""
     """The samples evaluation runs on (--eval-dataset or --eval-fraction; train/evaluation.py), or None."""
 
     @property
@@ -131,6 +134,7 @@ def _build_session(config: TrainConfig) -> TrainingSession:
     dist = init_distributed(device)
     config.validate(world_size=dist.world_size)
     check_trackers(config.output)  # --report-to / --tensorboard: a missing package stops the run before it writes
+    task = build_task(config)  # reads the training table's labels (they size the head); may set packing off
     # Defaults memfit chose from the other settings; the loop logs each entry once.
     fallbacks: dict[str, str] = dict(config.derived)
     precision = resolve_precision(config.memory.precision, device)
@@ -152,7 +156,9 @@ def _build_session(config: TrainConfig) -> TrainingSession:
         quantization = None
     if config.model.dtype == "fp16" and config.lora.lora_r == 0:
         raise UsageError("--dtype fp16 cannot be trained in full (fp16 gradients underflow); use --dtype bf16, fp32, or LoRA")
-    loaded = load_model_and_tokenizer(config, device, attention, quantization)
+    loaded = load_model_and_tokenizer(config, device, attention, quantization, auto_class=task.auto_class,
+                                      head_config=task.model_config())
+    task.prepare_model(loaded.model, loaded.tokenizer)
     ran = attention_that_ran(loaded.model)
     if ran != attention.implementation:
         fallbacks["attention"] = f"{attention.implementation} requested, {ran} ran (the model does not support it)"
@@ -161,11 +167,11 @@ def _build_session(config: TrainConfig) -> TrainingSession:
         dist.barrier()  # rank 0 tokenizes into the shared cache first; the others then read it
     effective_batch = config.effective_batch_for(dist.world_size)
     # Data too short for one effective batch is refused before its token cache is written.
-    dataset = load_training_data(
+    dataset = task.load_data(
         _data_config(config), loaded.tokenizer, max_positions=loaded.max_positions, min_samples=effective_batch,
         rope_positions=loaded.rope_positions,
     )
-    eval_source = load_eval_data(config, _data_config(config), loaded)  # --eval-dataset: read like the training data
+    eval_source = load_eval_data(config, _data_config(config), loaded, load=task.load_data)  # --eval-dataset: read like the training data
     if dist.is_main:
         dist.barrier()
     # --packing samples: whole samples share windows, attention restricted to each (or `off` for stateful layers).
@@ -211,6 +217,7 @@ def _build_session(config: TrainConfig) -> TrainingSession:
         compiled=compiled,
         token_loss=token_loss,
         eval_dataset=eval_dataset,
+        task=task,
     )
 
 

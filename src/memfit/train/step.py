@@ -32,11 +32,11 @@ from typing import Any
 
 import torch
 
-from memfit.data import collate
 from memfit.data.prefetch import BatchPrefetcher
 from memfit.errors import DoesNotFitError
 from memfit.memory.cap import is_out_of_memory
-from memfit.techniques.loss import DEFAULT_LOSS_CHUNK_TOKENS, causal_lm_loss_sum, count_target_tokens
+from memfit.tasks import Task
+from memfit.techniques.loss import DEFAULT_LOSS_CHUNK_TOKENS, causal_lm_loss_sum
 from memfit.train.engine import Engine
 
 log = logging.getLogger("memfit")
@@ -92,6 +92,7 @@ class StepRunner:
         checkpointing_on: bool,
         tracker=None,
         loss_fn=causal_lm_loss_sum,
+        task: Task | None = None,
     ):
         self.model = model
         self.engine = engine
@@ -103,9 +104,12 @@ class StepRunner:
         self.oom_recovery = oom_recovery
         self.checkpointing_on = checkpointing_on
         self.tracker = tracker
-        self.loss_fn = loss_fn  # techniques.loss, or liger's fused loss (techniques.kernels)
+        # What is learned (memfit.tasks): the loss below, its units (target tokens or samples) and the batches.
+        self.task = task or Task()
+        self.loss_fn = self.task.loss_function(loss_fn)  # techniques.loss or liger's fused loss for causal LMs
         # The next micro-batch is collated (and on CUDA copied on a side stream) while this one computes.
-        self.prefetcher = BatchPrefetcher(lambda samples: collate(samples, pad_token_id), device, drop_full_attention_mask=True)
+        self.prefetcher = BatchPrefetcher(lambda samples: self.task.collate(samples, pad_token_id), device,
+                                          drop_full_attention_mask=True)
         self._upcoming: list[dict] | None = None
         self.trainable = [p for p in model.parameters() if p.requires_grad]
         self._touched: set[int] = set()
@@ -138,6 +142,7 @@ class StepRunner:
             checkpointing_on=session.checkpointing != "off",
             tracker=tracker,
             loss_fn=getattr(getattr(session, "kernels", None), "fused_loss", None) or _plain_loss(session),
+            task=getattr(session, "task", None),
         )
 
     def close(self) -> None:
@@ -156,7 +161,7 @@ class StepRunner:
         runs ahead across optimizer steps too, not only between micro-batches of a step.
         """
         events: list[dict] = []
-        target_tokens = sum(count_target_tokens(sample["labels"][None]) for sample in samples)
+        target_tokens = sum(self.task.count(sample) for sample in samples)  # samples, for sequence tasks
         input_tokens = sum(int(sample["input_ids"].numel()) for sample in samples)
         normalizer = max(self.engine.loss_normalizer(target_tokens), 1.0)
 
