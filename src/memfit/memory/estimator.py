@@ -43,6 +43,7 @@ from memfit.memory.activations import (
     norm_module_bytes_per_token,
 )
 from memfit.memory.categories import CATEGORIES
+from memfit.models.optimizer_state import SMALL_STATE_OPTIMIZERS
 from memfit.models.state_bytes import (  # noqa: F401  (re-exported: the estimator's public closed forms)
     BNB_8BIT_BLOCK,
     BNB_8BIT_MIN_SIZE,
@@ -52,6 +53,7 @@ from memfit.models.state_bytes import (  # noqa: F401  (re-exported: the estimat
     optimizer_state_bytes_for_shapes,
     optimizer_step_temporary_bytes,
     parameter_inventory,
+    small_state_optimizer_bytes,
 )
 from memfit.techniques.packed_attention import packed_mask_estimate
 from memfit.units import GIB
@@ -424,7 +426,11 @@ def _state_bytes(config: TrainConfig, run: RunShape, inventory: ParameterInvento
         parameters = inventory.total * wb
     trainable = sum(math.prod(s) for s in trainable_shapes)
     fused_step = run.optimizer == "adamw" and run.optimizer_impl in ("auto", "fused")
-    optimizer = optimizer_state_bytes_for_shapes(run.optimizer, trainable_shapes, trainable_bytes, config.optimizer.momentum, fused_step)
+    if run.optimizer in SMALL_STATE_OPTIMIZERS:  # GaLore, APOLLO, Adam-mini, 4-bit AdamW
+        optimizer = small_state_optimizer_bytes(config.optimizer, inventory, trainable_bytes, run.optimizer_in_backward,
+                                                lora=bool(run.lora_r))
+    else:
+        optimizer = optimizer_state_bytes_for_shapes(run.optimizer, trainable_shapes, trainable_bytes, config.optimizer.momentum, fused_step)
     if not fused_step and run.optimizer == "adamw" and run.device_type == "cpu":
         optimizer += 4 * len(trainable_shapes)  # the step counters live on the CPU
     if run.optimizer_in_backward and run.optimizer in ("adamw-8bit", "paged-adamw-8bit"):

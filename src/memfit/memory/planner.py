@@ -31,6 +31,13 @@ from memfit.memory.estimator import Estimate, estimate
 from memfit.memory.speed_model import estimated_step_seconds
 from memfit.units import GIB
 
+SMALL_STATE_PLANNED = {"galore-adamw": None, "apollo-mini": "all", "adam-mini": None, "adamw-4bit": None}
+"""Small-state optimizers the search tries for full fine-tuning, with the weights it projects when the user did not
+say (None: the optimizer's default). APOLLO-Mini projects the embeddings and the head too: their AdamW moments
+would be most of what is left (2 GiB of 4 for Llama-3.1-8B in bf16)."""
+APPROXIMATION = {"adamw-4bit": 1, "adam-mini": 1, "galore-adamw": 2, "galore-adamw-8bit": 2, "apollo-adamw": 2,
+                 "apollo-mini": 2}
+"""How far an optimizer's update is from AdamW's (0: AdamW and 8-bit AdamW): the tie-break among equally fast plans."""
 MARGIN = 0.05
 """Fraction of the budget kept free: the analytical estimate's error band is 10 %, usually less."""
 ALLOW = ("auto", "full", "lora", "qlora", "any")
@@ -156,6 +163,8 @@ def technique_grid(mode: str, config: TrainConfig, gpu: GpuSpec | None, seq_len:
     full = mode == "full"
     dtypes = [config.model.dtype] if not full else (["fp32", "bf16"] if cuda and gpu.bf16 else [config.model.dtype])
     optimizers = ["adamw", "adamw-8bit"] + (["paged-adamw-8bit"] if cuda and full else [])
+    if full:  # states a fraction of AdamW's (they need the full weights: LoRA is refused with most)
+        optimizers += list(SMALL_STATE_PLANNED)
     in_backward = [False] + ([True] if accumulation == 1 and (gpu is None or gpu.bf16) else [])
     offloads = [False, True] if cuda else [False]
     compiled = (config.memory.compile if _user_set(config, "compile")
@@ -174,6 +183,8 @@ def technique_grid(mode: str, config: TrainConfig, gpu: GpuSpec | None, seq_len:
     ):
         if opt_offload and (not full or optimizer != "adamw"):
             continue  # CPU offload steps torch's AdamW on host copies (per step, or per parameter in backward)
+        if optimizer == "galore-adamw" and oib and not cuda:
+            continue  # on a CPU the SVD of each refresh dominates either way: one GaLore entry is enough
         if act_offload and checkpointing == "selective":
             continue  # the kept matmul outputs would all cross the host link: full checkpointing does better
         changes = {"gradient_checkpointing": checkpointing, "optimizer": optimizer, "loss_chunk_size": chunk,
@@ -184,6 +195,9 @@ def technique_grid(mode: str, config: TrainConfig, gpu: GpuSpec | None, seq_len:
             changes["dtype"] = dtype
         if oib or opt_offload:
             changes["max_grad_norm"] = 0.0  # neither sees all gradients before they are applied
+        if optimizer in SMALL_STATE_PLANNED and SMALL_STATE_PLANNED[optimizer] and not _user_set(
+                config, "optim_target_modules"):
+            changes["optim_target_modules"] = SMALL_STATE_PLANNED[optimizer]
         grid.append(changes)
     return grid
 
@@ -444,7 +458,8 @@ def plan(
     if not chosen:
         if not explain:
             raise DoesNotFitError("does not fit")
-        raise DoesNotFitError(_does_not_fit_message(config, hf_config, budget, gpu_spec, allow, everything, effective))
+        raise DoesNotFitError(_does_not_fit_message(config, hf_config, budget, gpu_spec, allow, everything, effective,
+                                                    _host_limit_message(search, everything, host_memory is not None)))
     if maximize == "seq-len":
         chosen.sort(key=lambda c: (-c.changes.get("seq_len", config.data.seq_len), -c.tokens_per_second))
     elif maximize == "batch-size":
@@ -452,7 +467,8 @@ def plan(
     else:
         # fp32 weights before pure bf16 ones (bf16 updates round away small steps), then speed
         chosen.sort(key=lambda c: (c.changes.get("dtype") == "bf16" and not c.changes.get("lora_r"),
-                                   -c.tokens_per_second, c.estimate.peak_bytes))
+                                   -c.tokens_per_second, APPROXIMATION.get(c.changes.get("optimizer"), 0),
+                                   c.estimate.peak_bytes))
     best = chosen[0]
     alternatives = [_describe(c, best) for c in _distinct(chosen)[1:3]]
     if config.model.rope_scale is not None:  # the planned positions need the scaled model: the command carries it
@@ -467,7 +483,8 @@ def plan(
         command=train_command(config, best.changes, gpu_spec, budget_bytes, world_size),
         alternatives=alternatives, tokens_per_second=best.tokens_per_second,
         host_bytes=est.host_bytes, host_available_bytes=est.host_available_bytes, host_limit_bytes=host_limit,
-        trades=trade_offs(best, config, hf_config, gpu_spec, host_limit, memory_seq_len), maximize=maximize,
+        trades=trade_offs(best, config, hf_config, gpu_spec, host_limit, memory_seq_len)
+        + [line for line in [_paged_comparison(best, everything, search)] if line], maximize=maximize,
         memory_limit_seq_len=memory_seq_len or (seq_len if maximize == "seq-len" else None),
         max_positions=trained_positions, device=gpu_spec.name if gpu_spec is not None else "cpu",
         rope_scale_to_memory_limit=suggested_scale(
@@ -490,6 +507,8 @@ def trade_offs(candidate: Candidate, config: TrainConfig, hf_config: Any, gpu: G
                      " numerics differ from fp32 training")
     if c.get("optimizer") in ("adamw-8bit", "paged-adamw-8bit"):
         lines.append("8-bit AdamW: moments stored block-quantized (bitsandbytes), close to but not equal to AdamW")
+    if c.get("optimizer") in APPROXIMATION:
+        lines.append(small_state_trade(c, config, est))
     if c.get("optimizer") == "paged-adamw-8bit" and gpu is not None:
         state = est.host_breakdown.get("optimizer_states", 0)
         lines.append(f"paged optimizer state: {state / GIB:.1f} GiB in CUDA unified memory, paged to host when the GPU"
@@ -551,6 +570,50 @@ def trade_offs(candidate: Candidate, config: TrainConfig, hf_config: Any, gpu: G
     return lines
 
 
+SMALL_STATE_TRADES = {
+    "galore-adamw": "GaLore: AdamW's moments of a rank-{rank} projection of each gradient ({targets}), refreshed by an"
+                    " SVD every {gap} steps; not AdamW: updates stay in the projected subspace between refreshes",
+    "galore-adamw-8bit": "GaLore 8-bit: 8-bit moments of a rank-{rank} projection ({targets}), SVD every {gap} steps;"
+                         " not AdamW",
+    "apollo-adamw": "APOLLO: AdamW's moments of a rank-{rank} random projection ({targets}) only scale the raw"
+                    " gradient per channel; not AdamW (close to it in the APOLLO paper's pre-training runs)",
+    "apollo-mini": "APOLLO-Mini: a rank-{rank} random projection ({targets}) gives one scale per tensor for the raw"
+                   " gradient: SGD-like updates with an adaptive step; furthest from AdamW of the choices",
+    "adam-mini": "Adam-mini: one second moment per attention head or row instead of per weight; close to but not"
+                 " equal to AdamW",
+    "adamw-4bit": "4-bit AdamW (torchao): moments in 4 bits with one scale per 128 values, rounder than 8-bit AdamW;"
+                  " its step is compiled the first time",
+}
+
+
+def small_state_trade(changes: dict[str, Any], config: TrainConfig, est: Estimate) -> str:
+    """What a small-state optimizer of the plan trades, with its state's size."""
+    from dataclasses import replace
+
+    from memfit.models.optimizer_state import low_rank_settings
+
+    keys = ("optimizer", "optim_target_modules", "optim_rank", "optim_update_proj_gap", "optim_scale")
+    optimizer = replace(config.optimizer, **{k: changes[k] for k in keys if k in changes})
+    settings = low_rank_settings(optimizer) if optimizer.optimizer not in ("adam-mini", "adamw-4bit") else None
+    line = SMALL_STATE_TRADES[optimizer.optimizer].format(
+        rank=getattr(settings, "rank", 0), gap=getattr(settings, "update_proj_gap", 0),
+        targets={"all": "every matrix, embeddings and head included", "all-linear": "every Linear weight"}.get(
+            getattr(settings, "target_modules", ""), getattr(settings, "target_modules", "")))
+    return f"{line}; optimizer state {est.details['full_bytes']['optimizer_states'] / GIB:.2f} GiB"
+
+
+def _paged_comparison(best: Candidate, everything: list[Candidate], search: _Search) -> str | None:
+    """How the chosen plan compares with the best plan that pages its optimizer state to the host."""
+    paged = [c for c in everything if c.changes.get("optimizer") == "paged-adamw-8bit" and search.fits(c)]
+    if best.changes.get("optimizer") == "paged-adamw-8bit" or not paged:
+        return None
+    fastest = max(paged, key=lambda c: c.tokens_per_second)
+    return (f"nothing paged to the host: expected {best.tokens_per_second / fastest.tokens_per_second:.2f}x the"
+            f" tokens/s of the best paged-state plan (paged-adamw-8bit, peak {fastest.estimate.peak_bytes / GIB:.2f}"
+            f" GiB, {fastest.estimate.host_breakdown.get('optimizer_states', 0) / GIB:.1f} GiB of state in unified"
+            " memory)")
+
+
 def _distinct(candidates: list[Candidate]) -> list[Candidate]:
     """Drop runners-up that differ from a better one only by switches that change nothing shown."""
     seen, kept = set(), []
@@ -570,7 +633,7 @@ def _describe(candidate: Candidate, best: Candidate) -> dict[str, Any]:
     }
 
 
-def _does_not_fit_message(config, hf_config, budget, gpu, allow, everything, effective) -> str:
+def _does_not_fit_message(config, hf_config, budget, gpu, allow, everything, effective, host_limited=None) -> str:
     smallest = min(everything, key=lambda c: c.estimate.peak_bytes)
     need = smallest.estimate.peak_bytes / (1 - MARGIN)
     hints = []
@@ -589,8 +652,27 @@ def _does_not_fit_message(config, hf_config, budget, gpu, allow, everything, eff
             break
         except DoesNotFitError:
             continue
+    if host_limited:
+        return host_limited + ("; or " + " or ".join(hints) if hints else "")
     hint = ": " + " or ".join(hints) if hints else ": use a smaller model, a shorter --seq-len or a larger GPU"
-    return (f"needs {need / GIB:.1f} GiB with everything on; {budget / GIB:.1f} GiB available{hint}")
+    where = f"the {gpu.name}'s" if gpu is not None and budget == gpu.memory_bytes else "the --memory-budget"
+    return (f"device memory stopped it: needs {need / GIB:.1f} GiB with everything on, {(need - budget) / GIB:.1f} GiB"
+            f" over {where} {budget / GIB:.1f} GiB (--gpu / --memory-budget set it){hint}")
+
+
+def _host_limit_message(search: _Search, everything: list[Candidate], host_memory_given: bool) -> str | None:
+    """When configurations fit the device but every one needs more host memory than planned: say so, and the flag."""
+    device_fits = [c for c in everything if search.device_fits(c)]
+    if not device_fits or search.host_limit is None:
+        return None
+    least = min(device_fits, key=lambda c: c.estimate.host_bytes)
+    allowed = search.host_limit * (1 - HOST_MARGIN)
+    source = "--host-memory" if host_memory_given else "this machine's memory; --host-memory SIZE plans for another"
+    return (f"host memory stopped it: configurations that fit the device's {search.budget / GIB:.1f} GiB need at least"
+            f" {least.estimate.host_bytes / GIB:.1f} GiB of host memory (offloaded or paged state), "
+            f"{(least.estimate.host_bytes - allowed) / GIB:.1f} GiB over the {allowed / GIB:.1f} GiB planned"
+            f" ({100 * (1 - HOST_MARGIN):.0f} % of {search.host_limit / GIB:.1f} GiB, {source}): give --host-memory"
+            " for the machine that trains, or a larger GPU")
 
 
 def train_command(config: TrainConfig, changes: dict[str, Any], gpu: GpuSpec | None, budget: int | None,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from memfit.config import TrainConfig
+from memfit.config import SMALL_STATE_OPTIMIZERS, TrainConfig
 from memfit.gpus import GpuSpec
 from memfit.memory.estimator import Estimate
 
@@ -183,6 +183,8 @@ def estimated_step_seconds(changes: dict[str, Any], config: TrainConfig, est: Es
             seconds += trainable * OPTIMIZER_STEP_FLOPS[(device, "8bit")] / rate
         else:
             seconds *= 1.01
+    if changes.get("optimizer", config.optimizer.optimizer) in SMALL_STATE_OPTIMIZERS:
+        seconds += small_state_step_flops(changes, config, hf_config) / rate  # projections, SVDs, quantization
     link = (gpu.host_link_gbps if gpu is not None else 16.0) * 1e9
     if changes.get("optimizer_offload"):
         seconds += 8 * trainable / link + trainable / 2e9  # gradients down, weights up, CPU AdamW
@@ -193,3 +195,16 @@ def estimated_step_seconds(changes: dict[str, Any], config: TrainConfig, est: Es
         # the state pages come in for the step and go out again for the next forward
         seconds += 2 * est.host_breakdown.get("optimizer_states", 0) / link
     return seconds
+
+
+def small_state_step_flops(changes: dict[str, Any], config: TrainConfig, hf_config: Any) -> float:
+    """Extra FLOPs of one step of GaLore / APOLLO / Adam-mini / 4-bit AdamW (memfit.models.optimizer_state)."""
+    from dataclasses import replace
+
+    from memfit.models.optimizer_state import low_rank_settings, step_extra_flops
+    from memfit.models.state_bytes import parameter_inventory
+
+    keys = ("optimizer", "optim_target_modules", "optim_rank", "optim_update_proj_gap", "optim_scale")
+    optimizer = replace(config.optimizer, **{k: changes[k] for k in keys if k in changes})
+    settings = low_rank_settings(optimizer) if optimizer.optimizer not in ("adam-mini", "adamw-4bit") else None
+    return step_extra_flops(optimizer.optimizer, parameter_inventory(hf_config).named, settings)

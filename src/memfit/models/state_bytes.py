@@ -9,10 +9,19 @@ checkpointing choice (memfit.techniques) both use it, so it sits below both.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from memfit.errors import UsageError
+from memfit.models.optimizer_state import (
+    SMALL_STATE_OPTIMIZERS,
+    LowRankSettings,
+    NamedTensor,
+    low_rank_settings,
+    named_trainable,
+    state_bytes,
+    step_temporary_bytes,
+)
 
 NF4_BYTES_PER_PARAM = 0.5 + 1 / 64 + 4 / (64 * 256)
 """4-bit nf4: half a byte, one 8-bit absmax per 64 weights, one fp32 absmax per 256 blocks (double quantization)."""
@@ -31,6 +40,10 @@ class ParameterInventory:
     """Weights of the linear layers LoRA targets / QLoRA quantizes (not the output head)."""
     adapter_shapes: list[tuple[int, ...]]
     """LoRA A and B matrices."""
+    named: list[NamedTensor] = field(default_factory=list)
+    """Every parameter tensor with its name and kind (what the small-state optimizers' state depends on)."""
+    head_block: int = 1
+    """Values of one attention head's query weights as Adam-mini splits them (hidden^2 / heads)."""
 
     @property
     def total(self) -> int:
@@ -69,7 +82,19 @@ def _build_inventory(hf_config: Any, lora_r: int) -> ParameterInventory:
         linear_params += fan_in * fan_out
         if lora_r:
             adapters += [(lora_r, fan_in), (fan_out, lora_r)]
-    return ParameterInventory(shapes, linear_params, adapters)
+    heads = getattr(hf_config, "num_attention_heads", None) or 1
+    hidden = getattr(hf_config, "hidden_size", None) or 1
+    return ParameterInventory(shapes, linear_params, adapters, named_trainable(model), max(1, hidden * hidden // heads))
+
+
+def small_state_optimizer_bytes(optimizer_config: Any, inventory: ParameterInventory, param_bytes: int,
+                                in_backward: bool, lora: bool = False) -> int:
+    """State bytes of one of SMALL_STATE_OPTIMIZERS over the whole model, or over the LoRA adapters."""
+    name = optimizer_config.optimizer
+    settings = low_rank_settings(optimizer_config) if name not in ("adam-mini", "adamw-4bit") else None
+    tensors = inventory.named if not lora else [
+        NamedTensor(f"adapter.{i}", shape, "other") for i, shape in enumerate(inventory.adapter_shapes)]
+    return state_bytes(name, tensors, param_bytes, settings, inventory.head_block, in_backward)
 
 
 def optimizer_state_bytes_for_shapes(optimizer: str, shapes: list[tuple[int, ...]], param_bytes: int,
@@ -95,6 +120,12 @@ def optimizer_state_bytes_for_shapes(optimizer: str, shapes: list[tuple[int, ...
             factored = len(s) >= 2
             total += param_bytes * ((math.prod(s[:-1]) + s[-1]) if factored else math.prod(s)) + 4
         return total
+    if optimizer in SMALL_STATE_OPTIMIZERS:
+        # From shapes alone nothing is known to be projected: full moments, an upper bound for GaLore and APOLLO
+        # (small_state_optimizer_bytes knows the names).
+        tensors = [NamedTensor(f"tensor.{i}", tuple(s), "other") for i, s in enumerate(shapes)]
+        settings = LowRankSettings(rank=1, update_proj_gap=1, scale=1.0, target_modules="all-linear")
+        return state_bytes(optimizer, tensors, param_bytes, settings)
     raise UsageError(f"unknown optimizer {optimizer!r}")
 
 
@@ -110,6 +141,8 @@ def optimizer_step_temporary_bytes(run: Any, shapes: list[tuple[int, ...]], para
     if run.optimizer_offload:
         return 0
     sizes = [math.prod(s) for s in shapes] or [0]
+    if run.optimizer in SMALL_STATE_OPTIMIZERS:
+        return step_temporary_bytes(run.optimizer, max(sizes), param_bytes)
     if run.optimizer == "adamw":
         if run.optimizer_impl in ("auto", "fused"):
             return 0
@@ -135,4 +168,6 @@ def in_backward_step_temporary_bytes(optimizer: str, numel: int, param_bytes: in
         return 2 * param_bytes * numel
     if optimizer == "adafactor":
         return int(1.5 * param_bytes * numel)
+    if optimizer in SMALL_STATE_OPTIMIZERS:
+        return step_temporary_bytes(optimizer, numel, param_bytes)
     return 0

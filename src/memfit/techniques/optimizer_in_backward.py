@@ -126,6 +126,9 @@ class OptimizerInBackward(torch.optim.Optimizer):
             )
         for optimizer, state in zip(self.optimizers.values(), states, strict=True):
             optimizer.load_state_dict(state)
+        # Optimizer.load_state_dict replaces each optimizer's group dicts: point at the new ones, or an LR
+        # scheduler would set the rate on the old dicts and the hooks would keep the checkpoint's rate.
+        self.param_groups = [group for optimizer in self.optimizers.values() for group in optimizer.param_groups]
 
     def remove(self) -> None:
         """Unhook the parameters: backward leaves gradients in `.grad` again."""

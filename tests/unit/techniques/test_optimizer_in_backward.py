@@ -100,6 +100,19 @@ def test_state_dict_round_trip_continues_identically():
         assert torch.equal(a, b)
 
 
+def test_a_schedule_after_a_resume_sets_the_rate_the_hooks_use():
+    """A scheduler stepping a restored optimizer changes the per-parameter rates (a cosine schedule resumes)."""
+    first, second = small_model(), small_model()
+    optimizer = OptimizerInBackward(first.parameters(), make_adamw)
+    loss_of(first, 0).backward()
+    restored = OptimizerInBackward(second.parameters(), make_adamw)
+    restored.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(restored, lambda step: 0.5)
+    scheduler.step()
+    assert all(group["lr"] == pytest.approx(5e-3) for inner in restored.optimizers.values()
+               for group in inner.param_groups)
+
+
 def test_load_state_dict_from_a_plain_optimizer_is_refused():
     model = small_model()
     optimizer = OptimizerInBackward(model.parameters(), make_adamw)
