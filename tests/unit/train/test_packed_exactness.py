@@ -7,6 +7,7 @@ shows in the weights. Each check has a fault twin that breaks one of the two and
 
 from __future__ import annotations
 
+import functools
 import random
 
 import numpy as np
@@ -151,18 +152,26 @@ def sgd_weights(model, micro_batches: list[dict], normalizer: int, steps: int, c
     return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
+WEIGHT_SAMPLES = Samples(lengths_of_varied_samples(count=9, seed=1), seed=1)
+WEIGHT_TARGETS = sum(int((s["labels"][1:] != -100).sum()) for s in WEIGHT_SAMPLES.items)
+
+
+@functools.cache
+def weights_one_by_one(kind: str, attention: str, steps: int = 3) -> dict[str, torch.Tensor]:
+    """The reference: each sample its own micro-batch (no padding, no packing); shared by the checks and twins."""
+    alone = [collate([sample], 0) for sample in WEIGHT_SAMPLES.items]
+    return sgd_weights(tiny_model(kind, attention), alone, WEIGHT_TARGETS, steps)
+
+
 def one_by_one_and_packed(kind: str, attention: str, chunk: int, fault: str | None, steps: int = 3):
-    samples = Samples(lengths_of_varied_samples(seed=1), seed=1)
-    packed = PackedDataset(samples, SEQ_LEN)
-    targets = sum(int((s["labels"][1:] != -100).sum()) for s in samples.items)
-    alone = [collate([sample], 0) for sample in samples.items]
+    packed = PackedDataset(WEIGHT_SAMPLES, SEQ_LEN)
     rows = [packed[i] for i in range(len(packed))]
+    assert len(rows) >= 2 and max(len(row) for row in packed.rows) > 1
     # Two micro-batches of packed rows, each padded to its longest row.
     micro_batches = [packed_batch(rows[: len(rows) // 2]), packed_batch(rows[len(rows) // 2 :])]
     assert any("position_ids" in b and b["position_ids"].eq(0).sum() > len(b["position_ids"]) for b in micro_batches)
-    reference = sgd_weights(tiny_model(kind, attention), alone, targets, steps)
-    trained = sgd_weights(tiny_model(kind, attention), micro_batches, targets, steps, chunk, fault)
-    return reference, trained
+    trained = sgd_weights(tiny_model(kind, attention), micro_batches, WEIGHT_TARGETS, steps, chunk, fault)
+    return weights_one_by_one(kind, attention, steps), trained
 
 
 @pytest.mark.parametrize(("kind", "attention", "chunk"), [("llama", "sdpa", 0), ("llama", "eager", 0),
@@ -205,18 +214,25 @@ def run_weights(llama_dir, dataset_path, out, packing: str, rows: int, micro_bat
     config = load_config(overrides=dict(
         model=str(llama_dir), dataset=str(dataset_path), seq_len=SEQ_LEN, packing=packing,
         effective_batch_size=rows, batch_size=micro_batch, max_steps=3, optimizer="sgd", lr=1.0, max_grad_norm=0,
-        loss_chunk_size=0, lr_schedule="constant", precision="fp32", output_dir=str(out / packing),
+        loss_chunk_size=0, lr_schedule="constant", precision="fp32", output_dir=str(out / packing), report=False,
     ))
     result = train(config)
     return load_file(str(result.final_dir / "model.safetensors")), result
 
 
-def test_samples_and_off_train_to_the_same_weights(llama_dir, short_documents, tmp_path):
+@pytest.fixture(scope="module")
+def documents_off(llama_dir, short_documents, tmp_path_factory):
+    """The `off` run of the short documents: the reference of the check and of its twin."""
+    path, lengths = short_documents
+    return run_weights(llama_dir, path, tmp_path_factory.mktemp("off"), "off", len(lengths), 4)
+
+
+def test_samples_and_off_train_to_the_same_weights(llama_dir, short_documents, documents_off, tmp_path):
     """Every step takes the whole (small) dataset: one padded sample per row, or packed rows."""
     path, lengths = short_documents
     packed_rows = len(best_fit_decreasing(lengths, SEQ_LEN))
     assert packed_rows < len(lengths)
-    off, off_result = run_weights(llama_dir, path, tmp_path, "off", len(lengths), 4)
+    off, off_result = documents_off
     samples, samples_result = run_weights(llama_dir, path, tmp_path, "samples", packed_rows, 2)
     assert samples_result.losses == pytest.approx(off_result.losses, abs=1e-5)
     for name, weight in off.items():
@@ -227,13 +243,13 @@ def test_samples_and_off_train_to_the_same_weights(llama_dir, short_documents, t
     assert "block-diagonal" in start["packing"]["attention_restriction"]
 
 
-def test_samples_against_off_fails_when_positions_do_not_reach_the_model(llama_dir, short_documents, tmp_path,
-                                                                         monkeypatch):
+def test_samples_against_off_fails_when_positions_do_not_reach_the_model(llama_dir, short_documents, documents_off,
+                                                                         tmp_path, monkeypatch):
     import memfit.train.step as step
 
     path, lengths = short_documents
     packed_rows = len(best_fit_decreasing(lengths, SEQ_LEN))
-    off, _ = run_weights(llama_dir, path, tmp_path, "off", len(lengths), 4)
+    off, _ = documents_off
     monkeypatch.setattr(step, "packed_positions", lambda batch: {})
     samples, _ = run_weights(llama_dir, path, tmp_path, "samples", packed_rows, 2)
     assert max(float((samples[name] - weight).abs().max()) for name, weight in off.items()) > 1e-4
@@ -282,9 +298,9 @@ def test_conversations_packed_train_to_the_weights_of_one_per_row(llama_dir, sho
     def config(packing: str, rows: int, micro_batch: int):
         return load_config(overrides=dict(
             model=str(llama_dir), dataset=str(short_conversations), chat_template="chatml", seq_len=SEQ_LEN * 4,
-            packing=packing, effective_batch_size=rows, batch_size=micro_batch, max_steps=3, optimizer="sgd", lr=1.0,
+            packing=packing, effective_batch_size=rows, batch_size=micro_batch, max_steps=2, optimizer="sgd", lr=1.0,
             max_grad_norm=0, loss_chunk_size=0, lr_schedule="constant", precision="fp32",
-            output_dir=str(tmp_path / packing), cache_dir=str(tmp_path / "cache"),
+            output_dir=str(tmp_path / packing), cache_dir=str(tmp_path / "cache"), report=False,
         ))
 
     from memfit.train.loop import train
@@ -295,7 +311,8 @@ def test_conversations_packed_train_to_the_weights_of_one_per_row(llama_dir, sho
     packed_rows = len(best_fit_decreasing(samples.lengths, SEQ_LEN * 4))
     assert packed_rows < 10
     off = train(probe)
-    packed = train(config("auto", packed_rows, 1))  # one row a micro-batch: accumulation over packed rows too
+    micro_batch = 3 if packed_rows % 3 == 0 else 1  # several micro-batches: accumulation over packed rows too
+    packed = train(config("auto", packed_rows, micro_batch))
     assert packed.losses == pytest.approx(off.losses, abs=1e-5)
     off_weights = load_file(str(off.final_dir / "model.safetensors"))
     packed_weights = load_file(str(packed.final_dir / "model.safetensors"))
