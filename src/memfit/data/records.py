@@ -13,7 +13,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from memfit.data.sources import TextSource, resolve_source
+from memfit.data.sources import TextSource, load_hf_split, open_parquet, resolve_source
 from memfit.errors import UsageError
 
 BUILTIN_PREFIX = "builtin:"
@@ -68,31 +68,13 @@ def _jsonl(path: Path, label: str) -> Iterator[Any]:
 
 
 def _parquet(path: Path) -> Iterator[Any]:
-    try:
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise UsageError("reading .parquet files needs pyarrow: pip install pyarrow (or memfit[data])") from None
-    try:
-        parquet = pq.ParquetFile(path)
-    except Exception as error:  # pyarrow raises its own error types for corrupt files
-        raise UsageError(f"{path} is not a readable Parquet file ({error}); check the file") from None
+    parquet = open_parquet(path)
     for group in range(parquet.num_row_groups):
         yield from parquet.read_row_group(group).to_pylist()
 
 
 def _hf(source: TextSource, batch: int = 1000) -> Iterator[Any]:
-    try:
-        import datasets
-    except ImportError:
-        raise UsageError("hf: datasets need the datasets package: pip install datasets (or memfit[data])") from None
-    try:
-        data = datasets.load_dataset(source.location, source.hf_config, split=source.hf_split)
-    except Exception as error:  # network, unknown name, unknown split: all user-fixable
-        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise UsageError(
-            f"could not load {source.label} ({first_line}); check the name, config and split, and that the Hugging Face"
-            " Hub is reachable (or already in your HF cache), or pass a local file to --dataset"
-        ) from None
+    data = load_hf_split(source.location, source.hf_config, source.hf_split, source.label)
     # Slices keep memory flat on large splits; a slice is columns, turned back into rows here.
     for start in range(0, len(data), batch):
         columns = data[start : start + batch]

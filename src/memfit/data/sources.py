@@ -156,16 +156,37 @@ def read_jsonl(path: Path, text_field: str) -> Iterator[str]:
                 yield text
 
 
-def read_parquet(path: Path, text_field: str) -> Iterator[str]:
-    """Documents of a Parquet file: the `text_field` column, read one row group at a time."""
+def open_parquet(path: Path):
+    """A pyarrow ParquetFile, or UsageError when pyarrow is missing or the file is not Parquet."""
     try:
         import pyarrow.parquet as pq
     except ImportError:
         raise UsageError("reading .parquet files needs pyarrow: pip install pyarrow (or memfit[data])") from None
     try:
-        parquet = pq.ParquetFile(path)
+        return pq.ParquetFile(path)
     except Exception as error:  # pyarrow raises its own error types for corrupt files
         raise UsageError(f"{path} is not a readable Parquet file ({error}); check the file") from None
+
+
+def load_hf_split(name: str, config: str | None, split: str, label: str):
+    """A Hugging Face dataset split (downloaded once, then read from the HF cache), or UsageError saying what to fix."""
+    try:
+        import datasets
+    except ImportError:
+        raise UsageError("hf: datasets need the datasets package: pip install datasets (or memfit[data])") from None
+    try:
+        return datasets.load_dataset(name, config, split=split)
+    except Exception as error:  # network, unknown name, unknown split: all user-fixable
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise UsageError(
+            f"could not load {label} ({first_line}); check the name, config and split, and that the Hugging Face Hub"
+            " is reachable (or already in your HF cache), or pass a local file to --dataset"
+        ) from None
+
+
+def read_parquet(path: Path, text_field: str) -> Iterator[str]:
+    """Documents of a Parquet file: the `text_field` column, read one row group at a time."""
+    parquet = open_parquet(path)
     columns = parquet.schema_arrow.names
     if text_field not in columns:
         raise UsageError(f"{path} has no column {text_field!r} (it has: {', '.join(columns)}); pass --text-field NAME")
@@ -177,19 +198,8 @@ def read_parquet(path: Path, text_field: str) -> Iterator[str]:
 
 def read_hf(name: str, config: str | None, split: str, text_field: str) -> Iterator[str]:
     """Documents of a Hugging Face dataset split (downloaded once, then read from the HF cache)."""
-    try:
-        import datasets
-    except ImportError:
-        raise UsageError("hf: datasets need the datasets package: pip install datasets (or memfit[data])") from None
     label = f"hf:{name}" + (f":{config}" if config else "") + f"@{split}"
-    try:
-        data = datasets.load_dataset(name, config, split=split)
-    except Exception as error:  # network, unknown name, unknown split: all user-fixable
-        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise UsageError(
-            f"could not load {label} ({first_line}); check the name, config and split, and that the Hugging Face Hub"
-            " is reachable (or already in your HF cache), or pass a local file to --dataset"
-        ) from None
+    data = load_hf_split(name, config, split, label)
     if text_field not in data.column_names:
         raise UsageError(
             f"{label} has no column {text_field!r} (it has: {', '.join(data.column_names)}); pass --text-field NAME"
