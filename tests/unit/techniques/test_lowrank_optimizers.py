@@ -239,4 +239,18 @@ def test_adamw_4bit_equals_torchao_and_resumes(in_backward, tmp_path):
     _run(resumed_model, resumed, batches[2:])
     _assert_same_weights(model, resumed_model)
     tensors = named_trainable(model)
-    assert measured_optimizer_state_bytes(ours) == state_bytes("adamw-4bit", tensors, 4, None)
+    inner = list(ours.optimizers.values()) if in_backward else [ours]
+    assert sum(map(measured_optimizer_state_bytes, inner)) == state_bytes("adamw-4bit", tensors, 4, None)
+
+
+@pytest.mark.parametrize("name", (*FAST, "adamw-4bit", "galore-adamw-8bit"))
+def test_the_estimator_counts_the_same_tensors_as_the_real_model(name):
+    """The estimator's inventory (a meta-device build) names and shapes the tensors as the loaded model does."""
+    from tiny_llama import tiny_llama_config
+
+    from memfit.models.state_bytes import parameter_inventory, small_state_optimizer_bytes
+
+    config = _config(name, optim_target_modules="all-linear")
+    settings = low_rank_settings(config) if name not in ("adam-mini", "adamw-4bit") else None
+    real = state_bytes(name, named_trainable(tiny_llama()), 4, settings, head_block=64 * 64 // 4)
+    assert small_state_optimizer_bytes(config, parameter_inventory(tiny_llama_config()), 4, False) == real
