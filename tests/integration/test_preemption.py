@@ -14,8 +14,6 @@ import random
 import signal
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -25,6 +23,7 @@ from safetensors.torch import load_file
 from fault_injection import SGD_FLAGS, fault_env
 from memfit.checkpoint_files import checkpoint_problem, list_checkpoints
 from memfit.train.metrics import read_metrics
+from signal_runs import run_with_signals
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 6
@@ -104,38 +103,6 @@ def test_sigterm_at_a_named_moment_saves_the_uninterrupted_state(phase, step, st
     assert_same_state(list_checkpoints(out)[-1], straight / "checkpoints" / f"step-{step}", context)
     if (phase, step) in (("backward", 3), ("save", 2)):  # resuming a checkpoint equal to the reference: once is enough
         _assert_resumes_to(warm_memfit, args, out, straight, context)
-
-
-def _children(pid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                    found.append(int(entry.name))
-            except (OSError, IndexError, ValueError):
-                continue
-    return found
-
-
-def run_with_signals(warm_memfit, args: list[str], out: Path, signals: list[int], delay: float):
-    """Run `memfit ARGS` (a forked child of the warm server) and send `signals` once its first step is logged + `delay`."""
-    result = {}
-    thread = threading.Thread(target=lambda: result.update(done=warm_memfit.run(*args)))
-    thread.start()
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and thread.is_alive():
-        metrics = out / "metrics.jsonl"
-        if metrics.is_file() and any("event" not in r for r in read_metrics(metrics)):
-            break
-        time.sleep(0.01)
-    time.sleep(delay)
-    for number in signals:
-        for child in _children(warm_memfit._server.pid):
-            os.kill(child, number)
-        time.sleep(0.005)
-    thread.join(timeout=300)
-    return result["done"]
 
 
 @pytest.mark.parametrize("attempt", range(3))

@@ -62,12 +62,15 @@ def save_sharded(
     return final
 
 
-def load_sharded(path: Path, dist: DistContext, read_shards: Callable[[Path], None], scheduler: Any) -> TrainerState:
-    """Restore a checkpoint written by `save_sharded` with the same number of ranks."""
+def load_sharded(
+    path: Path, dist: DistContext, read_shards: Callable[[Path], None], scheduler: Any, reshards: bool = False
+) -> TrainerState:
+    """Restore a checkpoint written by `save_sharded`: with the same number of ranks, or any when `reshards`
+    (torch.distributed.checkpoint re-slices the saved tensors for the ranks that load them)."""
     try:
         meta = json.loads((path / "trainer_state.json").read_text())
         saved_world = meta.get("world_size", 1)
-        if saved_world != dist.world_size:
+        if saved_world != dist.world_size and not reshards:
             raise UsageError(
                 f"checkpoint {path} was written by {saved_world} ranks and this run has {dist.world_size};"
                 f" resume with --nproc_per_node {saved_world}"
@@ -75,7 +78,7 @@ def load_sharded(path: Path, dist: DistContext, read_shards: Callable[[Path], No
         read_shards(path)
         if scheduler is not None:
             scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
-        rng = torch.load(path / f"rng-{dist.rank}.pt", weights_only=True)
+        rng = torch.load(_rng_file(path, dist.rank), weights_only=True)
     except UsageError:
         raise
     except Exception as error:  # any damage means the same to the user
@@ -86,3 +89,67 @@ def load_sharded(path: Path, dist: DistContext, read_shards: Callable[[Path], No
         ) from None
     restore_rng_state(rng)
     return trainer_state_from(meta)
+
+
+def _rng_file(path: Path, rank: int) -> Path:
+    """This rank's generator state; a rank the saving run did not have takes rank 0's, or the one process's
+    (the data order does not depend on it; only dropout draws would differ)."""
+    for candidate in (path / f"rng-{rank}.pt", path / "rng-0.pt", path / "rng.pt"):  # rng.pt: one process wrote it
+        if candidate.is_file():
+            return candidate
+    return path / f"rng-{rank}.pt"
+
+
+def load_shards_in_one_process(path: Path, model: torch.nn.Module, optimizer: Any, scheduler: Any) -> TrainerState:
+    """Resume an FSDP2 checkpoint (torch.distributed.checkpoint shards) in one process: the shards are
+    gathered into whole tensors by their names (model and optimizer state alike)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    def read(directory: Path) -> None:
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        state = {"model": model_state, "optimizer": optimizer_state}
+        dcp.load(state, checkpoint_id=str(directory / "shards"))
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+    return load_sharded(path, DistContext(), read, scheduler, reshards=True)
+
+
+_KERNEL_OPTIONS = ("fused", "foreach", "capturable", "differentiable")
+
+
+def load_whole_into_shards(path: Path, model: torch.nn.Module, optimizer: Any, scheduler: Any,
+                           dist: DistContext) -> TrainerState:
+    """Resume a one-process checkpoint (model.safetensors, optimizer.pt) into an FSDP2 model: every rank reads
+    the whole state and keeps its shards. The optimizer state, saved by parameter position, is renamed by
+    the parameters' names (the sharded optimizer's groups hold the parameters in the same order)."""
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    parameters = dict(model.named_parameters())
+
+    def shard_like(name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """A whole tensor cut as parameter `name` is cut (its own shard on this rank); others as they are."""
+        parameter = parameters.get(name)
+        if isinstance(parameter, DTensor) and isinstance(tensor, torch.Tensor) and tensor.shape == parameter.shape:
+            return distribute_tensor(tensor.to(parameter.device), parameter.device_mesh, parameter.placements)
+        return tensor
+
+    def read(directory: Path) -> None:
+        weights = load_file(str(directory / "model.safetensors"))
+        model.load_state_dict({name: shard_like(name, tensor) for name, tensor in weights.items()}, strict=False)
+        saved = torch.load(directory / "optimizer.pt", weights_only=True)
+        names = {id(parameter): name for name, parameter in parameters.items()}
+        order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+        by_name = {
+            "state": {order[index]: {key: shard_like(order[index], value) for key, value in state.items()}
+                      for index, state in saved["state"].items()},
+            # The hyperparameters as saved; the kernel choice (fused, foreach) stays this engine's own.
+            "param_groups": [{**group, **{key: own[key] for key in _KERNEL_OPTIONS if key in own},
+                              "params": [order[index] for index in group["params"]]}
+                             for group, own in zip(saved["param_groups"], optimizer.param_groups, strict=True)],
+        }
+        set_optimizer_state_dict(model, optimizer, optim_state_dict=by_name)
+
+    return load_sharded(path, dist, read, scheduler, reshards=True)

@@ -30,7 +30,7 @@ import torch
 
 from memfit.checkpoint_files import TrainerState, save_final_model
 from memfit.config import TrainConfig
-from memfit.distributed.checkpoint_io import load_sharded, save_sharded
+from memfit.distributed.checkpoint_io import load_sharded, load_whole_into_shards, save_sharded
 from memfit.distributed.context import DistContext
 from memfit.distributed.memory import gradient_bytes
 from memfit.distributed.parallel import LocalStepEngine, gather_events
@@ -142,7 +142,9 @@ class FullyShardedEngine(LocalStepEngine):
                 self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
             )
 
-        return load_sharded(path, self.dist, read, scheduler)
+        if not (path / "shards").is_dir() and (path / "model.safetensors").is_file():  # written by one process
+            return load_whole_into_shards(path, self.model, self.optimizer, scheduler, self.dist)
+        return load_sharded(path, self.dist, read, scheduler, reshards=True)  # any number of ranks
 
     def save_final_model(self, directory: Path, tokenizer: Any) -> Path | None:
         """Gather the full weights to rank 0 and write one Hugging Face directory there."""

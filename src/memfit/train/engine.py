@@ -206,6 +206,10 @@ class SingleProcessEngine:
         return lambda: write_snapshot(snapshot, output_dir, saved, config_dict)
 
     def load_checkpoint(self, path: Path, scheduler: Any) -> TrainerState:
+        if (path / "shards").is_dir():  # written by FSDP2 ranks: gathered by name into this process
+            from memfit.distributed.checkpoint_io import load_shards_in_one_process
+
+            return load_shards_in_one_process(path, self.model, self.optimizer, scheduler)
         return load_checkpoint(path, self.model, self.optimizer, scheduler, self.scaler)
 
     def save_final_model(self, directory: Path, tokenizer: Any) -> Path:

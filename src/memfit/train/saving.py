@@ -121,6 +121,14 @@ def prepare_long_run(session: Any, resume_from: Any, start_step: int, save_outpu
     from memfit.train.resume_check import check_resume, run_identity
 
     identity = check_resume(session, resume_from) if resume_from is not None else run_identity(session)
+    if save_outputs and session.dist.is_main:
+        import shutil
+
+        from memfit.checkpoint_files.retention import stale_temporaries
+
+        for stale in stale_temporaries(session.output_dir):  # a save cut short by a kill; never complete
+            log.info("memfit: removing %s, a checkpoint whose write was cut short", stale)
+            shutil.rmtree(stale, ignore_errors=True)
     if save_outputs:
         from memfit.train.disk import check_disk_space
 
