@@ -246,9 +246,8 @@ def test_adamw_4bit_equals_torchao_and_resumes(in_backward, tmp_path):
 @pytest.mark.parametrize("name", (*FAST, "adamw-4bit", "galore-adamw-8bit"))
 def test_the_estimator_counts_the_same_tensors_as_the_real_model(name):
     """The estimator's inventory (a meta-device build) names and shapes the tensors as the loaded model does."""
-    from tiny_llama import tiny_llama_config
-
     from memfit.models.state_bytes import parameter_inventory, small_state_optimizer_bytes
+    from tiny_llama import tiny_llama_config
 
     config = _config(name, optim_target_modules="all-linear")
     settings = low_rank_settings(config) if name not in ("adam-mini", "adamw-4bit") else None
