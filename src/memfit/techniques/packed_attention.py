@@ -14,12 +14,15 @@ with the kernel the model runs:
 
 Models whose layers carry state from one position to the next (Mamba/Mamba-2, Hyena, RWKV,
 linear-attention and convolution blocks) would pass that state across a sample boundary
-whatever the attention mask says: `samples` is refused for them, visibly, and `off` runs.
+whatever the attention mask says, and a model whose code does not build its mask with
+transformers' masking utilities would not read the boundaries from the positions: `samples`
+is refused for both, visibly, and `off` runs.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any
 
 import torch
@@ -57,6 +60,28 @@ def stateful_layers(model: torch.nn.Module) -> str:
         if any(word in kind for word in STATEFUL_MODULE_WORDS):
             return f"{name or 'the model'} ({kind}) carries state across positions"
     return ""
+
+
+# transformers' mask builders that find packed samples from position_ids (masking_utils).
+_PACKING_AWARE_MASKS = ("create_causal_mask", "create_sliding_window_causal_mask", "create_masks_for_generate")
+
+
+def positions_not_read(model: torch.nn.Module) -> str:
+    """Why the model would not restrict attention from position_ids alone ('' when it does).
+
+    transformers' own models build their masks with `masking_utils`, which finds the samples
+    of a packed row from its positions; a model whose code builds its mask otherwise (remote
+    code, older ports) would let each sample attend to the one before it, silently.
+    """
+    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    lm = getattr(lm, "_orig_mod", lm)
+    for part in (lm, getattr(lm, "model", None), getattr(lm, "transformer", None)):
+        if part is None:
+            continue
+        code = sys.modules.get(type(part).__module__)
+        if any(hasattr(code, name) for name in _PACKING_AWARE_MASKS):
+            return ""
+    return f"{type(lm).__name__} does not build its attention mask with transformers' masking utilities, which find samples from position_ids"
 
 
 def attention_restriction(attention: str) -> str:
@@ -121,7 +146,7 @@ def pack_for_model(dataset: Any, requested: str, supervised: bool | None, model:
     mode = resolve_packing(requested, supervised)
     if mode != "samples":
         return dataset
-    why = stateful_layers(model)
+    why = stateful_layers(model) or positions_not_read(model)
     if why:
         note = f"--packing samples refused ({why}): one sample per row, padded (off)"
         fallbacks["packing"] = note

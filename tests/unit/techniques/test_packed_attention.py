@@ -16,6 +16,7 @@ from memfit.techniques.packed_attention import (
     pack_for_model,
     packed_mask_estimate,
     packing_facts,
+    positions_not_read,
     stateful_layers,
 )
 from tiny_llama import tiny_llama
@@ -66,6 +67,23 @@ def test_models_are_detected_by_their_layers_not_only_their_name():
     hybrid = tiny_llama()
     hybrid.config.layer_types = ["full_attention", "linear_attention"]
     assert "linear_attention layers carry state" in stateful_layers(hybrid)
+
+
+def test_model_that_builds_its_own_mask_is_not_packed():
+    """Remote code that does not use transformers' masking utilities would let samples see each other."""
+
+    class OwnMaskModel(torch.nn.Module):  # defined here: this test module imports no mask builder
+        config = type("Config", (), {"model_type": "custom"})()
+
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 4)
+
+    fallbacks = {}
+    samples = Samples([5, 6])
+    assert pack_for_model(samples, "samples", True, OwnMaskModel(), "sdpa", 32, 1, fallbacks) is samples
+    assert "does not build its attention mask with transformers' masking utilities" in fallbacks["packing"]
+    assert positions_not_read(tiny_llama()) == ""
 
 
 def test_packed_run_names_its_attention_restriction():
