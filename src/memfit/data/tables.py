@@ -372,14 +372,21 @@ def _tokens_with_labels(tokenizer: Any, sequence: str, value: Any, index: dict[s
     if len(word_labels) != len(words):
         raise UsageError(f"{dataset} row {number}: {len(word_labels)} token labels for {len(words)} words of the sequence;"
                          " give one label a word (a character when the sequence has no spaces)")
+    word_ids = [_class_id(label, index, spec, dataset, number) for label in word_labels]
+    if getattr(tokenizer, "is_fast", False):
+        # The tokenizer's own word alignment, special tokens (its post-processor) included.
+        encoding = tokenizer(words, is_split_into_words=True, add_special_tokens=True)
+        full, previous = [], None
+        for word in encoding.word_ids():
+            full.append(IGNORE_INDEX if word is None or word == previous else word_ids[word])
+            previous = word
+        return torch.tensor(encoding["input_ids"], dtype=torch.long), torch.tensor(full, dtype=torch.long)
     ids: list[int] = []
     labels: list[int] = []
-    for word, label in zip(words, word_labels, strict=True):
+    for word, label in zip(words, word_ids, strict=True):
         pieces = tokenizer(word, add_special_tokens=False)["input_ids"]
-        if not pieces:
-            continue
         ids += pieces
-        labels += [_class_id(label, index, spec, dataset, number)] + [IGNORE_INDEX] * (len(pieces) - 1)
+        labels += [label] + [IGNORE_INDEX] * (len(pieces) - 1) if pieces else []
     with_special = tokenizer.build_inputs_with_special_tokens(ids) if hasattr(tokenizer, "build_inputs_with_special_tokens") else ids
     # Special tokens wrap the words (CLS before, SEP after): find where the words start and pad the labels around them.
     start = _find(with_special, ids)
