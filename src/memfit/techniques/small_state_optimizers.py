@@ -138,6 +138,20 @@ def _classes(optimizer: str) -> type[torch.optim.Optimizer]:
     from apollo_torch import APOLLOAdamW
 
     class Apollo(_PlainStateDict, APOLLOAdamW):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.seeds = {p: state["seed"] for p, state in self.state.items() if "seed" in state}
+
+        def set_seed(self, parameter, seed: int) -> None:
+            self.seeds[parameter] = self.state[parameter]["seed"] = seed
+
+        def step(self, closure=None):
+            # APOLLO keeps each matrix's seed in the state from its constructor on; memfit's OOM recovery
+            # clears the state before the first step is retried: give the seeds back.
+            for parameter, seed in self.seeds.items():
+                self.state[parameter].setdefault("seed", seed)
+            return super().step(closure)
+
         def _new_projector(self, group, state):
             return self._initialize_projector(group, state)
 
@@ -274,9 +288,9 @@ def in_backward_factory(model: torch.nn.Module, groups: list[dict], config: Opti
     def make(params: list) -> torch.optim.Optimizer:
         optimizer = cls([{"params": params}], lr=config.lr, betas=betas, eps=config.eps,
                         weight_decay=config.weight_decay, **_library_kwargs(run))
-        if "seed" in optimizer.state.get(params[0], {}):
+        if hasattr(optimizer, "set_seed"):
             # APOLLO seeds each random projection by the parameter's position in its optimizer (1 here)
-            optimizer.state[params[0]]["seed"] = positions[id(params[0])]
+            optimizer.set_seed(params[0], positions[id(params[0])])
         return optimizer
 
     if reason:

@@ -253,3 +253,15 @@ def test_the_estimator_counts_the_same_tensors_as_the_real_model(name):
     settings = low_rank_settings(config) if name not in ("adam-mini", "adamw-4bit") else None
     real = state_bytes(name, named_trainable(tiny_llama()), 4, settings, head_block=64 * 64 // 4)
     assert small_state_optimizer_bytes(config, parameter_inventory(tiny_llama_config()), 4, False) == real
+
+
+@pytest.mark.parametrize("name", FAST)
+def test_a_state_cleared_before_the_first_step_still_steps_as_the_library(name):
+    """OOM recovery in the first optimizer step clears the state (memfit.train.engine) and steps again."""
+    model, reference = tiny_llama(), tiny_llama()
+    ours, theirs = _ours(model, name), _reference(reference, name, _config(name))
+    ours.state.clear()
+    batches = _batches(3)
+    _run(model, ours, batches)
+    _run(reference, theirs, batches)
+    _assert_same_weights(model, reference)
