@@ -22,7 +22,7 @@ from memfit.errors import UsageError
 
 PRECISIONS = ("auto", "amp", "fp32", "bf16", "fp16")
 WEIGHT_DTYPES = ("fp32", "bf16", "fp16")
-ATTENTION_KINDS = ("auto", "flash", "sdpa", "eager")
+ATTENTION_KINDS = ("auto", "flash", "flex", "sdpa", "eager")
 SMALL_STATE_OPTIMIZERS = ("galore-adamw", "galore-adamw-8bit", "apollo-adamw", "apollo-mini", "adam-mini", "adamw-4bit")
 """Optimizers with a fraction of AdamW's state (memfit.techniques.small_state_optimizers); the first five need full weights."""
 OPTIMIZERS = ("adamw", "adamw-8bit", "paged-adamw-8bit", "adafactor", "sgd", *SMALL_STATE_OPTIMIZERS)
@@ -56,7 +56,7 @@ class ModelConfig:
     trust_remote_code: bool = False
     """Run code shipped with a Hugging Face model. Off unless you trust the model's authors."""
     attention: str = field(default="auto", metadata=_choices(*ATTENTION_KINDS))
-    """Attention kernel: auto picks flash-attn on a supporting GPU, else PyTorch SDPA, else eager."""
+    """Attention kernel: auto picks flash-attn on a supporting GPU, else PyTorch SDPA (FlexAttention for packed samples on a GPU), else eager; flex asks for FlexAttention (CUDA)."""
     rope_scale: float | None = None
     """Multiply the model's positions by this factor through RoPE scaling (a context-extension fine-tune past its trained length; changes the rotary numerics). 1 leaves the model as it is."""
     rope_scaling: str = field(default="auto", metadata=_choices(*ROPE_SCALINGS))

@@ -230,8 +230,8 @@ def resolve_run(config: TrainConfig, hf_config: Any, gpu: GpuSpec | None) -> Run
     precision = choose_precision(config.memory.precision, device_type, bf16_ok)  # the training loop's policy
     autocast = precision.name if precision.autocast_dtype is not None else None
     attention = config.model.attention
-    if attention == "auto":
-        attention = "sdpa"  # flash-attn keeps the same tensors as SDPA's flash kernel
+    if attention in ("auto", "flex"):
+        attention = "sdpa"  # flash-attn and FlexAttention keep the same tensors as SDPA's flash kernel
     checkpointing = config.memory.gradient_checkpointing
     if checkpointing == "auto":
         checkpointing = "full"  # auto checkpoints as few blocks as the budget allows: full is its upper bound
@@ -331,7 +331,8 @@ def estimate(
     moment = _apply_sharding(moment, parts, sharding, world_size, hf_config, run,
                              notes.get("autocast_weight_copies_bytes", 0))
     packed_mask = packed_mask_estimate(config.data, config.training.batch_size, run.attention, run.checkpointing,
-                                       architecture_of(hf_config), _precision(run).attention)
+                                       architecture_of(hf_config), _precision(run).attention,
+                                       config.model.attention, run.device_type, hf_config)
     if packed_mask:  # --packing samples under SDPA: the block-diagonal mask and its per-layer copies
         moment["activations"] += packed_mask
         notes["packed_mask_bytes"] = packed_mask

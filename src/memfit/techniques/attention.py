@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 # memfit name -> transformers' attn_implementation
-HF_NAMES = {"flash": "flash_attention_2", "sdpa": "sdpa", "eager": "eager"}
+HF_NAMES = {"flash": "flash_attention_2", "flex": "flex_attention", "sdpa": "sdpa", "eager": "eager"}
 
 
 @dataclass(frozen=True)
@@ -21,7 +21,7 @@ class AttentionChoice:
     requested: str
     """What the user asked for (auto, flash, sdpa, eager)."""
     implementation: str
-    """memfit name of the kernel asked of transformers: flash, sdpa or eager."""
+    """memfit name of the kernel asked of transformers: flash, flex, sdpa or eager."""
     reason: str
     """Why, when it differs from the request."""
 
@@ -57,6 +57,9 @@ def choose_attention(requested: str, device: torch.device, compute_dtype: torch.
     if requested == "flash" and not flash_ok:
         # Visible fallback: SDPA also avoids the [batch, heads, seq, seq] probabilities.
         return AttentionChoice(requested, "sdpa", f"flash requested, PyTorch SDPA ran instead: {why_not}")
+    if requested == "flex" and device.type != "cuda":
+        return AttentionChoice(requested, "sdpa", "flex requested, PyTorch SDPA ran instead: PyTorch's FlexAttention"
+                                                   " has no backward on the CPU")
     return AttentionChoice(requested, requested, f"requested {requested}")
 
 

@@ -8,6 +8,10 @@ with the kernel the model runs:
 
 - flash-attn (CUDA, when installed): its variable-length path, from the positions; no mask
   is built, nothing grows with the square of the length;
+- FlexAttention (CUDA without flash-attn, `--attention auto` or `flex`): a document block
+  mask built from the positions, a few bytes per 128 x 128 tile, no `seq x seq` tensor;
+  the run switches the model to it when it packs samples (PyTorch has no FlexAttention
+  backward on the CPU, so CPU runs keep SDPA's mask);
 - PyTorch SDPA or eager: a block-diagonal causal mask of `batch x seq x seq` booleans, built
   once per forward and kept for backward. That is memory a plain causal row never costs
   (SDPA's causal fast path builds no mask): the estimator counts it (`block_mask_bytes`).
@@ -88,6 +92,8 @@ def attention_restriction(attention: str) -> str:
     """How the kernel that runs keeps attention within each sample (memfit's kernel names)."""
     if attention == "flash":
         return "flash-attn variable-length kernel from position_ids"
+    if attention == "flex":
+        return "FlexAttention with a document block mask from position_ids (no seq x seq tensor)"
     if attention in ("sdpa", "eager"):
         return f"{attention} with a block-diagonal causal mask (batch x seq x seq booleans)"
     return f"{attention}: transformers' document mask from position_ids"
@@ -132,8 +138,27 @@ def packs_samples(data_cfg: Any) -> bool:
     return dataset_format not in ("auto", "text") or str(getattr(data_cfg, "dataset", "") or "").startswith("builtin:chat")
 
 
+def flex_for_packed_rows(model: torch.nn.Module, requested: str, running: str, device: torch.device) -> str:
+    """Why packed rows should run FlexAttention instead of SDPA's block mask ('' when they should not).
+
+    Only where SDPA would build the mask (flash-attn's variable-length path needs none), the
+    user left the kernel to memfit (`auto`) or asked for flex, the device is a CUDA GPU
+    (PyTorch's FlexAttention has no backward on the CPU) and the model's transformers class
+    supports it.
+    """
+    if running != "sdpa" or requested not in ("auto", "flex") or device.type != "cuda":
+        return ""
+    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if not getattr(lm, "_supports_flex_attn", False):
+        return ""
+    from torch.nn.attention import flex_attention  # noqa: F401  (PyTorch builds without it raise here)
+
+    return "packed rows: FlexAttention's document block mask instead of SDPA's batch x seq x seq mask"
+
+
 def pack_for_model(dataset: Any, requested: str, supervised: bool | None, model: torch.nn.Module, attention: str,
-                   seq_len: int, min_rows: int, fallbacks: dict[str, str]) -> Any:
+                   seq_len: int, min_rows: int, fallbacks: dict[str, str], requested_attention: str = "auto",
+                   device: torch.device | None = None) -> Any:
     """The dataset the run trains on: `dataset` packed into rows when `samples` runs, else as it is.
 
     `dataset` holds whole samples (a `lengths` array and dict items); `requested` is --packing;
@@ -155,6 +180,11 @@ def pack_for_model(dataset: Any, requested: str, supervised: bool | None, model:
     if not hasattr(dataset, "lengths"):
         raise UsageError("--packing samples needs samples of known length; use --packing off")
     packed = PackedDataset(dataset, seq_len, min_rows=min_rows)
+    why_flex = flex_for_packed_rows(model, requested_attention, attention, device or torch.device("cpu"))
+    if why_flex:
+        model.set_attn_implementation("flex_attention")
+        attention = "flex"
+        log.info("memfit: attention: %s", why_flex)
     packed.attention_restriction = attention_restriction(attention)
     return packed
 
@@ -167,13 +197,27 @@ def packing_facts(dataset: Any) -> dict[str, Any]:
     return {"mode": "wrapped" if getattr(dataset, "packing", False) is True else "off"}
 
 
+def flex_class_supported(hf_config: Any) -> bool:
+    """Whether the causal-LM class transformers builds for `hf_config` runs FlexAttention."""
+    from transformers import AutoModelForCausalLM
+
+    model_class = AutoModelForCausalLM._model_mapping.get(type(hf_config), None) if hf_config is not None else None
+    return bool(getattr(model_class, "_supports_flex_attn", False))
+
+
 def packed_mask_estimate(data_cfg: Any, batch: int, attention: str, checkpointing: str, arch: Any,
-                         element_bytes: int) -> int:
+                         element_bytes: int, requested_attention: str = "auto", device_type: str = "cpu",
+                         hf_config: Any = None) -> int:
     """What the estimator adds for packed rows (0 unless `samples` packing runs under SDPA).
 
     `arch`: the model's shape (memory.activations.Architecture: layers, q_width, kv_width).
+    On a GPU a run that packs samples switches SDPA to FlexAttention where the model supports it
+    (`flex_for_packed_rows`), which builds no `seq x seq` mask: nothing is added then.
     """
     if not packs_samples(data_cfg):
+        return 0
+    if (device_type == "cuda" and attention == "sdpa" and requested_attention in ("auto", "flex")
+            and flex_class_supported(hf_config)):
         return 0
     holding = 1 if checkpointing == "full" else arch.layers
     expanded = 2 * max(0, arch.q_width - arch.kv_width) * element_bytes

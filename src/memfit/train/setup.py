@@ -176,7 +176,10 @@ def _build_session(config: TrainConfig) -> TrainingSession:
         dist.barrier()
     # --packing samples: whole samples share windows, attention restricted to each (or `off` for stateful layers).
     dataset = pack_for_model(dataset, config.data.packing, None, loaded.model, ran, config.data.seq_len,
-                             effective_batch, fallbacks)
+                             effective_batch, fallbacks, config.model.attention, device)
+    if attention_that_ran(loaded.model) != ran:  # packed rows on a GPU switched SDPA to FlexAttention
+        ran = attention_that_ran(loaded.model)
+        attention = AttentionChoice(config.model.attention, ran, "packed samples: FlexAttention's document mask")
     dataset, eval_dataset = split_for_evaluation(config, dataset, eval_source, loaded.model, ran, effective_batch)
     schedule = BatchSchedule(len(dataset), effective_batch, config.training.seed, dist.rank, dist.world_size)
     total_steps = (

@@ -169,3 +169,67 @@ def test_estimator_counts_the_mask_where_samples_packing_runs(llama_dir):
     checkpointed = peak(packing="samples", gradient_checkpointing="full")
     assert checkpointed.details["packed_mask_bytes"] == block_mask_bytes(
         4, 256, "sdpa", 1, 4, 2 * (arch.q_width - arch.kv_width) * 4)
+
+
+def test_packed_rows_on_a_gpu_take_flex_attention_instead_of_sdpas_mask():
+    """Where SDPA would build the batch x seq x seq mask on a GPU, packed rows run FlexAttention's block mask;
+    on the CPU (no FlexAttention backward), with flash-attn, with a kernel the user named, or on a model
+    without FlexAttention, nothing changes."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from memfit.techniques.packed_attention import flex_for_packed_rows
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert flex_for_packed_rows(tiny_llama(), "auto", "sdpa", cuda)
+    assert flex_for_packed_rows(tiny_llama(), "flex", "sdpa", cuda)
+    assert not flex_for_packed_rows(tiny_llama(), "auto", "sdpa", cpu)
+    assert not flex_for_packed_rows(tiny_llama(), "auto", "flash", cuda)
+    assert not flex_for_packed_rows(tiny_llama(), "sdpa", "sdpa", cuda)
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
+    assert not flex_for_packed_rows(gpt2, "auto", "sdpa", cuda)
+    assert "no seq x seq" in attention_restriction("flex")
+
+
+def test_flex_asked_on_the_cpu_runs_sdpa_and_says_why():
+    from memfit.techniques.attention import choose_attention
+
+    choice = choose_attention("flex", torch.device("cpu"), None)
+    assert choice.implementation == "sdpa" and choice.fell_back and "no backward on the CPU" in choice.reason
+
+
+def test_estimator_counts_no_mask_for_packed_rows_on_a_gpu(llama_dir):
+    """A GPU plan of packed samples: FlexAttention runs, so no seq x seq mask is counted; --attention sdpa keeps it."""
+    from memfit.config_loading import load_config
+    from memfit.memory.estimator import estimate
+
+    def details(**settings):
+        config = load_config(overrides=dict(model=str(llama_dir), seq_len=256, batch_size=4, packing="samples",
+                                            **settings))
+        return estimate(config, gpu="rtx-4090").details
+
+    assert "packed_mask_bytes" not in details()
+    assert details(attention="sdpa")["packed_mask_bytes"] > 0
+
+
+@pytest.mark.gpu
+def test_flex_attention_keeps_packed_samples_apart_on_cuda():
+    """On CUDA: the switched model gives each packed sample the logits it has alone (bf16 tolerance)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    samples = Samples([37, 20, 51, 12])
+    packed = PackedDataset(samples, 128)
+    model = tiny_llama().to("cuda", torch.bfloat16).eval()
+    pack_for_model(samples, "samples", True, model, "sdpa", 128, 1, {}, "auto", torch.device("cuda"))
+    assert model.config._attn_implementation == "flex_attention"
+    rows = [packed[i] for i in range(len(packed))]
+    with torch.no_grad():
+        for r, members in enumerate(packed.rows):
+            row = rows[r]
+            logits = model(input_ids=row["input_ids"][None].cuda(), position_ids=row["position_ids"][None].cuda()).logits
+            start = 0
+            for index in members.tolist():
+                ids = samples[index]["input_ids"][None].cuda()
+                alone = model(input_ids=ids).logits
+                torch.testing.assert_close(logits[0, start : start + ids.shape[1]].float(), alone[0].float(),
+                                           atol=3e-2, rtol=3e-2)
+                start += ids.shape[1]
