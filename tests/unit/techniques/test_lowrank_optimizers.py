@@ -203,11 +203,16 @@ def test_lora_and_bad_settings_are_refused_in_one_line():
         _ours(tiny_llama(), "galore-adamw", optim_target_modules="no_such_module")
 
 
-def test_sharded_engines_refuse_them():
-    from memfit.techniques.optimizers import refusal_under_fsdp
+def test_sharded_engines_refuse_them_and_ddp_runs_them():
+    from memfit.config import TrainConfig
+    from memfit.distributed.parallel import check_supported
 
     for name in (*LOW_RANK, "adam-mini", "adamw-4bit", "galore-adamw-8bit"):
-        assert "--sharding ddp" in refusal_under_fsdp(name)
+        config = TrainConfig().replace(optimizer=name)
+        for engine in ("--sharding fsdp", "DeepSpeed"):
+            with pytest.raises(UsageError, match=f"--optimizer {name}.*use --sharding ddp"):
+                check_supported(config, engine)
+        check_supported(config, "--sharding ddp")
 
 
 def test_trainer_names_are_aliases():
