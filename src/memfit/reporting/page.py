@@ -17,6 +17,7 @@ from typing import Any
 from memfit.data.samples import describe_facts
 from memfit.reporting import compare, figures
 from memfit.reporting.run_data import RunData
+from memfit.tasks.metrics import METRIC_NAMES
 from memfit.units import format_bytes
 
 _STYLE = """
@@ -132,6 +133,9 @@ def glance(run: RunData) -> list[tuple[str, str, str]]:
         if summary.get("best_eval_step") is not None:
             note += f"; best {_number(summary.get('best_eval_loss'))} at step {summary['best_eval_step']}, kept in best/"
         cards.append(("eval loss", _number(last.get("eval_loss")), note))
+        scores = [f"{name} {_number(last[f'eval_{name}'], 3)}" for name in METRIC_NAMES if f"eval_{name}" in last]
+        if scores:  # the task's metrics (memfit.tasks.metrics)
+            cards.append(("eval metrics", scores[0], ", ".join(scores[1:]) + f" at step {last['step']}"))
     speed = run.typical_tokens_per_second()
     if speed is not None:
         cards.append(("tokens/s", _number(speed, 4), "median over steps after the first"))

@@ -72,6 +72,14 @@ class Task:
         """The loss the step runs: `default` is memfit's causal loss (fused or compiled where they run)."""
         return default
 
+    def metric_stream(self) -> Any:
+        """A stream of per-sample predictions for one evaluation (tasks.metrics), or None: loss and perplexity only."""
+        return None
+
+    def eval_loss_sum(self, model: torch.nn.Module, batch: dict, stream: Any) -> torch.Tensor:
+        """An eval batch's loss sum, its predictions added to `stream` (only called when metric_stream gave one)."""
+        raise NotImplementedError
+
     # -- what cannot apply -------------------------------------------------------
 
     def refusals(self, config: Any) -> list[str]:

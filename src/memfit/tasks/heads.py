@@ -22,6 +22,7 @@ from memfit.data.tables import LabelSpec, is_table, label_spec, load_table
 from memfit.errors import UsageError
 from memfit.tasks.base import LossFunction, Task
 from memfit.tasks.masking import EVAL_STEP, IGNORE_INDEX, mask_tokens
+from memfit.tasks.metrics import MISSING_NOTE, MetricStream, sklearn_available
 from memfit.techniques.loss import final_hidden_states, unwrap_causal_lm
 
 log = logging.getLogger("memfit")
@@ -44,6 +45,7 @@ class TableTask(Task):
     def __init__(self, config: Any):
         super().__init__(config)
         self.spec: LabelSpec | None = None
+        self._warned = False
 
     @property
     def fields(self) -> list[str]:
@@ -81,6 +83,35 @@ class TableTask(Task):
         except UsageError as error:
             raise UsageError(f"{role} data: {error}") from None
 
+    metric_kind: str | None = None
+    """What tasks.metrics.MetricStream computes for this task (None: the loss and perplexity only)."""
+
+    def metric_stream(self) -> MetricStream | None:
+        """A fresh stream of per-sample predictions for one evaluation, or None (no metrics beyond the loss)."""
+        if self.metric_kind is None:
+            return None
+        if not sklearn_available():
+            if not self._warned:
+                log.warning("memfit: %s", MISSING_NOTE)
+                self._warned = True
+            return None
+        return MetricStream(self.metric_kind, self.config.task.threshold)
+
+    def eval_loss_sum(self, model: torch.nn.Module, batch: dict, stream: MetricStream) -> torch.Tensor:
+        """The loss sum of an eval batch, its predictions added to `stream` (one forward)."""
+        logits = _logits(model, batch["input_ids"], batch.get("attention_mask"), {})
+        stream.add(logits, batch["labels"])
+        return self.loss_from_logits(logits, batch["labels"])
+
+    def loss_from_logits(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def loss_function(self, default: LossFunction) -> LossFunction:
+        def loss_sum(model, input_ids, labels, attention_mask=None, chunk_size=0, **positions) -> torch.Tensor:
+            return self.loss_from_logits(_logits(model, input_ids, attention_mask, positions), labels)
+
+        return loss_sum
+
     def refusals(self, config: Any) -> list[str]:
         found = []
         if config.data.packing in ("samples", "wrapped"):
@@ -102,6 +133,7 @@ class SequenceClassificationTask(TableTask):
         wanted = config.task.problem_type
         self.multi_label = wanted == "multi-label" or (wanted == "auto" and len(self.fields) > 1)
         self.label_kind = "multi-label" if self.multi_label else "class"
+        self.metric_kind = "multi-label" if self.multi_label else "single-label"
 
     def model_config(self) -> dict[str, Any]:
         problem = "multi_label_classification" if self.multi_label else "single_label_classification"
@@ -113,8 +145,8 @@ class SequenceClassificationTask(TableTask):
     def collate(self, samples: Sequence[dict], pad_token_id: int | None) -> dict[str, torch.Tensor]:
         return collate_sequence_labels(samples, pad_token_id)
 
-    def loss_function(self, default: LossFunction) -> LossFunction:
-        return multi_label_loss_sum if self.multi_label else single_label_loss_sum
+    def loss_from_logits(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return multi_label_loss(logits, labels) if self.multi_label else single_label_loss(logits, labels)
 
     def refusals(self, config: Any) -> list[str]:
         return super().refusals(config) + _no_vocabulary(self.name, config)
@@ -129,14 +161,15 @@ class RegressionTask(SequenceClassificationTask):
     def __init__(self, config: Any):
         TableTask.__init__(self, config)
         self.multi_label = False
+        self.metric_kind = "regression"
 
     def model_config(self) -> dict[str, Any]:
         names = self.spec.names if self.spec is not None else ["value"]
         return {"num_labels": len(names), "id2label": dict(enumerate(names)),
                 "label2id": {name: i for i, name in enumerate(names)}, "problem_type": "regression"}
 
-    def loss_function(self, default: LossFunction) -> LossFunction:
-        return regression_loss_sum
+    def loss_from_logits(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return regression_loss(logits, labels)
 
 
 class TokenClassificationTask(TableTask):
@@ -145,12 +178,13 @@ class TokenClassificationTask(TableTask):
     name = "token-classification"
     auto_class = "AutoModelForTokenClassification"
     label_kind = "tokens"
+    metric_kind = "tokens"
 
     def count(self, sample: dict) -> int:
         return int((sample["labels"] != IGNORE_INDEX).sum())
 
-    def loss_function(self, default: LossFunction) -> LossFunction:
-        return token_classification_loss_sum
+    def loss_from_logits(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return token_classification_loss(logits, labels)
 
     def refusals(self, config: Any) -> list[str]:
         return super().refusals(config) + _no_vocabulary(self.name, config)
@@ -236,28 +270,26 @@ def collate_sequence_labels(samples: Sequence[dict], pad_token_id: int | None) -
             "labels": torch.stack([s["labels"] for s in samples])}
 
 
-def single_label_loss_sum(model, input_ids, labels, attention_mask=None, chunk_size=0, **positions) -> torch.Tensor:
+def single_label_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Summed cross-entropy of one class a sample."""
-    logits = _logits(model, input_ids, attention_mask, positions)
     return F.cross_entropy(logits.float(), labels, reduction="sum")
 
 
-def multi_label_loss_sum(model, input_ids, labels, attention_mask=None, chunk_size=0, **positions) -> torch.Tensor:
+def multi_label_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Binary cross-entropy of each label, averaged over the labels of a sample, summed over samples."""
-    logits = _logits(model, input_ids, attention_mask, positions).float()
+    logits = logits.float()
     return F.binary_cross_entropy_with_logits(logits, labels.float(), reduction="sum") / logits.shape[-1]
 
 
-def regression_loss_sum(model, input_ids, labels, attention_mask=None, chunk_size=0, **positions) -> torch.Tensor:
+def regression_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Squared error averaged over the targets of a sample, summed over samples."""
-    logits = _logits(model, input_ids, attention_mask, positions).float()
-    labels = labels.float().reshape(logits.shape)
-    return F.mse_loss(logits, labels, reduction="sum") / logits.shape[-1]
+    logits = logits.float()
+    return F.mse_loss(logits, labels.float().reshape(logits.shape), reduction="sum") / logits.shape[-1]
 
 
-def token_classification_loss_sum(model, input_ids, labels, attention_mask=None, chunk_size=0, **positions) -> torch.Tensor:
+def token_classification_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Summed cross-entropy over the labelled tokens (no shift: a token's label is its own)."""
-    logits = _logits(model, input_ids, attention_mask, positions).float()
+    logits = logits.float()
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE_INDEX,
                            reduction="sum")
 

@@ -178,6 +178,8 @@ class EvalResult:
     """The eval batch at the end (lower than asked after an out-of-memory split)."""
     seconds: float
     events: list[dict] = field(default_factory=list)
+    metrics: dict[str, float] = field(default_factory=dict)
+    """The task's metrics (memfit.tasks.metrics: accuracy, F1, MCC, AUROC, MSE, Pearson, ...), by name."""
 
     @property
     def perplexity(self) -> float:
@@ -197,6 +199,7 @@ class EvalResult:
             "eval_samples": self.samples,
             "eval_batch_size": self.batch_size,
             "eval_seconds": round(self.seconds, 3),
+            **{f"eval_{name}": value for name, value in self.metrics.items()},
         }
 
 
@@ -283,13 +286,14 @@ class Evaluator:
         # float64 sums on the device (one read at the end); MPS has no float64.
         total = torch.zeros((), dtype=torch.float32 if self.device.type == "mps" else torch.float64, device=self.device)
         pending = deque((start, min(start + self.batch_size, count)) for start in range(0, count, self.batch_size))
+        stream = self.task.metric_stream()  # per-sample predictions on the host, never logits across batches
         try:
             while pending:
                 start, end = pending.popleft()
                 pieces = self.task.prepare([self.samples[i] for i in range(start, end)], range(start, end),
                                            EVAL_STEP)
                 try:
-                    total += self._loss_sum(pieces).to(total.dtype)
+                    total += self._loss_sum(pieces, stream).to(total.dtype)
                     target_tokens += sum(self.task.count(sample) for sample in pieces)
                     continue
                 except Exception as error:  # only out-of-memory is handled; the rest propagates
@@ -303,14 +307,17 @@ class Evaluator:
             self.model.train(was_training)
         loss = float(total.item()) / max(target_tokens, 1)
         samples = int(getattr(self.samples, "num_samples", count))  # packed rows hold several
-        result = EvalResult(step, loss, target_tokens, samples, self.batch_size, time.perf_counter() - started, events)
+        result = EvalResult(step, loss, target_tokens, samples, self.batch_size, time.perf_counter() - started, events,
+                            stream.result() if stream is not None else {})
         self.last = result
         return result
 
-    def _loss_sum(self, samples: list[dict]) -> torch.Tensor:
+    def _loss_sum(self, samples: list[dict], stream=None) -> torch.Tensor:
         batch = {name: tensor.to(self.device, non_blocking=True) for name, tensor in self.collate(samples).items()}
         phase = self.tracker.phase("eval") if self.tracker is not None else contextlib.nullcontext()
         with torch.no_grad(), phase, self.precision.autocast(self.device):
+            if stream is not None:  # the task's metrics: one forward gives the loss and the predictions
+                return self.task.eval_loss_sum(self.model, batch, stream).detach()
             loss_sum = self.loss_fn(
                 self.model, batch["input_ids"], batch["labels"], batch.get("attention_mask"), self.loss_chunk_size,
                 **packed_positions(batch),
@@ -372,7 +379,8 @@ class Evaluator:
         if self.last is None:
             return {}
         summary = {"eval_loss": self.last.loss, "eval_perplexity": self.last.perplexity, "eval_step": self.last.step,
-                   "eval_tokens": self.last.target_tokens}
+                   "eval_tokens": self.last.target_tokens,
+                   **{f"eval_{name}": value for name, value in self.last.metrics.items()}}
         if self.save_best and self.best is not None:
             summary |= {"best_eval_loss": self.best["eval_loss"], "best_eval_step": self.best["step"],
                         "best_dir": str(Path(self.session.output_dir) / BEST_DIR)}
