@@ -28,13 +28,19 @@ _SAMPLES_HASHED = 64
 
 
 def _dataset_fingerprint(dataset: Any) -> str:
-    """A digest of the samples' count and of up to 64 samples spread over the dataset (cheap for any size)."""
+    """A digest of the samples' count and of up to 64 samples spread over the dataset (cheap for any size):
+    every numeric field of a sample (tokens, labels, masks)."""
     count = len(dataset)
     digest = hashlib.sha256(str(count).encode())
     stride = max(1, count // _SAMPLES_HASHED)
     for index in range(0, count, stride):
-        ids = dataset[index]["input_ids"]
-        digest.update(torch.as_tensor(ids).to(torch.int64).cpu().numpy().tobytes())
+        sample = dataset[index]
+        for key in sorted(sample):  # the tokens, and the labels or masks where the task has them
+            try:
+                values = torch.as_tensor(sample[key])
+            except (TypeError, ValueError, RuntimeError):
+                continue
+            digest.update(key.encode() + values.to(torch.float64).cpu().numpy().tobytes())
     return digest.hexdigest()[:16]
 
 
