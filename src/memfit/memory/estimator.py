@@ -345,6 +345,10 @@ def estimate(
     if host_activations is None:
         host_activations = _host_activations(config, run, hf_config)
     host = host_breakdown(run, parts, host_activations)
+    if config.output.async_save:
+        # --async-save copies the checkpoint to host memory and writes it while training goes on: the trainable
+        # weights in their dtype and the whole optimizer state, held until the write ends
+        host["checkpoint_snapshot"] = int(parts["trainable_count"] * run.weight_bytes + parts["optimizer_states_full"])
     if run.activation_offload:
         notes["pcie_bytes_per_micro_batch"] = 2 * host["activations"]  # out in forward, back in backward
     fits = headroom = None

@@ -32,3 +32,22 @@ def test_predicted_checkpoint_size_matches_the_files_written(optimizer, llama_di
     train(config)
     written = sum(f.stat().st_size for f in list_checkpoints(tmp_path)[-1].iterdir())
     assert predicted.checkpoint_bytes - SMALL_FILES_BYTES <= written <= predicted.checkpoint_bytes * 1.02
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_the_estimate_holds_an_async_snapshot_in_host_memory(optimizer, llama_dir, text_file, tmp_path):
+    """--async-save keeps one checkpoint's weights and optimizer state on the host while it writes:
+    the estimate counts them as host memory: the files a run writes, less the small ones (RNG, data position,
+    config, manifest)."""
+    from memfit.memory.estimator import estimate
+
+    settings = dict(model=str(llama_dir), dataset=str(text_file), seq_len=32, batch_size=1, max_steps=1,
+                    optimizer=optimizer, momentum=0.9, output_dir=str(tmp_path), report=False)
+    plain = estimate(load_config(overrides=settings))
+    snapshot = estimate(load_config(overrides={**settings, "async_save": True}))
+    assert "checkpoint_snapshot" not in plain.host_breakdown
+    assert snapshot.host_bytes - plain.host_bytes == snapshot.host_breakdown["checkpoint_snapshot"]
+    train(load_config(overrides=settings))
+    written = sum(f.stat().st_size for f in list_checkpoints(tmp_path)[-1].iterdir())
+    held = snapshot.host_breakdown["checkpoint_snapshot"]
+    assert held <= written <= held + SMALL_FILES_BYTES, (held, written)
