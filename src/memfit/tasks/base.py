@@ -35,6 +35,8 @@ class Task:
     label_kind: str | None = None
     """What tables.load_table reads from label columns; None: the text and fine-tuning formats (memfit.data)."""
     sequence_level = False
+    peft_task_type = "CAUSAL_LM"
+    """PEFT's task type under --lora-r (techniques.lora): SEQ_CLS/TOKEN_CLS train the head in full."""
     """Whether a sample carries one label (pooled head): no packing, no vocabulary logits to chunk."""
 
     def __init__(self, config: Any = None):

@@ -126,6 +126,7 @@ class SequenceClassificationTask(TableTask):
     name = "sequence-classification"
     auto_class = "AutoModelForSequenceClassification"
     unit = "samples"
+    peft_task_type = "SEQ_CLS"
     sequence_level = True
 
     def __init__(self, config: Any):
@@ -177,6 +178,7 @@ class TokenClassificationTask(TableTask):
 
     name = "token-classification"
     auto_class = "AutoModelForTokenClassification"
+    peft_task_type = "TOKEN_CLS"
     label_kind = "tokens"
     metric_kind = "tokens"
 
@@ -195,6 +197,7 @@ class MaskedLMTask(TableTask):
 
     name = "masked-lm"
     auto_class = "AutoModelForMaskedLM"
+    peft_task_type = "FEATURE_EXTRACTION"  # no new head: the adapters alone train (the LM head is tied to the embeddings)
     label_kind = "none"
 
     def __init__(self, config: Any):

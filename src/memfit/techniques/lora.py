@@ -149,13 +149,16 @@ def resolve_lora_targets(model: nn.Module, targets: str) -> list[str]:
 # ---------------------------------------------------------------------------
 
 
-def apply_lora(model: nn.Module, lora_cfg: LoraConfig, gradient_checkpointing: bool) -> tuple[nn.Module, LoraSummary]:
+def apply_lora(model: nn.Module, lora_cfg: LoraConfig, gradient_checkpointing: bool,
+               task_type: str = "CAUSAL_LM") -> tuple[nn.Module, LoraSummary]:
     """Wrap `model` with LoRA adapters (PEFT); freeze everything else.
 
     Call after loading (with `quantization_config` for QLoRA) and after switching
     gradient checkpointing on. `gradient_checkpointing` says whether it is on: the
     embedding output is then made to require grad, so every checkpointed block has an
     input that requires grad even though the embeddings are frozen.
+    `task_type`: PEFT's name of the task (memfit.tasks): SEQ_CLS and TOKEN_CLS keep the head
+    (`classifier`, `score`) trainable in full as PEFT's modules_to_save, saved with the adapters.
     Returns the PEFT model (use it in place of `model`) and a summary for the log.
     """
     _require("peft", PEFT_HINT, "--lora-r")
@@ -183,7 +186,7 @@ def apply_lora(model: nn.Module, lora_cfg: LoraConfig, gradient_checkpointing: b
         lora_dropout=lora_cfg.lora_dropout,
         target_modules=targets,
         bias="none",
-        task_type="CAUSAL_LM",
+        task_type=task_type,
     )
     peft_model = peft.get_peft_model(model, config)
     trainable, total = peft_model.get_nb_trainable_parameters()

@@ -186,7 +186,7 @@ def _build_session(config: TrainConfig) -> TrainingSession:
         schedule.steps_for_epochs(config.training.epochs) if config.training.epochs is not None else config.training.max_steps
     )
     # Only once the data is checked (its sequence length against the model too): techniques log what they do.
-    loaded.model, checkpointing = apply_model_techniques(config, loaded.model)
+    loaded.model, checkpointing = apply_model_techniques(config, loaded.model, task.peft_task_type)
     kernels = apply_kernels(loaded.model, config.memory.kernels, device, fallbacks)  # liger on CUDA, else PyTorch's
     compiled, token_loss = "off", None
     if config.memory.compile:
@@ -224,7 +224,8 @@ def _build_session(config: TrainConfig) -> TrainingSession:
     )
 
 
-def apply_model_techniques(config: TrainConfig, model: torch.nn.Module) -> tuple[torch.nn.Module, str]:
+def apply_model_techniques(config: TrainConfig, model: torch.nn.Module,
+                           peft_task_type: str = "CAUSAL_LM") -> tuple[torch.nn.Module, str]:
     """Apply the memory techniques that change the model, in this order; returns the model and
     what gradient checkpointing does.
 
@@ -247,7 +248,9 @@ def apply_model_techniques(config: TrainConfig, model: torch.nn.Module) -> tuple
     if config.lora.lora_r > 0:
         from memfit.techniques.lora import apply_lora
 
-        model, summary = apply_lora(model, config.lora, gradient_checkpointing=checkpointing != "off")
+        # The task's PEFT type: a classification head (new, so never pretrained) trains in full beside the adapters.
+        model, summary = apply_lora(model, config.lora, gradient_checkpointing=checkpointing != "off",
+                                    task_type=peft_task_type)
         log.info("memfit: %s", summary.describe())
         if config.memory.efficient_lora:
             from memfit.techniques.efficient_lora import apply_efficient_lora
