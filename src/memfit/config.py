@@ -115,6 +115,8 @@ class OptimizerConfig:
     """Learning-rate schedule after warmup: cosine, linear or constant."""
     warmup_steps: int = 0
     """Optimizer steps of linear warmup."""
+    warmup_ratio: float = 0.0
+    """Warmup as a share of the run's optimizer steps (the Trainer's and DNALLM's name); used when --warmup-steps is 0."""
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this value; 0 turns clipping off (the default under --optimizer-in-backward)."""
     optim_target_modules: str = "all-linear"
@@ -454,6 +456,8 @@ class TrainConfig:
             problems.append(f"--max-grad-norm must be 0 (off) or positive, got {o.max_grad_norm}")
         if o.warmup_steps < 0:
             problems.append(f"--warmup-steps must be 0 or more, got {o.warmup_steps}")
+        if not 0 <= o.warmup_ratio < 1:
+            problems.append(f"--warmup-ratio must be at least 0 and below 1 (a share of the steps), got {o.warmup_ratio}")
         problems.extend(_small_state_optimizer_problems(o, lo, m.optimizer_offload))
         if m.activation_offload_blocks is not None:
             if m.activation_offload_blocks < 0:

@@ -22,7 +22,22 @@ from memfit.errors import UsageError
 from memfit.units import parse_size
 
 # Section names other tools use in their YAML files; their keys are read as flat keys.
-SECTION_ALIASES = ("training_args", "args", "train", "optim")
+SECTION_ALIASES = ("training_args", "args", "train", "optim", "finetune")
+# DNALLM's fine-tuning YAML: names that mean something else inside one of its sections, and a section for a trainer's
+# predictions that a training run has no use for (ignored, with one line saying so).
+SECTION_KEY_ALIASES: dict[str, dict[str, str]] = {
+    "lora": {"r": "lora_r", "target_modules": "lora_targets", "alpha": "lora_alpha", "dropout": "lora_dropout"},
+    "task": {"task_type": "task"},
+}
+IGNORED_SECTIONS = ("inference",)
+# The Trainer's settings whose value here means what memfit always does: accepted and dropped; another value is refused.
+SAME_AS_MEMFIT: dict[str, tuple[Any, ...]] = {
+    "logging_strategy": ("steps",),
+    "save_strategy": ("steps",),
+    "save_safetensors": (True,),
+    "lr_scheduler_kwargs": (None, {}),
+    "metric_for_best_model": ("eval_loss", "loss"),
+}
 
 # Names of the Hugging Face Trainer (and of DNALLM, which passes them on), AI-OS and Axolotl -> memfit name.
 ALIASES: dict[str, str] = {
@@ -59,6 +74,8 @@ ALIASES: dict[str, str] = {
     "val_size": "eval_fraction",
     "sample_packing": "packing",  # Axolotl
     "neat_packing": "packing",  # LLaMA-Factory: packing without attention across samples
+    "label_field": "label_fields",
+    "task_type": "task",  # DNALLM
 }
 
 # Boolean switches of AI-OS (--amp, --use-8bit-optimizer) and the Hugging Face Trainer (bf16, fp16) -> a memfit value.
@@ -73,6 +90,7 @@ SWITCHES: dict[str, tuple[str, Any, Any]] = {
     "assistant_only_loss": ("train_on", "assistant", "all"),
     "train_on_inputs": ("train_on", "all", "assistant"),
     "train_on_prompt": ("train_on", "all", "assistant"),
+    "use_qlora": ("quantize", "4bit", "none"),  # DNALLM
 }
 
 # Spellings of choice values other tools use -> memfit's spelling.
@@ -107,6 +125,10 @@ VALUE_ALIASES: dict[str, dict[str, str]] = {
     "eval_strategy": {"none": "no", "off": "no", "false": "no"},
     # Old `packing: true/false` (and TRL's `packing`) keep their meaning: pack the way the data allows, or pad.
     "packing": {"true": "auto", "false": "off", "yes": "auto", "no": "off", "on": "auto", "1": "auto", "0": "off"},
+    # DNALLM's task types (multilabel also sets --problem-type multi-label: see flatten_yaml).
+    "task": {"binary": "sequence-classification", "multiclass": "sequence-classification",
+             "multilabel": "sequence-classification", "token": "token-classification", "mask": "masked-lm",
+             "generation": "causal-lm", "classification": "sequence-classification"},
 }
 
 
@@ -196,13 +218,18 @@ def canonical_name(key: str) -> str:
 
 
 def known_names() -> list[str]:
-    return sorted(set(field_index()) | set(ALIASES) | set(SWITCHES))
+    return sorted(set(field_index()) | set(ALIASES) | set(SWITCHES) | set(SAME_AS_MEMFIT))
 
 
 def apply_setting(values: dict[str, Any], key: str, raw: Any, problems: list[str], flag_style: bool) -> None:
     """Convert one user setting into `values` (flat), appending problems instead of raising."""
     name = canonical_name(key)
     label = f"--{key.lstrip('-').replace('_', '-')}" if flag_style else key
+    if name in SAME_AS_MEMFIT:
+        if raw not in SAME_AS_MEMFIT[name]:
+            allowed = " or ".join(map(str, SAME_AS_MEMFIT[name]))
+            problems.append(f"{label} {raw!r} has no memfit equivalent (memfit does what {allowed} means); drop it")
+        return
     if name in SWITCHES:
         target, when_true, when_false = SWITCHES[name]
         try:
@@ -237,6 +264,16 @@ def flatten_yaml(data: dict[str, Any], problems: list[str]) -> list[tuple[str, A
     """YAML mapping (flat or with sections) -> list of (key, value) settings."""
     settings = []
     for key, value in data.items():
+        if key in IGNORED_SECTIONS:
+            import logging
+
+            logging.getLogger("memfit").warning("memfit: YAML section %r ignored: it configures predictions, not training", key)
+            continue
+        if key in SECTION_KEY_ALIASES and isinstance(value, dict):
+            renamed = SECTION_KEY_ALIASES[key]
+            value = {renamed.get(name, name): setting for name, setting in value.items()}
+            if str(value.get("task", "")).lower() == "multilabel" and "problem_type" not in value:
+                value["problem_type"] = "multi-label"
         if key in SECTIONS or key in SECTION_ALIASES:
             if key in SECTIONS and not isinstance(value, dict) and canonical_name(key) in field_index():
                 settings.append((key, value))  # 'model: gpt2' and 'optimizer: sgd' are fields too

@@ -17,6 +17,7 @@ no grad scaler, no OOM recovery): nothing is changed after the session is built.
 from __future__ import annotations
 
 import logging
+import math
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -185,6 +186,8 @@ def _build_session(config: TrainConfig) -> TrainingSession:
     total_steps = (
         schedule.steps_for_epochs(config.training.epochs) if config.training.epochs is not None else config.training.max_steps
     )
+    if config.optimizer.warmup_ratio and not config.optimizer.warmup_steps:  # a share of the steps, known only now
+        config.optimizer.warmup_steps = math.ceil(config.optimizer.warmup_ratio * total_steps)  # as the Trainer rounds
     # Only once the data is checked (its sequence length against the model too): techniques log what they do.
     loaded.model, checkpointing = apply_model_techniques(config, loaded.model, task.peft_task_type)
     kernels = apply_kernels(loaded.model, config.memory.kernels, device, fallbacks)  # liger on CUDA, else PyTorch's
