@@ -469,6 +469,7 @@ def plan(
         chosen.sort(key=lambda c: (c.changes.get("dtype") == "bf16" and not c.changes.get("lora_r"),
                                    -c.tokens_per_second, APPROXIMATION.get(c.changes.get("optimizer"), 0),
                                    c.estimate.peak_bytes))
+        chosen = _closest_to_adamw_first(chosen)
     best = chosen[0]
     alternatives = [_describe(c, best) for c in _distinct(chosen)[1:3]]
     if config.model.rope_scale is not None:  # the planned positions need the scaled model: the command carries it
@@ -490,6 +491,20 @@ def plan(
         rope_scale_to_memory_limit=suggested_scale(
             scaled_positions(hf_config, None), memory_seq_len) if memory_seq_len and can_scale(hf_config) else None,
     )
+
+
+LOSSY_SPEEDUP = 1.2
+"""A small-state optimizer's plan is chosen over an AdamW or 8-bit AdamW plan that fits only when it is expected to
+be at least this much faster (the 8B full fine-tune at batch 2: APOLLO-Mini, 1.29x the paged 8-bit plan)."""
+
+
+def _closest_to_adamw_first(ranked: list[Candidate]) -> list[Candidate]:
+    """`ranked` (best first), or only its AdamW and 8-bit AdamW plans when one of them fits and no small-state
+    plan is LOSSY_SPEEDUP times faster than the best of them (the runners-up are then AdamW's too)."""
+    exact = [c for c in ranked if not APPROXIMATION.get(c.changes.get("optimizer"), 0)]
+    if exact and ranked[0] is not exact[0] and ranked[0].tokens_per_second < LOSSY_SPEEDUP * exact[0].tokens_per_second:
+        return exact
+    return ranked
 
 
 def trade_offs(candidate: Candidate, config: TrainConfig, hf_config: Any, gpu: GpuSpec | None,
