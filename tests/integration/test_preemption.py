@@ -110,8 +110,11 @@ def test_sigterm_at_a_random_moment_saves_and_resumes_exactly(attempt, straight,
     out = tmp_path / "run"
     delay = random.SystemRandom().uniform(0.0, 0.5)
     done = run_with_signals(warm_memfit, args(out), out, [signal.SIGTERM], delay)
-    if done.returncode == 0:  # the run ended before the signal: nothing to resume
-        assert list_checkpoints(out)[-1].name == f"step-{STEPS}"
+    if done.returncode in (0, -signal.SIGTERM):
+        # The signal came after the last step: the final save completes under the handler (exit 0), or, past
+        # the training loop's end, the default action ends a process whose work is all written.
+        assert list_checkpoints(out)[-1].name == f"step-{STEPS}", done.stderr[-3000:]
+        assert checkpoint_problem(list_checkpoints(out)[-1]) is None and (out / "final").is_dir()
         return
     assert done.returncode == PREEMPTED, done.stderr[-3000:]
     stopped = _preempted_checkpoint(out, done.stderr)

@@ -123,66 +123,69 @@ def train(
     progress = Progress(session.total_steps, state.step, config.output.log_every, enabled=session.dist.is_main)
     activation_offload = _activation_offload_context(session)
     started = time.perf_counter()
-    with tracker if tracker is not None else contextlib.nullcontext(), progress, activation_offload, _oom_is_fatal(runner, config), saver.preemption:
-        upcoming = _samples_of(session, state.step)
-        first_step = state.step
-        for step in range(state.step, session.total_steps):
-            reset_peaks(session.device)
-            step_started = time.perf_counter()
-            # The next step's samples are fetched now so its first micro-batch is prepared during this step.
-            samples, upcoming = upcoming, _samples_of(session, step + 1)
-            result = runner.run(samples, next_samples=upcoming)
-            if step == first_step:
-                _check_compiled(session, logger, tracker is not None)
-                _check_efficient_lora(session, logger)
-            session.scheduler.step()
-            elapsed = time.perf_counter() - step_started
-            state.step = step + 1
-            state.tokens_seen += result.input_tokens * world_size
-            state.micro_batch_size = runner.micro_batch_size
-            # Before the tracker closes the step: evaluation's peak is this step's "eval" phase.
-            evaluation = evaluator.maybe_run(state.step) if evaluator is not None else None
-            skipped_steps += int(result.skipped)
-            oom_events += sum(1 for event in result.events if event.get("event") == "oom")
-            for event in result.events:
-                logger.log({"step": state.step, **event})
-            loss = session.dist.all_reduce_sum(result.loss) / world_size
-            losses.append(loss)
-            stats = memory_stats(session.device)
-            run_peak = max(run_peak, stats.get("peak_memory_bytes") or 0)
-            record = {
-                "step": state.step,
-                "loss": loss,
-                "lr": session.scheduler.get_last_lr()[0],
-                "grad_norm": result.grad_norm,
-                "tokens": result.input_tokens * world_size,
-                "tokens_per_second": result.input_tokens * world_size / max(elapsed, 1e-9),
-                "micro_batch_size": result.micro_batch_size,
-                "gradient_accumulation_steps": result.accumulation_steps,
-                "precision": session.precision.name,
-                "optimizer": session.optimizer_name,
-                "attention": session.attention.implementation,
-                **speed.step(result.input_tokens * world_size, elapsed),
-                **stats,
-            }
-            if session.scaler is not None:
-                record["skipped_steps"] = skipped_steps
-            if tracker is not None:
-                step_memory = tracker.end_step()
-                memory_steps.append(step_memory)
-                tracked_peak = max(tracked_peak or 0, step_memory.peak_bytes)
-                record["tracked_peak_bytes"] = step_memory.peak_bytes
-                record["tracked_breakdown"] = dict(step_memory.breakdown)
-                record["tracked_phase_peaks"] = {phase.name: phase.peak_bytes for phase in step_memory.phases}
-            record.update(engine.step_metrics(record))  # every rank takes part
-            logger.log(record)
-            progress.update(state.step, loss, record["tokens_per_second"], stats.get("peak_memory_bytes"))
-            if evaluation is not None:
-                evaluator.publish(evaluation, logger, progress)  # the eval line, trackers, --save-best
-            saver.after_step(state)  # every N steps or M minutes; on a preemption signal: save, then exit 75
-    wall = time.perf_counter() - started
-    saver.finish()  # a background write in flight completes (or raises) before the final save
-    final_dir = _save_final(session, state) if save_outputs else None
+    # Preemption signals are caught from the first step through the final save: a signal after the last
+    # step lets the final checkpoint and model finish (the run ends normally) instead of killing the save.
+    with saver.preemption:
+        with tracker if tracker is not None else contextlib.nullcontext(), progress, activation_offload, _oom_is_fatal(runner, config):
+            upcoming = _samples_of(session, state.step)
+            first_step = state.step
+            for step in range(state.step, session.total_steps):
+                reset_peaks(session.device)
+                step_started = time.perf_counter()
+                # The next step's samples are fetched now so its first micro-batch is prepared during this step.
+                samples, upcoming = upcoming, _samples_of(session, step + 1)
+                result = runner.run(samples, next_samples=upcoming)
+                if step == first_step:
+                    _check_compiled(session, logger, tracker is not None)
+                    _check_efficient_lora(session, logger)
+                session.scheduler.step()
+                elapsed = time.perf_counter() - step_started
+                state.step = step + 1
+                state.tokens_seen += result.input_tokens * world_size
+                state.micro_batch_size = runner.micro_batch_size
+                # Before the tracker closes the step: evaluation's peak is this step's "eval" phase.
+                evaluation = evaluator.maybe_run(state.step) if evaluator is not None else None
+                skipped_steps += int(result.skipped)
+                oom_events += sum(1 for event in result.events if event.get("event") == "oom")
+                for event in result.events:
+                    logger.log({"step": state.step, **event})
+                loss = session.dist.all_reduce_sum(result.loss) / world_size
+                losses.append(loss)
+                stats = memory_stats(session.device)
+                run_peak = max(run_peak, stats.get("peak_memory_bytes") or 0)
+                record = {
+                    "step": state.step,
+                    "loss": loss,
+                    "lr": session.scheduler.get_last_lr()[0],
+                    "grad_norm": result.grad_norm,
+                    "tokens": result.input_tokens * world_size,
+                    "tokens_per_second": result.input_tokens * world_size / max(elapsed, 1e-9),
+                    "micro_batch_size": result.micro_batch_size,
+                    "gradient_accumulation_steps": result.accumulation_steps,
+                    "precision": session.precision.name,
+                    "optimizer": session.optimizer_name,
+                    "attention": session.attention.implementation,
+                    **speed.step(result.input_tokens * world_size, elapsed),
+                    **stats,
+                }
+                if session.scaler is not None:
+                    record["skipped_steps"] = skipped_steps
+                if tracker is not None:
+                    step_memory = tracker.end_step()
+                    memory_steps.append(step_memory)
+                    tracked_peak = max(tracked_peak or 0, step_memory.peak_bytes)
+                    record["tracked_peak_bytes"] = step_memory.peak_bytes
+                    record["tracked_breakdown"] = dict(step_memory.breakdown)
+                    record["tracked_phase_peaks"] = {phase.name: phase.peak_bytes for phase in step_memory.phases}
+                record.update(engine.step_metrics(record))  # every rank takes part
+                logger.log(record)
+                progress.update(state.step, loss, record["tokens_per_second"], stats.get("peak_memory_bytes"))
+                if evaluation is not None:
+                    evaluator.publish(evaluation, logger, progress)  # the eval line, trackers, --save-best
+                saver.after_step(state)  # every N steps or M minutes; on a preemption signal: save, then exit 75
+        wall = time.perf_counter() - started
+        saver.finish()  # a background write in flight completes (or raises) before the final save
+        final_dir = _save_final(session, state) if save_outputs else None
     summary = {
         "event": "summary",
         "steps": state.step,
