@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file
 from torchrun_helpers import EXTENSIONS_CACHE, REPO, deepspeed_available
 
-from memfit.config import OPTIMIZERS
+from memfit.config import OPTIMIZERS, SMALL_STATE_OPTIMIZERS
 from memfit.train.metrics import read_metrics
 
 pytestmark = pytest.mark.distributed
@@ -37,6 +37,9 @@ ENGINES = {
 # Cells refused up front, with the words their one error line must contain.
 REFUSED: dict[tuple[str, str], str] = {
     ("adafactor", "fsdp"): "--optimizer adafactor cannot run under --sharding fsdp",
+    # The small-state optimizers need whole weight matrices (projections, per-head moments, torchao's compiled
+    # step): refused on FSDP2 and DeepSpeed shards, pointing to DDP.
+    **{(name, engine): f"--optimizer {name}" for name in SMALL_STATE_OPTIMIZERS for engine in ("fsdp", "zero2")},
 }
 
 
