@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 # deepspeed is in the test extras so that its ZeRO equality tests run on CPU too, and the
 # --report-to trackers so that their tests read each tracker's own files back.
-EXTRAS ?= all,dev,deepspeed,tensorboard,wandb,mlflow,lowmem-optim
+EXTRAS ?= all,dev,deepspeed,tensorboard,wandb,mlflow,lowmem-optim,tasks
 # DeepSpeed's tests run on its CPU accelerator. It compiles its CPU communication op on
 # first use (about 35 s on 2 cores); tests/distributed keeps the build in
 # ~/.cache/memfit/torch-extensions, so later runs and fresh clones reuse it.

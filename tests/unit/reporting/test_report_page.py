@@ -146,7 +146,7 @@ def test_without_plotly_report_says_so_in_one_line(make_run):
 
 
 def test_run_killed_before_its_first_step_still_has_a_report(tmp_path):
-    from conftest import start_record
+    from run_records import start_record
 
     run_dir = tmp_path / "killed"
     run_dir.mkdir()
