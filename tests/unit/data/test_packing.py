@@ -16,26 +16,7 @@ from memfit.data.packing import (
     resolve_packing,
 )
 from memfit.errors import UsageError
-
-
-class SyntheticSamples(torch.utils.data.Dataset):
-    """Samples of the given lengths with distinct tokens and some masked prompt tokens, as an SFT dataset has."""
-
-    def __init__(self, lengths, seed: int = 0):
-        self.lengths = np.asarray(lengths, dtype=np.int64)
-        generator = torch.Generator().manual_seed(seed)
-        self.items = []
-        for length in self.lengths.tolist():
-            input_ids = torch.randint(0, 250, (length,), generator=generator)
-            labels = input_ids.clone()
-            labels[: length // 3] = -100  # a prompt that carries no loss
-            self.items.append({"input_ids": input_ids, "labels": labels})
-
-    def __len__(self) -> int:
-        return len(self.items)
-
-    def __getitem__(self, index):
-        return self.items[index]
+from synthetic_samples import SyntheticSamples
 
 
 def reference_best_fit_decreasing(lengths, capacity):

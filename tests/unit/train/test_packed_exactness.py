@@ -23,28 +23,14 @@ from memfit.data.prefetch import BatchPrefetcher
 from memfit.techniques.loss import causal_lm_loss_sum
 from memfit.train.metrics import read_metrics
 from memfit.train.step import packed_positions
+from synthetic_samples import SyntheticSamples
 
 SEQ_LEN = 64
 
 
-class Samples(torch.utils.data.Dataset):
-    """Samples of varied lengths with a masked prompt, as the supervised formats produce."""
-
-    def __init__(self, lengths, seed: int = 0):
-        self.lengths = np.asarray(lengths, dtype=np.int64)
-        generator = torch.Generator().manual_seed(seed)
-        self.items = []
-        for length in self.lengths.tolist():
-            input_ids = torch.randint(0, 250, (length,), generator=generator)
-            labels = input_ids.clone()
-            labels[: length // 4] = -100
-            self.items.append({"input_ids": input_ids, "labels": labels})
-
-    def __len__(self) -> int:
-        return len(self.items)
-
-    def __getitem__(self, index):
-        return self.items[index]
+def Samples(lengths, seed: int = 0) -> SyntheticSamples:  # noqa: N802  (reads as the dataset it builds)
+    """Samples of varied lengths with a masked prompt (a quarter of each), as the supervised formats produce."""
+    return SyntheticSamples(lengths, seed, prompt_share=4)
 
 
 def tiny_model(kind: str, attention: str, seed: int = 0) -> torch.nn.Module:
