@@ -74,3 +74,33 @@ def freezing_ignored():
 def largest_update(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> float:
     """The largest change of any weight: an equality check is only as strong as this is large."""
     return max(float((after[name].float() - tensor.float()).abs().max()) for name, tensor in before.items())
+
+
+@contextlib.contextmanager
+def oom_in_backward_of_linear(in_features: int, out_features: int, above_batch: int = 2):
+    """Raise an OOM in backward when it reaches the first Linear of this shape, for micro-batches above
+    `above_batch`; yields {"n": times raised}.
+
+    Layers after that one already hold their gradients then, so a recovery that counts them twice shows.
+    Found through a global forward hook, not memfit's internals.
+    """
+    first: list[int] = []
+    raised = {"n": 0}
+
+    def boom(grad):
+        raised["n"] += 1
+        raise torch.OutOfMemoryError("injected: CUDA out of memory")
+
+    def hook(module, inputs, output):
+        if not (isinstance(module, torch.nn.Linear) and (module.in_features, module.out_features) == (in_features, out_features)):
+            return
+        if not first:
+            first.append(id(module))
+        if id(module) == first[0] and output.shape[0] > above_batch and output.requires_grad:
+            output.register_hook(boom)
+
+    handle = torch.nn.modules.module.register_module_forward_hook(hook)
+    try:
+        yield raised
+    finally:
+        handle.remove()

@@ -16,7 +16,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fault_injection import SGD_NO_CLIPPING, freezing_ignored, largest_update, scaled_gradients
+from fault_injection import (
+    SGD_NO_CLIPPING,
+    freezing_ignored,
+    largest_update,
+    oom_in_backward_of_linear,
+    scaled_gradients,
+)
 from memfit.checkpoint_files import list_checkpoints
 from memfit.config_loading import load_config
 from memfit.train.loop import train
@@ -70,32 +76,12 @@ def test_accumulation_check_fails_on_a_2x_gradient_error(references, encoder_dir
         _assert_same(references[(family, task)], _weights(result))
 
 
-@contextlib.contextmanager
 def _oom_in_backward_above_two_samples():
     """An OOM when backward reaches the first encoder layer's MLP (hidden 32 -> 64), for micro-batches above 2.
 
     The head and the later layers already hold their gradients then: recovery must not count them twice.
     """
-    first: list[int] = []
-    raised = {"n": 0}
-
-    def boom(grad):
-        raised["n"] += 1
-        raise torch.OutOfMemoryError("injected: CUDA out of memory")
-
-    def hook(module, inputs, output):
-        if not (isinstance(module, torch.nn.Linear) and (module.in_features, module.out_features) == (32, 64)):
-            return
-        if not first:
-            first.append(id(module))
-        if id(module) == first[0] and output.shape[0] > 2 and output.requires_grad:
-            output.register_hook(boom)
-
-    handle = torch.nn.modules.module.register_module_forward_hook(hook)
-    try:
-        yield raised
-    finally:
-        handle.remove()
+    return oom_in_backward_of_linear(32, 64)
 
 
 @pytest.mark.parametrize(("family", "task"), CASES)

@@ -6,14 +6,20 @@ a full update), and each has a twin that injects such an error and sees the chec
 
 from __future__ import annotations
 
-import contextlib
 import json
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from fault_injection import SGD_FLAGS, SGD_NO_CLIPPING, freezing_ignored, largest_update, scaled_gradients
+from fault_injection import (
+    SGD_FLAGS,
+    SGD_NO_CLIPPING,
+    freezing_ignored,
+    largest_update,
+    oom_in_backward_of_linear,
+    scaled_gradients,
+)
 from memfit.checkpoint_files import list_checkpoints
 from memfit.config_loading import load_config
 from memfit.train.loop import train
@@ -77,34 +83,13 @@ def test_capped_run_check_fails_on_a_2x_gradient_error(peaks, llama_dir, text_fi
         _assert_same(_weights(peaks[8]["result"]), _weights(result))
 
 
-@contextlib.contextmanager
 def _oom_in_backward_of_big_micro_batches():
     """Raise an OOM in backward when it reaches the first block's MLP output, for micro-batches above 2.
 
     By then the head, the final norm and the last block hold their gradients: recovery must
     not count them twice. Found through a global forward hook, not memfit's internals.
     """
-    first_down_proj: list[int] = []
-    raised = {"n": 0}
-
-    def boom(grad):
-        raised["n"] += 1
-        raise torch.OutOfMemoryError("injected: CUDA out of memory")
-
-    def hook(module, inputs, output):
-        is_down_proj = isinstance(module, torch.nn.Linear) and (module.in_features, module.out_features) == (128, 64)
-        if not is_down_proj:
-            return
-        if not first_down_proj:
-            first_down_proj.append(id(module))
-        if id(module) == first_down_proj[0] and output.shape[0] > 2 and output.requires_grad:
-            output.register_hook(boom)
-
-    handle = torch.nn.modules.module.register_module_forward_hook(hook)
-    try:
-        yield raised
-    finally:
-        handle.remove()
+    return oom_in_backward_of_linear(128, 64)
 
 
 @pytest.fixture(scope="module")
