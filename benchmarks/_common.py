@@ -110,9 +110,9 @@ def tracked_and_estimated(config) -> tuple[int, int, Any]:
     """A short `memfit profile` of `config` against its analytical estimate.
 
     Returns the steady step's tracked device and host peaks (live tensor bytes) and the
-    estimate (`memfit.memory.estimator.Estimate`).
+    estimate (`memfit.prediction.estimator.Estimate`).
     """
-    from memfit.memory.estimator import estimate
+    from memfit.prediction.estimator import estimate
     from memfit.train.profiling import profile_run
 
     report, _ = profile_run(config)

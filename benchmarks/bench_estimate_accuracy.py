@@ -21,8 +21,8 @@ import time
 import torch
 
 from memfit.config_loading import load_config
-from memfit.memory.estimator import estimate, resolve_run
-from memfit.memory.traced import StepSetup
+from memfit.prediction.estimator import estimate, resolve_run
+from memfit.prediction.traced import StepSetup
 from memfit.train.traced import measure_step_with_allocator, measure_step_with_tracker
 
 
@@ -37,7 +37,7 @@ def architectures() -> dict:
         "mistral": MistralConfig(**common, sliding_window=None),
         "phi3": Phi3Config(**{**common, "num_key_value_heads": 4}, pad_token_id=0),
         "gpt2": GPT2Config(n_embd=128, n_layer=4, n_head=4, vocab_size=1000, n_positions=1024),
-        # families outside the closed forms: their blocks are measured (memfit.memory.layer_probe)
+        # families outside the closed forms: their blocks are measured (memfit.prediction.layer_probe)
         **{name: AutoConfig.for_model(name, **common, bos_token_id=1, eos_token_id=2, pad_token_id=0, **extra)
            for name, extra in (("starcoder2", {}), ("gemma3_text", {"head_dim": 32}), ("gpt_neox", {}),
                                ("qwen3", {"head_dim": 32}), ("olmo2", {}))},

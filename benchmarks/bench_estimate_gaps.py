@@ -3,7 +3,7 @@
 1. Where the head's and the embedding's gradients live: --optimizer-in-backward (tied and
    untied), tied embeddings, the chunked loss. Two real training steps through
    `memfit.train.profiling.profile_run` (MemoryTracker) against `estimate()`.
-2. A tiled MLP's backward: `memfit.memory.activations.tiled_mlp_backward_bytes` against a
+2. A tiled MLP's backward: `memfit.prediction.activations.tiled_mlp_backward_bytes` against a
    live-storage count of one tiled MLP's backward (the count of tests/unit/memory/test_tiled_mlp_memory.py).
 3. Automatic checkpointing: `predicted_peak_bytes` against MemoryTracker's peak of two AdamW
    steps with 0-4 of 4 blocks checkpointed.
@@ -32,7 +32,7 @@ def _save(directory: Path, **shape) -> Path:
 
 def gradients_of_head_and_embedding(root: Path) -> None:
     from memfit.config_loading import load_config
-    from memfit.memory.estimator import estimate
+    from memfit.prediction.estimator import estimate
     from memfit.train.profiling import profile_run
 
     corpus = root / "corpus.txt"
@@ -74,13 +74,13 @@ def tiled_mlp_backward() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "unit" / "memory"))
     from test_tiled_mlp_memory import BATCH, CASES, SEQ, _config, _measured_backward_peak
 
-    from memfit.memory.activations import architecture_of, tiled_mlp_backward_bytes
+    from memfit.prediction.activations import architecture_of, tiled_mlp_backward_bytes
 
     print("\n| tiled MLP (hidden 128, intermediate 352, 1024 tokens) | tiles | counted B | closed form B | error "
           "| two tiles' share (before) | error |")
     print("|---|---|---|---|---|---|---|")
     arch = architecture_of(_config())
-    from memfit.memory.activations import mlp_bytes_per_token
+    from memfit.prediction.activations import mlp_bytes_per_token
 
     for name, (autocast, lora, dtype, precision) in CASES.items():
         for tiles in (4, 8):

@@ -77,7 +77,7 @@ def _gpu_spec(cap: int, device: str):
 
 def _plans(model: str, cap: int, gpu, full_seq: int, host_memory: int | None) -> dict[str, Any]:
     from memfit.config_loading import load_config
-    from memfit.memory.planner import plan
+    from memfit.prediction.planner import plan
 
     qlora = plan(load_config(overrides={"model": model, "lora_r": 32, "lora_targets": "all-linear"}),
                  budget_bytes=cap, gpu=gpu, allow="qlora", maximize="seq-len", host_memory=host_memory)
@@ -90,7 +90,7 @@ def _measure(model: str, result, cap: int, steps: int, workdir: Path, device: st
     import torch
 
     from memfit.config_loading import load_config
-    from memfit.memory.planner import plan_to_overrides
+    from memfit.prediction.planner import plan_to_overrides
     from memfit.train.profiling import profile_run
 
     changes = plan_to_overrides(result)

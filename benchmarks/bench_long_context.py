@@ -69,8 +69,8 @@ def measured_part(seq_len: int) -> str:
 
 def estimated_part() -> str:
     from memfit.config_loading import load_config
-    from memfit.memory.estimator import estimate
-    from memfit.memory.planner import plan
+    from memfit.prediction.estimator import estimate
+    from memfit.prediction.planner import plan
 
     base = {"model": "llama-3.1-8b", "lora_r": 32, "lora_targets": "all-linear", "quantize": "4bit", "dtype": "bf16",
             "batch_size": 1, "loss_chunk_size": 1024}
@@ -94,7 +94,7 @@ def _longest_with(base: dict, fixed: dict, tiled: bool, plan, load_config) -> st
     """The planner's longest context with these levers forced (its grid filtered to them)."""
     from unittest import mock
 
-    import memfit.memory.planner as planner
+    import memfit.prediction.planner as planner
 
     original = planner.technique_grid
 

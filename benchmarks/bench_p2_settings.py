@@ -129,8 +129,8 @@ def predicted(names: list[str], seq_len: int) -> dict[str, tuple[float, int]]:
     from _common import llama_config
 
     from memfit.config_loading import load_config
-    from memfit.memory.estimator import estimate
-    from memfit.memory.speed_model import estimated_step_seconds
+    from memfit.prediction.estimator import estimate
+    from memfit.prediction.speed_model import estimated_step_seconds
 
     hf_config = llama_config("20m")
     found = {}

@@ -62,7 +62,7 @@ def measured_part(layers: int) -> str:
 
 def planned_part(host_sizes: list[str]) -> str:
     from memfit.config_loading import load_config
-    from memfit.memory.planner import plan
+    from memfit.prediction.planner import plan
     from memfit.units import GIB, parse_size
 
     base = {"model": "llama-3.1-8b", "lora_r": 32, "lora_targets": "all-linear"}

@@ -29,7 +29,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from memfit.config_loading import load_config
-    from memfit.memory.planner import plan
+    from memfit.prediction.planner import plan
     from memfit.units import parse_size
 
     host = parse_size(args.host_memory, "--host-memory")

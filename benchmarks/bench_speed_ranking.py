@@ -94,9 +94,9 @@ def _config(model_dir: Path, workdir: Path, name: str, changes: dict[str, Any], 
 
 def predicted_seconds(config, changes: dict[str, Any]) -> float:
     """The planner's step time for `changes` (no GPU preset: its nominal rate; only the order matters)."""
-    from memfit.memory.estimator import estimate
-    from memfit.memory.speed_model import estimated_step_seconds
     from memfit.models.presets import resolve_model_config
+    from memfit.prediction.estimator import estimate
+    from memfit.prediction.speed_model import estimated_step_seconds
 
     hf_config = resolve_model_config(config.model.model, False)
     plan_changes = {**changes, "gradient_accumulation_steps": EFFECTIVE_BATCH // changes["batch_size"]}

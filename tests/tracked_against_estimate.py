@@ -7,7 +7,7 @@ from typing import Any
 
 def peaks_and_estimates(configs: dict[Any, Any]) -> tuple[dict[Any, int], dict[Any, int]]:
     """For each named config: the steady step's tracked device peak and the estimate's peak, in bytes."""
-    from memfit.memory.estimator import estimate
+    from memfit.prediction.estimator import estimate
     from memfit.train.profiling import profile_run
 
     peaks, estimates = {}, {}

@@ -18,11 +18,11 @@ def __getattr__(name: str):
     # Heavy modules (torch, transformers) load only when these are used.
     if name == "estimate":
         import memfit.train.traced  # noqa: F401  (registers the step method="traced" runs)
-        from memfit.memory.estimator import estimate
+        from memfit.prediction.estimator import estimate
 
         return estimate
     if name == "plan":
-        from memfit.memory.planner import plan
+        from memfit.prediction.planner import plan
 
         return plan
     raise AttributeError(name)

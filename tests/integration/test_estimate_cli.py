@@ -59,7 +59,7 @@ def test_presets_and_bad_names(capsys):
 def test_plans_best_configuration_trains_under_the_budget_without_oom(llama_dir, text_file, tmp_path):
     """The planner's choice, run with the budget as an emulated memory cap, never runs out of memory."""
     from memfit.config_loading import load_config
-    from memfit.memory.planner import plan, plan_to_overrides
+    from memfit.prediction.planner import plan, plan_to_overrides
     from memfit.train.loop import train
     from memfit.train.metrics import read_metrics
 

@@ -51,7 +51,7 @@ def _copy_with(tmp_path: Path, module: str, line: str) -> Path:
         # an upward import: the low core reaching into the training loop
         ("units.py", "import memfit.train.loop", "memfit.units is not allowed to import memfit.train"),
         # a technique reaching into memory, which sits beside it
-        ("techniques/loss.py", "import memfit.memory.estimator", "memfit.techniques.loss -> memfit.memory.estimator"),
+        ("techniques/loss.py", "import memfit.prediction.estimator", "memfit.techniques.loss -> memfit.prediction.estimator"),
         # two files importing each other (collate already imports windows)
         ("data/windows.py", "import memfit.data.collate", "No cycles are allowed in memfit.data."),
     ],

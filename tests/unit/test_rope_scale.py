@@ -195,7 +195,7 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(short_llama, gpt2_dir, 
 
 def test_plan_caps_at_the_positions_and_names_the_scale_that_reaches_memory():
     from memfit.cli.flags import parse_command_line
-    from memfit.memory.planner import plan
+    from memfit.prediction.planner import plan
     from memfit.units import GIB
 
     flags = {"model": "llama-3.1-8b", "lora_r": 32, "lora_targets": "all-linear"}

@@ -29,7 +29,7 @@ def run(argv: list[str]) -> int:
         print(help_text("estimate", SUMMARY, [EstimateOptions]))
         return 0
     import memfit.train.traced  # noqa: F401  (registers the step --method traced runs)
-    from memfit.memory.estimator import estimate
+    from memfit.prediction.estimator import estimate
 
     config, extras = parse_command_line(argv, extras=[EstimateOptions])
     options: EstimateOptions = extras[EstimateOptions]

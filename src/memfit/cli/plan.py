@@ -30,7 +30,7 @@ def run(argv: list[str]) -> int:
     if "--help" in argv or "-h" in argv:
         print(help_text("plan", SUMMARY, [PlanOptions]))
         return 0
-    from memfit.memory.planner import plan
+    from memfit.prediction.planner import plan
 
     config, extras = parse_command_line(argv, extras=[PlanOptions])
     options: PlanOptions = extras[PlanOptions]

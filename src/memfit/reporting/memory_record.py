@@ -97,7 +97,7 @@ def analytical_estimate(config: TrainConfig, micro_batch_size: int | None = None
     `micro_batch_size`: the micro-batch that really ran, when OOM recovery made it smaller than configured.
     """
     try:
-        from memfit.memory.estimator import estimate
+        from memfit.prediction.estimator import estimate
 
         if micro_batch_size and micro_batch_size != config.training.batch_size:
             config = config.replace(batch_size=micro_batch_size)

@@ -20,7 +20,7 @@ def apply_plan_if_asked(config: TrainConfig) -> TrainConfig:
         return config
     if memory.gradient_checkpointing == "auto":
         return config  # the budget steers which blocks are checkpointed, nothing else
-    from memfit.memory.planner import plan, plan_to_overrides
+    from memfit.prediction.planner import plan, plan_to_overrides
 
     result = plan(config, budget_bytes=memory.memory_budget, gpu=memory.gpu)
     overrides = plan_to_overrides(result)

@@ -137,8 +137,8 @@ def _planner_step_seconds(hf_config, config, peak: DevicePeak, checkpointing: st
     """The planner's step time for this run's settings, on a device of this run's peak and type
     (the planner's CPU and GPU terms differ: feeding, 8-bit AdamW, the chunked loss)."""
     from memfit.gpus import GpuSpec
-    from memfit.memory.estimator import estimate
-    from memfit.memory.speed_model import estimated_step_seconds
+    from memfit.prediction.estimator import estimate
+    from memfit.prediction.speed_model import estimated_step_seconds
 
     tflops = peak.flops_per_second / 1e12
     # The planner rates a GPU by its 16-bit peak; give it this device's peak in the dtype that runs.

@@ -19,7 +19,7 @@ the estimate is checked against (`measure_step_with_tracker`); on CUDA,
 `measure_step_with_allocator` reads the allocator's peak for the same step instead.
 
 Importing this module registers `trace_step` as the estimator's tracer
-(`memfit.memory.traced.step_tracer`).
+(`memfit.prediction.traced.step_tracer`).
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from memfit.config import TrainConfig
-from memfit.memory.traced import StepSetup, TracedStep, register_step_tracer
 from memfit.memory.tracker import MemoryTracker
+from memfit.prediction.traced import StepSetup, TracedStep, register_step_tracer
 from memfit.techniques.precision import PrecisionChoice
 from memfit.train.engine import SingleProcessEngine
 from memfit.train.setup import _build_optimizer, apply_model_techniques

@@ -1,6 +1,6 @@
 """The tiled MLP's backward working set: the closed form against a live count of one MLP's backward.
 
-`memfit.memory.activations.tiled_mlp_backward_bytes` says what a tiled MLP's backward holds on
+`memfit.prediction.activations.tiled_mlp_backward_bytes` says what a tiled MLP's backward holds on
 top of what the block saved. Here a Llama MLP (hidden 128, intermediate 352, 1024 tokens) is
 tiled by `memfit.techniques.tiled_mlp`, run forward, and its backward is counted by a dispatch
 mode that sees every storage made during it (the input, the output's gradient and the weights
@@ -17,7 +17,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from memfit.memory.activations import Precision, architecture_of, tiled_mlp_backward_bytes
+from memfit.prediction.activations import Precision, architecture_of, tiled_mlp_backward_bytes
 
 HIDDEN, WIDTH, BATCH, SEQ = 128, 352, 2, 512
 

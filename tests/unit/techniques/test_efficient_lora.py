@@ -239,7 +239,7 @@ RUN_CASES = {
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(RUN_CASES))
 def test_tracker_measures_the_saving_and_the_estimate_follows(name, long_context_llama, tmp_path, monkeypatch):
-    from memfit.memory.estimator import ERROR_BAND
+    from memfit.prediction.estimator import ERROR_BAND
 
     # The slice as large next to this block's inputs as 16M elements are next to Llama-3.1-8B's at 80K tokens
     monkeypatch.setattr(efficient_lora, "SLICE_ELEMENTS", 8192)

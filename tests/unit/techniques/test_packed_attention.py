@@ -139,7 +139,7 @@ def _tracked_step_peak(layers: int, batch: int, seq_len: int, packed: bool) -> i
 @pytest.mark.parametrize("layers", [4, 6])
 def test_mask_bytes_bound_the_tracked_cost_of_packed_rows(layers):
     """The tracker's peak of a packed step minus a plain causal one, against what the estimator adds (fp32, CPU)."""
-    from memfit.memory.activations import architecture_of
+    from memfit.prediction.activations import architecture_of
 
     batch, seq_len = 2, 512
     measured = _tracked_step_peak(layers, batch, seq_len, True) - _tracked_step_peak(layers, batch, seq_len, False)
@@ -150,8 +150,8 @@ def test_mask_bytes_bound_the_tracked_cost_of_packed_rows(layers):
 
 def test_estimator_counts_the_mask_where_samples_packing_runs(llama_dir):
     from memfit.config_loading import load_config
-    from memfit.memory.activations import architecture_of
-    from memfit.memory.estimator import estimate
+    from memfit.prediction.activations import architecture_of
+    from memfit.prediction.estimator import estimate
 
     def peak(**settings):
         config = load_config(overrides=dict(model=str(llama_dir), seq_len=256, batch_size=4, precision="fp32", **settings))
@@ -200,7 +200,7 @@ def test_flex_asked_on_the_cpu_runs_sdpa_and_says_why():
 def test_estimator_counts_no_mask_for_packed_rows_on_a_gpu(llama_dir):
     """A GPU plan of packed samples: FlexAttention runs, so no seq x seq mask is counted; --attention sdpa keeps it."""
     from memfit.config_loading import load_config
-    from memfit.memory.estimator import estimate
+    from memfit.prediction.estimator import estimate
 
     def details(**settings):
         config = load_config(overrides=dict(model=str(llama_dir), seq_len=256, batch_size=4, packing="samples",

@@ -356,7 +356,7 @@ ESTIMATE_CASES = {
 @pytest.mark.parametrize("name", list(ESTIMATE_CASES))
 def test_estimate_follows_the_tracker_with_and_without_the_efficient_norm(name, saved_llama, tmp_path):
     from memfit.config_loading import load_config
-    from memfit.memory.estimator import ERROR_BAND
+    from memfit.prediction.estimator import ERROR_BAND
 
     model, corpus = saved_llama
     peaks, estimates = peaks_and_estimates({efficient: load_config(overrides={

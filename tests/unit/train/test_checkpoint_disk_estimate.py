@@ -39,7 +39,7 @@ def test_the_estimate_holds_an_async_snapshot_in_host_memory(optimizer, llama_di
     """--async-save keeps one checkpoint's weights and optimizer state on the host while it writes:
     the estimate counts them as host memory: the files a run writes, less the small ones (RNG, data position,
     config, manifest)."""
-    from memfit.memory.estimator import estimate
+    from memfit.prediction.estimator import estimate
 
     settings = dict(model=str(llama_dir), dataset=str(text_file), seq_len=32, batch_size=1, max_steps=1,
                     optimizer=optimizer, momentum=0.9, output_dir=str(tmp_path), report=False)

@@ -187,7 +187,7 @@ def test_a_step_the_grad_scaler_skips_has_a_norm_that_is_not_finite():
 def test_library_train_plans_a_budget_as_the_cli_does(monkeypatch):
     """`memfit.train(config)` with a memory budget consults the planner before it builds the run, as `memfit train` does."""
     import memfit
-    import memfit.memory.planner as planner
+    import memfit.prediction.planner as planner
     from memfit.config_loading import load_config
 
     class Planned(Exception):

@@ -26,7 +26,7 @@ def test_start_facts_name_the_flops_the_peak_and_the_prediction():
 
 def test_a_cpu_run_is_predicted_with_the_planners_cpu_terms(monkeypatch):
     """The planner's CPU and GPU terms differ (feeding, 8-bit AdamW, chunked loss): a CPU run asks for CPU's."""
-    import memfit.memory.speed_model as speed_model
+    import memfit.prediction.speed_model as speed_model
 
     asked = []
     real = speed_model.estimated_step_seconds

@@ -8,8 +8,8 @@ import pytest
 
 from memfit.config_loading import load_config
 from memfit.errors import UsageError
-from memfit.memory.estimator import ERROR_BAND, estimate
-from memfit.memory.planner import HOST_MARGIN, MARGIN, plan
+from memfit.prediction.estimator import ERROR_BAND, estimate
+from memfit.prediction.planner import HOST_MARGIN, MARGIN, plan
 from memfit.units import GIB
 
 QLORA_8B = {"model": "llama-3.1-8b", "lora_r": 32, "lora_targets": "all-linear"}

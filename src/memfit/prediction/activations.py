@@ -86,7 +86,7 @@ def architecture_of(hf_config: Any) -> Architecture:
 
 CLOSED_FORM_FAMILIES = frozenset({"llama", "mistral", "qwen2", "phi3", "gpt2"})
 """Model types whose blocks the closed forms describe (checked in docs/accuracy.md); other
-families' blocks are measured by `memfit.memory.layer_probe`."""
+families' blocks are measured by `memfit.prediction.layer_probe`."""
 
 
 @dataclass(frozen=True)
@@ -307,7 +307,7 @@ def activation_bytes(
             device holds the two largest in flight, and in backward one block's worth.
         unchunked_loss: the plain loss runs (its saved logits go to host memory under offload).
         layer_per_token: bytes one uncheckpointed block keeps per token, when measured
-            from the model itself (`memfit.memory.layer_probe`) instead of the closed form.
+            from the model itself (`memfit.prediction.layer_probe`) instead of the closed form.
     """
     tokens = batch_size * seq_len
     per_token = layer_per_token if layer_per_token is not None else layer_bytes_per_token(

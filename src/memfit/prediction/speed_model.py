@@ -13,7 +13,7 @@ from typing import Any
 
 from memfit.config import SMALL_STATE_OPTIMIZERS, TrainConfig
 from memfit.gpus import GpuSpec
-from memfit.memory.estimator import Estimate
+from memfit.prediction.estimator import Estimate
 
 UTILISATION = 0.45
 """Fraction of the GPU's peak rate a well-fed training step reaches."""
@@ -146,8 +146,8 @@ def estimated_step_seconds(changes: dict[str, Any], config: TrainConfig, est: Es
     `device` is "cpu" or "cuda"; by default "cpu" without a GPU preset (a plan with only a
     memory budget runs where memory is the host's), "cuda" with one.
     """
-    from memfit.memory.activations import architecture_of
     from memfit.models.flops import flops_per_token
+    from memfit.prediction.activations import architecture_of
 
     device = device or ("cpu" if gpu is None else "cuda")
     arch = architecture_of(hf_config)

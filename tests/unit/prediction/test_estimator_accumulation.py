@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from memfit.config_loading import load_config
-from memfit.memory.estimator import ERROR_BAND, estimate
+from memfit.prediction.estimator import ERROR_BAND, estimate
 
 
 @pytest.fixture(scope="module")

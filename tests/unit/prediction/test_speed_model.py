@@ -6,10 +6,10 @@ import pytest
 from transformers import LlamaConfig
 
 from memfit.config_loading import load_config
-from memfit.memory import speed_model
-from memfit.memory.estimator import estimate
-from memfit.memory.planner import plan, technique_grid, trade_offs
-from memfit.memory.speed_model import estimated_step_seconds
+from memfit.prediction import speed_model
+from memfit.prediction.estimator import estimate
+from memfit.prediction.planner import plan, technique_grid, trade_offs
+from memfit.prediction.speed_model import estimated_step_seconds
 from memfit.units import MIB
 
 # The 22.9M-parameter Llama of benchmarks/bench_p2_settings.py and bench_peers.py p2.
@@ -126,7 +126,7 @@ def test_planner_finds_micro_batch_4_with_small_loss_chunks_where_1024_token_chu
 def test_trade_offs_name_no_compile_when_not_planned():
     config = _config()
     est = estimate(config)
-    from memfit.memory.planner import Candidate
+    from memfit.prediction.planner import Candidate
 
     candidate = Candidate({"compile": False, "loss_chunk_size": 0}, est, 1.0, 512)
     assert not any("--compile" in line for line in trade_offs(candidate, config, P2_SHAPE, None))

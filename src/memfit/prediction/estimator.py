@@ -8,9 +8,9 @@ Two methods:
 
 - `analytical` (default, instant): closed forms from the architecture numbers. Bytes of
   weights, gradients and optimizer state are exact; activations follow
-  `memfit.memory.activations`.
+  `memfit.prediction.activations`.
 - `traced`: runs two real training steps (forward, backward, clipping, the configured
-  optimizer) on fake tensors and counts every live storage (`memfit.memory.traced`):
+  optimizer) on fake tensors and counts every live storage (`memfit.prediction.traced`):
   no memory is allocated, a 7B step takes seconds on a CPU.
 
 The breakdown is what is alive at the peak moment, so its parts add up to the peak:
@@ -32,16 +32,6 @@ from typing import Any
 from memfit.config import TrainConfig
 from memfit.errors import UsageError
 from memfit.gpus import GpuSpec, get_gpu
-from memfit.memory.activations import (
-    CLOSED_FORM_FAMILIES,
-    ActivationTerms,
-    Precision,
-    activation_bytes,
-    architecture_of,
-    layer_bytes_per_token,
-    logits_bytes,
-    norm_module_bytes_per_token,
-)
 from memfit.memory.categories import CATEGORIES
 from memfit.models.optimizer_state import SMALL_STATE_OPTIMIZERS
 from memfit.models.state_bytes import (  # noqa: F401  (re-exported: the estimator's public closed forms)
@@ -54,6 +44,16 @@ from memfit.models.state_bytes import (  # noqa: F401  (re-exported: the estimat
     optimizer_step_temporary_bytes,
     parameter_inventory,
     small_state_optimizer_bytes,
+)
+from memfit.prediction.activations import (
+    CLOSED_FORM_FAMILIES,
+    ActivationTerms,
+    Precision,
+    activation_bytes,
+    architecture_of,
+    layer_bytes_per_token,
+    logits_bytes,
+    norm_module_bytes_per_token,
 )
 from memfit.techniques.packed_attention import packed_mask_estimate
 from memfit.units import GIB
@@ -477,7 +477,7 @@ def _layer_per_token(run: RunShape, arch, hf_config, precision: Precision, seq_l
     """A block's bytes per token measured from the model's code, for families the closed forms do not describe."""
     if arch.model_type in CLOSED_FORM_FAMILIES:
         return None
-    from memfit.memory.layer_probe import probed_layer_bytes_per_token, probed_layer_parts
+    from memfit.prediction.layer_probe import probed_layer_bytes_per_token, probed_layer_parts
 
     attention = run.attention.replace("flash", "sdpa")
     if not (run.autocast and run.weight_bytes == 4):
@@ -632,7 +632,7 @@ def _analytical_peak(config, run: RunShape, hf_config, inventory, parts) -> tupl
 def _traced_peak(config, run: RunShape, hf_config, inventory, parts) -> tuple[dict, float, dict]:
     import torch
 
-    from memfit.memory.traced import StepSetup, step_tracer
+    from memfit.prediction.traced import StepSetup, step_tracer
 
     dtypes = {4: torch.float32, 2: torch.bfloat16}
     # Fake tensors cannot be 4-bit quantized: trace the 16-bit base and swap in the quantized bytes.

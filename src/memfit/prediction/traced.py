@@ -6,7 +6,7 @@ belongs to train/, which sits above memory/, so the estimator reaches it through
 tracer registered here: `memfit.train.traced` registers itself when imported, and the
 CLI and `memfit.estimate` import it. A caller may also pass a tracer explicitly.
 
-    from memfit.memory.traced import StepSetup, step_tracer
+    from memfit.prediction.traced import StepSetup, step_tracer
     traced = step_tracer()(hf_config, config, StepSetup(...))   # -> TracedStep
 """
 

@@ -8,8 +8,8 @@ from transformers import LlamaConfig
 
 from memfit.config_loading import load_config
 from memfit.memory.categories import CATEGORIES, OPTIMIZER_STATES
-from memfit.memory.estimator import estimate
-from memfit.memory.traced import StepSetup
+from memfit.prediction.estimator import estimate
+from memfit.prediction.traced import StepSetup
 from memfit.train.traced import trace_step
 from tiny_llama import tiny_llama_config
 

@@ -6,8 +6,8 @@ import pytest
 
 from memfit.config_loading import load_config
 from memfit.errors import DoesNotFitError, UsageError
-from memfit.memory.estimator import estimate
-from memfit.memory.planner import MARGIN, plan, plan_to_overrides
+from memfit.prediction.estimator import estimate
+from memfit.prediction.planner import MARGIN, plan, plan_to_overrides
 from memfit.units import GIB, MIB
 
 
@@ -146,7 +146,7 @@ def _relative_speeds(gpu_name: str | None) -> dict[str, float]:
     from transformers import LlamaConfig
 
     from memfit.gpus import get_gpu
-    from memfit.memory.speed_model import estimated_step_seconds
+    from memfit.prediction.speed_model import estimated_step_seconds
 
     hf_config = LlamaConfig(hidden_size=384, intermediate_size=1024, num_hidden_layers=6, num_attention_heads=6,
                             num_key_value_heads=6, vocab_size=32000, tie_word_embeddings=True)
@@ -186,7 +186,7 @@ def test_speed_model_on_a_gpu_keeps_small_micro_batches_slow_and_8_bit_adamw_nea
 
 def test_the_search_pairs_cpu_optimizer_offload_with_optimizer_in_backward():
     from memfit.gpus import get_gpu
-    from memfit.memory.planner import technique_grid
+    from memfit.prediction.planner import technique_grid
 
     config = load_config(overrides={"model": "preset:llama-3.2-1b", "seq_len": 1024})
     grid = technique_grid("full", config, get_gpu("rtx-4090"), 1024, accumulation=1)

@@ -1,6 +1,6 @@
 """Measure what one transformer block keeps for backward, from the model's own code.
 
-The closed forms of `memfit.memory.activations` describe the blocks of the families they
+The closed forms of `memfit.prediction.activations` describe the blocks of the families they
 were checked on (`CLOSED_FORM_FAMILIES`). Any other family the loader accepts is measured
 instead: a two-block copy of the architecture (full width, the real module code) runs
 one forward on fake tensors (no memory is allocated) at two short sequence lengths, and

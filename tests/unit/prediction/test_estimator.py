@@ -11,7 +11,8 @@ from transformers import LlamaConfig
 
 from memfit.config_loading import load_config
 from memfit.memory.categories import CATEGORIES
-from memfit.memory.estimator import (
+from memfit.models.presets import MODEL_PRESETS, build_meta_model, parameter_count, preset_config
+from memfit.prediction.estimator import (
     BNB_8BIT_BLOCK,
     BNB_8BIT_MIN_SIZE,
     CUDA_CONTEXT_BYTES,
@@ -19,8 +20,7 @@ from memfit.memory.estimator import (
     optimizer_state_bytes_for_shapes,
     resolve_run,
 )
-from memfit.memory.traced import StepSetup
-from memfit.models.presets import MODEL_PRESETS, build_meta_model, parameter_count, preset_config
+from memfit.prediction.traced import StepSetup
 from memfit.train.traced import measure_step_with_tracker
 
 SCHEMA = {"model", "method", "peak_bytes", "breakdown", "budget_bytes", "fits", "headroom_bytes", "error_band"}
@@ -184,7 +184,7 @@ def test_llama_shaped_closed_forms_would_miss_starcoder2_by_more_than_15_percent
     """Why the probe exists: the Llama-shaped block terms, applied to Starcoder2, miss by > 15 %."""
     from unittest import mock
 
-    import memfit.memory.estimator as estimator_module
+    import memfit.prediction.estimator as estimator_module
 
     hf_config = _family("starcoder2")
     config = load_config(overrides={"seq_len": 256, "batch_size": 2})
@@ -197,8 +197,8 @@ def test_llama_shaped_closed_forms_would_miss_starcoder2_by_more_than_15_percent
 
 
 def test_block_probe_agrees_with_the_llama_closed_form():
-    from memfit.memory.activations import Precision, architecture_of, layer_bytes_per_token
-    from memfit.memory.layer_probe import probed_layer_bytes_per_token
+    from memfit.prediction.activations import Precision, architecture_of, layer_bytes_per_token
+    from memfit.prediction.layer_probe import probed_layer_bytes_per_token
 
     hf_config = small_llama()
     for attention in ("sdpa", "eager"):

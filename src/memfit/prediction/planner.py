@@ -9,7 +9,7 @@ batch), checkpointing off/selective/full, 8-bit AdamW, chunked loss and optimize
 offload, for full training, LoRA and QLoRA as `allow` permits. Offloaded checkpoints
 offload the fewest blocks' inputs that fit the device (`activation_offload_blocks`). It keeps what the
 analytical estimate puts under the budget with a 5 % margin and ranks it by estimated
-tokens per second (`memfit.memory.speed_model.estimated_step_seconds`).
+tokens per second (`memfit.prediction.speed_model.estimated_step_seconds`).
 
 Why this module is longer than the others (about 500 lines): the search, the longest-context
 and largest-batch searches, and what a plan trades and prints share one `_Search` over one
@@ -26,9 +26,9 @@ from typing import Any
 from memfit.config import TrainConfig
 from memfit.errors import DoesNotFitError, UsageError
 from memfit.gpus import GpuSpec, get_gpu, local_gpu
-from memfit.memory.activations import architecture_of
-from memfit.memory.estimator import Estimate, estimate
-from memfit.memory.speed_model import estimated_step_seconds
+from memfit.prediction.activations import architecture_of
+from memfit.prediction.estimator import Estimate, estimate
+from memfit.prediction.speed_model import estimated_step_seconds
 from memfit.units import GIB
 
 SMALL_STATE_PLANNED = {"galore-adamw": None, "apollo-mini": "all", "adam-mini": None, "adamw-4bit": None}
@@ -155,8 +155,8 @@ def technique_grid(mode: str, config: TrainConfig, gpu: GpuSpec | None, seq_len:
     where the speed model measured its gain, the run is long enough to repay the compile time
     and it can run (`speed_model.compile_planned`; needs `hf_config`), unless the user chose.
     """
-    from memfit.memory.estimator import resolve_mlp_tiles, tiled_mlp_available
-    from memfit.memory.speed_model import compile_planned
+    from memfit.prediction.estimator import resolve_mlp_tiles, tiled_mlp_available
+    from memfit.prediction.speed_model import compile_planned
     from memfit.techniques.loss import DEFAULT_LOSS_CHUNK_TOKENS
 
     cuda = gpu is not None
