@@ -91,6 +91,8 @@ class DataConfig:
     """Tokens that carry loss in conversations and prompt-completion data: assistant (every answer, end of turn included), last (the final answer) or all (--train-on-prompt)."""
     truncate: bool = False
     """Cut samples longer than --seq-len instead of dropping them (a cut answer teaches a wrong ending)."""
+    group_by_length: bool = False
+    """Train samples of similar length together (the Trainer's name): each step's samples come from a length-sorted group, so micro-batches pad less; the order stays a function of --seed and the effective batch."""
 
 
 @dataclass

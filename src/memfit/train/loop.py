@@ -159,6 +159,7 @@ def train(
                     "lr": session.scheduler.get_last_lr()[0],
                     "grad_norm": result.grad_norm,
                     "tokens": result.input_tokens * world_size,
+                    "padding_tokens": (result.padded_positions - result.input_tokens) * world_size,
                     "tokens_per_second": result.input_tokens * world_size / max(elapsed, 1e-9),
                     "micro_batch_size": result.micro_batch_size,
                     "gradient_accumulation_steps": result.accumulation_steps,

@@ -28,6 +28,7 @@ import torch
 
 from memfit.config import TrainConfig
 from memfit.data import BatchSchedule, TokenizedDataset
+from memfit.data.length_groups import build_schedule
 from memfit.distributed.context import DistContext, init_distributed
 from memfit.errors import UsageError
 from memfit.hardware import training_device
@@ -182,7 +183,8 @@ def _build_session(config: TrainConfig) -> TrainingSession:
         ran = attention_that_ran(loaded.model)
         attention = AttentionChoice(config.model.attention, ran, "packed samples: FlexAttention's document mask")
     dataset, eval_dataset = split_for_evaluation(config, dataset, eval_source, loaded.model, ran, effective_batch)
-    schedule = BatchSchedule(len(dataset), effective_batch, config.training.seed, dist.rank, dist.world_size)
+    schedule = build_schedule(dataset, effective_batch, config.training.seed, dist.rank, dist.world_size,
+                              config.data.group_by_length)  # --group-by-length: steps of similar lengths
     total_steps = (
         schedule.steps_for_epochs(config.training.epochs) if config.training.epochs is not None else config.training.max_steps
     )

@@ -63,6 +63,8 @@ class StepResult:
     accumulation_steps: int
     skipped: bool = False
     """fp16: the grad scaler skipped this step (inf/NaN gradients)."""
+    padded_positions: int = 0
+    """Positions the micro-batches ran, padding included (each pads to its longest sample): --group-by-length lowers it."""
     events: list[dict] = field(default_factory=list)
 
 
@@ -167,12 +169,14 @@ class StepRunner:
 
         pending = deque(Piece(samples[i : i + self.micro_batch_size]) for i in range(0, len(samples), self.micro_batch_size))
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        positions = 0
         while pending:
             piece = pending.popleft()
             self._touched = set()
             self._upcoming = pending[0].samples if pending else (next_samples or [])[: self.micro_batch_size]
             try:
                 loss_sum += self._forward_backward(piece, normalizer, last_micro_batch=not pending)
+                positions += len(piece.samples) * max(int(s["input_ids"].numel()) for s in piece.samples)
                 continue
             except Exception as error:  # only out-of-memory is handled; the rest propagates
                 if not is_out_of_memory(error) or not self.oom_recovery:
@@ -207,6 +211,7 @@ class StepRunner:
             # The grad scaler skips exactly the steps whose unscaled gradients hold inf/NaN: their norm is not finite.
             skipped=self.engine.scaler is not None and norm is not None and not math.isfinite(norm),
             events=events,
+            padded_positions=positions,
         )
 
     def _forward_backward(self, piece: Piece, normalizer: float, last_micro_batch: bool) -> torch.Tensor:
