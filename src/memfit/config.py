@@ -320,6 +320,10 @@ class TaskConfig:
     """masked-lm: share of tokens masked (80% become the mask token, 10% a random token, 10% stay), drawn from (--seed, step, sample)."""
     threshold: float = 0.5
     """multi-label: probability at which a label counts as predicted, for the evaluation metrics."""
+    label_table: str | None = None
+    """FASTA data: a CSV/TSV/JSONL table of labels by record id (--id-field column, then the --label-fields), instead of labels in the headers."""
+    id_field: str = "id"
+    """--label-table: the column holding each FASTA record's id (the header up to the first space or '|')."""
 
     def problems(self) -> list[str]:
         """What is wrong with these settings, by flag name (TrainConfig.validate reports them)."""
@@ -330,6 +334,8 @@ class TaskConfig:
             found.append(f"--mlm-probability must be between 0 and 1 (a share of the tokens), got {self.mlm_probability}")
         if not 0 < self.threshold < 1:
             found.append(f"--threshold must be between 0 and 1 (a probability), got {self.threshold}")
+        if self.label_table and self.task in ("causal-lm", "masked-lm"):
+            found.append(f"--label-table labels FASTA records for a task with labels; --task {self.task} reads none: drop it")
         if self.problem_type == "multi-label" and self.task != "sequence-classification":
             found.append(f"--problem-type multi-label is for --task sequence-classification, not {self.task}")
         return found

@@ -73,13 +73,22 @@ def is_table(dataset: str | None) -> bool:
     return name.endswith(TABLE_SUFFIXES + FASTA_SUFFIXES)
 
 
-def iter_rows(dataset: str, sequence_field: str) -> Iterator[dict[str, Any]]:
-    """Every row of a table as a dict, in file order (FASTA: {sequence_field, "id", "label"})."""
+def iter_rows(dataset: str, sequence_field: str, label_table: str | None = None,
+              id_field: str = "id") -> Iterator[dict[str, Any]]:
+    """Every row of a table as a dict, in file order (FASTA: {sequence_field, "id", "label"}, or with `label_table`
+    the label columns of each record's row there: memfit.data.fasta_labels)."""
     path = Path(dataset).expanduser()
     lower = dataset.lower().removesuffix(".gz")
     if not dataset.startswith("hf:") and not path.is_file():
         raise UsageError(f"dataset {dataset} does not exist; give a .csv, .tsv, .jsonl, .parquet or FASTA file, or hf:NAME")
-    if lower.endswith(FASTA_SUFFIXES):
+    if label_table and not lower.endswith(FASTA_SUFFIXES):
+        raise UsageError(f"--label-table labels FASTA records by id; {dataset} holds its own label columns: drop"
+                         " --label-table (or name them with --label-fields)")
+    if lower.endswith(FASTA_SUFFIXES) and label_table:
+        from memfit.data.fasta_labels import with_side_labels
+
+        yield from with_side_labels(_fasta(path, sequence_field), dataset, label_table, id_field, sequence_field)
+    elif lower.endswith(FASTA_SUFFIXES):
         yield from _fasta(path, sequence_field)
     elif lower.endswith((".csv", ".tsv")):
         with _open_text(path) as handle:
@@ -113,7 +122,8 @@ def _fasta(path: Path, sequence_field: str) -> Iterator[dict[str, Any]]:
 
 def _fasta_record(header: str, parts: list[str], sequence_field: str) -> dict[str, Any]:
     ident, _, label = header.partition("|")
-    return {"id": ident.strip(), sequence_field: "".join(parts), "label": label.rsplit("|", 1)[-1].strip() or None}
+    ident = (ident.split() or [""])[0]  # the id ends at the first space: a description may follow
+    return {"id": ident, sequence_field: "".join(parts), "label": label.rsplit("|", 1)[-1].strip() or None}
 
 
 def _missing(value: Any) -> bool:
@@ -152,7 +162,7 @@ def _token_labels(value: Any) -> list[Any]:
 
 
 def label_spec(dataset: str, kind: str, fields: list[str], sequence_field: str, label_names: list[str] | None,
-               num_labels: int | None) -> LabelSpec:
+               num_labels: int | None, label_table: str | None = None, id_field: str = "id") -> LabelSpec:
     """The label space of the training table: class names and ids, multi-label names, target names.
 
     Raises UsageError naming the row of a missing or unreadable label, or a label column the table lacks.
@@ -168,8 +178,8 @@ def label_spec(dataset: str, kind: str, fields: list[str], sequence_field: str, 
         return spec
     found: set = set()
     column = fields[0]
-    for number, row in enumerate(iter_rows(dataset, sequence_field), start=1):
-        value = _cell(row, column, dataset, number)
+    for number, row in enumerate(iter_rows(dataset, sequence_field, label_table, id_field), start=1):
+        value = _cell(row, column, *_where(row, dataset, number))
         if kind == "multi-label":
             found.update(_names_of(value))
         elif kind == "tokens":
@@ -196,6 +206,14 @@ def label_spec(dataset: str, kind: str, fields: list[str], sequence_field: str, 
         raise UsageError(f"{dataset} has {len(spec.names)} class(es) in column {column!r}; classification needs two or more"
                          " (--task regression for numbers)")
     return spec
+
+
+def _where(row: Any, dataset: str, number: int) -> tuple[str, int]:
+    """(file, 1-based row) holding the labels of `row`: the label table's row for FASTA records labelled by
+    --label-table, else the data's own."""
+    from memfit.data.fasta_labels import TABLE_ROW
+
+    return row[TABLE_ROW] if isinstance(row, dict) and TABLE_ROW in row else (dataset, number)
 
 
 def _cell(row: Any, column: str, dataset: str, number: int) -> Any:
@@ -275,7 +293,8 @@ class TableDataset(torch.utils.data.Dataset):
 
 
 def load_table(dataset: str, spec: LabelSpec, tokenizer: Any, *, sequence_field: str, seq_len: int, truncate: bool,
-               min_samples: int = 1, role: str = "training") -> TableDataset:
+               min_samples: int = 1, role: str = "training", label_table: str | None = None,
+               id_field: str = "id") -> TableDataset:
     """Read and tokenize a table against the label space `spec` (built from the training table).
 
     Raises UsageError naming the row of a bad label, or when fewer than `min_samples` samples remain.
@@ -284,18 +303,18 @@ def load_table(dataset: str, spec: LabelSpec, tokenizer: Any, *, sequence_field:
     input_ids: list[torch.Tensor] = []
     labels: list[torch.Tensor] = []
     rows = dropped = truncated = 0
-    for number, row in enumerate(iter_rows(dataset, sequence_field), start=1):
+    for number, row in enumerate(iter_rows(dataset, sequence_field, label_table, id_field), start=1):
         rows += 1
         if not isinstance(row, dict) or _missing(row.get(sequence_field)):
             raise UsageError(f"{dataset} row {number} has no sequence in column {sequence_field!r}; name the column with"
                              " --sequence-field")
         sequence = str(row[sequence_field])
+        where = _where(row, dataset, number)  # a side table's row names a bad label
         if spec.kind == "tokens":
-            ids, label = _tokens_with_labels(tokenizer, sequence, _cell(row, spec.fields[0], dataset, number), index,
-                                             spec, dataset, number)
+            ids, label = _tokens_with_labels(tokenizer, sequence, _cell(row, spec.fields[0], *where), index, spec, *where)
         else:
             ids = torch.tensor(tokenizer(sequence, add_special_tokens=True)["input_ids"], dtype=torch.long)
-            label = _row_label(row, spec, index, dataset, number)
+            label = _row_label(row, spec, index, *where)
         if len(ids) > seq_len:
             if not truncate:
                 dropped += 1

@@ -58,7 +58,7 @@ class TableTask(Task):
                              f" FASTA or hf:NAME); got --dataset {dataset or '(the bundled text corpus)'}")
         task = self.config.task
         self.spec = label_spec(dataset, self.label_kind, self.fields, task.sequence_field,
-                               _labels_list(task.label_names) or None, task.num_labels)
+                               _labels_list(task.label_names) or None, task.num_labels, task.label_table, task.id_field)
 
     def model_config(self) -> dict[str, Any]:
         names = self.spec.names if self.spec is not None else []
@@ -79,7 +79,7 @@ class TableTask(Task):
         try:
             return load_table(data_config.dataset, self.spec, tokenizer, sequence_field=self.config.task.sequence_field,
                               seq_len=data_config.seq_len, truncate=data_config.truncate, min_samples=min_samples,
-                              role=role)
+                              role=role, label_table=self.config.task.label_table, id_field=self.config.task.id_field)
         except UsageError as error:
             raise UsageError(f"{role} data: {error}") from None
 
