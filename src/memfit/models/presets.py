@@ -18,6 +18,7 @@ from typing import Any
 
 from memfit.config_loading import suggest
 from memfit.errors import UsageError
+from memfit.models.presets_encoders import ENCODER_PRESETS
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,9 @@ MODEL_PRESETS: dict[str, ModelPreset] = {
         ModelPreset("gemma-2b", "google/gemma-2b", "gemma", 2048, 18, 8, 1, 16384, 256000, 8192, True, {"head_dim": 256}),
     )
 }
+
+
+MODEL_PRESETS.update(ENCODER_PRESETS)  # DNA and protein encoders: models.presets_encoders
 
 
 def _preset_key(name: str) -> str:
@@ -186,8 +190,11 @@ def build_meta_model(hf_config: Any, attention: str | None = None) -> Any:
     from transformers import AutoModelForCausalLM
 
     kwargs = {"attn_implementation": attention} if attention else {}
+    model_class = AutoModelForCausalLM
+    if any(name.endswith("ForMaskedLM") for name in getattr(hf_config, "architectures", None) or ()):
+        from transformers import AutoModelForMaskedLM as model_class  # an encoder: built with its published head
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(hf_config, **kwargs)
+        return model_class.from_config(hf_config, **kwargs)
 
 
 def parameter_count(hf_config: Any) -> int:
