@@ -1,16 +1,19 @@
-"""`memfit profile` through the real CLI: JSON schema, advice from the measurement, the plot, the cap."""
+"""`memfit profile` through the real CLI: JSON schema, advice from the measurement, the plot, the cap.
+
+Each command runs in a process forked from the warm server (warm_memfit): the import of torch is paid once,
+and the tracked bytes, the plot and the exit codes are the child's own.
+"""
 
 from __future__ import annotations
 
 import json
 
 from memfit.memory.categories import CATEGORIES
-from memfit_cli import run_memfit
 
 
-def test_profile_json_and_plot(llama_dir, text_file, tmp_path):
+def test_profile_json_and_plot(warm_memfit, llama_dir, text_file, tmp_path):
     plot = tmp_path / "timeline.png"
-    result = run_memfit(
+    result = warm_memfit.run(
         "profile", "--model", llama_dir, "--dataset", text_file, "--seq-len", "256", "--batch-size", "8",
         "--loss-chunk-size", "0", "--steps", "2", "--plot", plot, "--json", "--output-dir", tmp_path / "out",
     )
@@ -30,18 +33,18 @@ def test_profile_json_and_plot(llama_dir, text_file, tmp_path):
     assert not (tmp_path / "out" / "final").exists() and not (tmp_path / "out" / "metrics.jsonl").exists()
 
 
-def test_profile_text_report(llama_dir, text_file, tmp_path):
-    result = run_memfit("profile", "--model", llama_dir, "--dataset", text_file, "--seq-len", "64", "--steps", "1",
+def test_profile_text_report(warm_memfit, llama_dir, text_file, tmp_path):
+    result = warm_memfit.run("profile", "--model", llama_dir, "--dataset", text_file, "--seq-len", "64", "--steps", "1",
                         "--gradient-checkpointing", "--output-dir", tmp_path)
     assert result.returncode == 0, result.stderr
     assert "peak" in result.stdout and "activations" in result.stdout and "optimizer" in result.stdout
 
 
-def test_cap_below_the_peak_is_a_clear_error_without_recovery(llama_dir, text_file, tmp_path):
+def test_cap_below_the_peak_is_a_clear_error_without_recovery(warm_memfit, llama_dir, text_file, tmp_path):
     args = ["--model", llama_dir, "--dataset", text_file, "--seq-len", "128", "--batch-size", "4", "--loss-chunk-size", "0",
             "--output-dir", tmp_path]
-    measured = json.loads(run_memfit("profile", *args, "--steps", "1", "--json").stdout)["peak_bytes"]
-    below = run_memfit("train", *args, "--max-steps", "1", "--memory-cap", str(int(measured * 0.97)), "--no-oom-recovery")
+    measured = json.loads(warm_memfit.run("profile", *args, "--steps", "1", "--json").stdout)["peak_bytes"]
+    below = warm_memfit.run("train", *args, "--max-steps", "1", "--memory-cap", str(int(measured * 0.97)), "--no-oom-recovery")
     assert below.returncode == 3 and "memory cap" in below.stderr and "Traceback" not in below.stderr
-    above = run_memfit("train", *args, "--max-steps", "1", "--memory-cap", str(int(measured * 1.03)), "--no-oom-recovery")
+    above = warm_memfit.run("train", *args, "--max-steps", "1", "--memory-cap", str(int(measured * 1.03)), "--no-oom-recovery")
     assert above.returncode == 0, above.stderr

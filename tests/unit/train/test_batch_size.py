@@ -9,7 +9,6 @@ from memfit.config_loading import load_config
 from memfit.train.batch_size import Probe, find_batch_size, search_batch_size
 from memfit.train.loop import train
 from memfit.train.metrics import read_metrics
-from memfit_cli import run_memfit
 
 
 def test_search_takes_logarithmic_probes():
@@ -41,15 +40,16 @@ def test_found_size_trains_under_the_cap_and_the_next_does_not(llama_dir, text_f
     assert run.tracked_peak_bytes <= cap
 
 
-def test_cli_json_and_auto_batch_size(llama_dir, text_file, tmp_path):
+def test_cli_json_and_auto_batch_size(warm_memfit, llama_dir, text_file, tmp_path):
+    # Both commands run in processes forked from the warm server: one import of torch for the two.
     args = ["--model", llama_dir, "--dataset", text_file, "--seq-len", "128", "--memory-cap", "12MB",
             "--effective-batch-size", "8", "--batch-size", "8", "--loss-chunk-size", "0"]
-    result = run_memfit("find-batch-size", *args, "--json", "--output-dir", tmp_path / "f")
+    result = warm_memfit.run("find-batch-size", *args, "--json", "--output-dir", tmp_path / "f")
     assert result.returncode == 0, result.stderr
     found = json.loads(result.stdout)
     assert set(found) >= {"max_batch_size", "recommended_batch_size", "gradient_accumulation_steps", "peak_bytes_at_recommended", "probes"}
     assert found["recommended_batch_size"] * found["gradient_accumulation_steps"] == 8
-    trained = run_memfit("train", *args, "--auto-batch-size", "--max-steps", "2", "--output-dir", tmp_path / "t")
+    trained = warm_memfit.run("train", *args, "--auto-batch-size", "--max-steps", "2", "--output-dir", tmp_path / "t")
     assert trained.returncode == 0, trained.stderr
     steps = [r for r in read_metrics(tmp_path / "t" / "metrics.jsonl") if "event" not in r]
     assert steps[0]["micro_batch_size"] == found["recommended_batch_size"]
