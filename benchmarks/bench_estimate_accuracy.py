@@ -21,7 +21,8 @@ import time
 import torch
 
 from memfit.config_loading import load_config
-from memfit.prediction.estimator import estimate, resolve_run
+from memfit.prediction.estimator import estimate
+from memfit.prediction.run_shape import resolve_run
 from memfit.prediction.traced import StepSetup
 from memfit.train.traced import measure_step_with_allocator, measure_step_with_tracker
 

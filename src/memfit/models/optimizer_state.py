@@ -1,8 +1,11 @@
 """What each small-state optimizer keeps, in bytes and in extra step work: the module each new optimizer extends.
 
-The estimator (state bytes, step temporaries), the speed model (extra FLOPs of a step) and the
-optimizer factory (which tensors are projected, the settings) all read this module, so adding an
-optimizer means a row here and a builder in `memfit.techniques.small_state_optimizers`.
+The estimator (state bytes, step temporaries), the speed model (extra FLOPs of a step), the
+planner (PLANNING: whether it is tried, how far it is from AdamW, what it trades in words) and
+the optimizer factory (which tensors are projected, the settings) all read this module, so adding
+an optimizer means its name among the config's choices (`memfit.config.SMALL_STATE_OPTIMIZERS`),
+its rows here and a builder in `memfit.techniques.small_state_optimizers`; nothing in
+memfit.prediction names an optimizer.
 
 - GaLore (`galore-adamw`, `galore-adamw-8bit`): each projected m x n matrix keeps one orthonormal
   r x min(m, n) projection (refreshed by an SVD of the gradient every `update_proj_gap` steps) and
@@ -97,6 +100,11 @@ def low_rank_settings(optimizer_config: Any) -> LowRankSettings:
             raise UsageError("GaLore projects by SVD only: drop proj= from --optim-args")
         values.pop("scale_type", None)
     return LowRankSettings(target_modules=optimizer_config.optim_target_modules, **values)
+
+
+def projection_settings(optimizer_config: Any) -> LowRankSettings | None:
+    """`low_rank_settings` for the projected optimizers (GaLore, APOLLO); None for every other."""
+    return low_rank_settings(optimizer_config) if optimizer_config.optimizer in LOW_RANK_OPTIMIZERS else None
 
 
 def parse_optim_args(text: str | None) -> dict[str, Any]:
@@ -247,6 +255,52 @@ def state_bytes(optimizer: str, tensors: list[NamedTensor], param_bytes: int, se
         # bitsandbytes' two quantization maps, one pair per optimizer (one per parameter in backward)
         total += 2 * BNB_8BIT_BLOCK * 4 * (len(tensors) if in_backward else 1)
     return total
+
+
+@dataclass(frozen=True)
+class PlanningFacts:
+    """What the planner and the plan's words need to know of a small-state optimizer."""
+
+    distance_from_adamw: int
+    """How far its update is from AdamW's (AdamW and 8-bit AdamW: 0): the tie-break among equally fast plans."""
+    planned: bool
+    """Whether `memfit plan` tries it for full fine-tuning (variants of a planned one are not tried again)."""
+    planned_targets: str | None
+    """The weights it projects when the planner picks it and the user did not say (None: its default)."""
+    trade: str
+    """What it trades, in words; {rank}, {gap} and {targets} are filled from its settings."""
+
+
+PLANNING = {
+    "galore-adamw": PlanningFacts(
+        2, True, None, "GaLore: AdamW's moments of a rank-{rank} projection of each gradient ({targets}), refreshed"
+        " by an SVD every {gap} steps; not AdamW: updates stay in the projected subspace between refreshes"),
+    "galore-adamw-8bit": PlanningFacts(
+        2, False, None, "GaLore 8-bit: 8-bit moments of a rank-{rank} projection ({targets}), SVD every {gap} steps;"
+        " not AdamW"),
+    "apollo-adamw": PlanningFacts(
+        2, False, None, "APOLLO: AdamW's moments of a rank-{rank} random projection ({targets}) only scale the raw"
+        " gradient per channel; not AdamW (close to it in the APOLLO paper's pre-training runs)"),
+    # APOLLO-Mini projects the embeddings and the head too: their AdamW moments would be most of
+    # what is left (2 GiB of 4 for Llama-3.1-8B in bf16).
+    "apollo-mini": PlanningFacts(
+        2, True, "all", "APOLLO-Mini: a rank-{rank} random projection ({targets}) gives one scale per tensor for the"
+        " raw gradient: SGD-like updates with an adaptive step; furthest from AdamW of the choices"),
+    "adam-mini": PlanningFacts(
+        1, True, None, "Adam-mini: one second moment per attention head or row instead of per weight; close to but"
+        " not equal to AdamW"),
+    "adamw-4bit": PlanningFacts(
+        1, True, None, "4-bit AdamW (torchao): moments in 4 bits with one scale per 128 values, rounder than 8-bit"
+        " AdamW; its step is compiled the first time"),
+}
+"""One row per small-state optimizer: with STEP_TEMPORARY_FACTOR, state_bytes and step_extra_flops, all the
+estimator, the speed model and the planner know of it."""
+
+
+def distance_from_adamw(optimizer: str | None) -> int:
+    """PlanningFacts.distance_from_adamw, 0 for AdamW, 8-bit AdamW and the rest."""
+    facts = PLANNING.get(optimizer or "")
+    return facts.distance_from_adamw if facts else 0
 
 
 STEP_TEMPORARY_FACTOR = {"galore-adamw": 3.3, "galore-adamw-8bit": 4.3, "apollo-adamw": 2.9, "apollo-mini": 2.0,

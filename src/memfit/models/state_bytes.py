@@ -17,8 +17,8 @@ from memfit.models.optimizer_state import (
     SMALL_STATE_OPTIMIZERS,
     LowRankSettings,
     NamedTensor,
-    low_rank_settings,
     named_trainable,
+    projection_settings,
     state_bytes,
     step_temporary_bytes,
 )
@@ -91,7 +91,7 @@ def small_state_optimizer_bytes(optimizer_config: Any, inventory: ParameterInven
                                 in_backward: bool, lora: bool = False) -> int:
     """State bytes of one of SMALL_STATE_OPTIMIZERS over the whole model, or over the LoRA adapters."""
     name = optimizer_config.optimizer
-    settings = low_rank_settings(optimizer_config) if name not in ("adam-mini", "adamw-4bit") else None
+    settings = projection_settings(optimizer_config)
     tensors = inventory.named if not lora else [
         NamedTensor(f"adapter.{i}", shape, "other") for i, shape in enumerate(inventory.adapter_shapes)]
     return state_bytes(name, tensors, param_bytes, settings, inventory.head_block, in_backward)

@@ -17,10 +17,9 @@ The breakdown is what is alive at the peak moment, so its parts add up to the pe
 at a forward/backward peak the gradients are (mostly) not allocated yet; at an
 optimizer peak the activations are gone. `details` gives the full size of each part.
 
-Why this module is longer than the others (about 530 lines): resolving a run's shape, the
-state bytes, the activation moment and sharding are one computation over one `RunShape`; the
-per-token activation terms live in `activations.py` and the probe of unknown families in
-`layer_probe.py`.
+The run's resolved shape, its state bytes and sharding come from `run_shape.py`, the per-token
+activation terms from `activations.py`, the probe of families outside the closed forms from
+`layer_probe.py`; this module takes the activation moment and puts the parts together.
 """
 
 from __future__ import annotations
@@ -33,7 +32,6 @@ from memfit.config import TrainConfig
 from memfit.errors import UsageError
 from memfit.gpus import GpuSpec, get_gpu
 from memfit.memory.categories import CATEGORIES
-from memfit.models.optimizer_state import SMALL_STATE_OPTIMIZERS
 from memfit.models.state_bytes import (  # noqa: F401  (re-exported: the estimator's public closed forms)
     BNB_8BIT_BLOCK,
     BNB_8BIT_MIN_SIZE,
@@ -55,11 +53,20 @@ from memfit.prediction.activations import (
     logits_bytes,
     norm_module_bytes_per_token,
 )
+from memfit.prediction.run_shape import (
+    RunShape,
+    apply_sharding,
+    host_available_bytes,
+    host_breakdown,
+    precision_of,
+    resolve_run,
+    sharding_of,
+    state_parts,
+)
 from memfit.techniques.packed_attention import packed_mask_estimate
 from memfit.units import GIB
 
 BREAKDOWN_KEYS = CATEGORIES  # the one category set: estimate, traced estimate and profile report the same
-SHARDINGS = ("none", "ddp", "zero1", "zero2", "zero3", "fsdp")
 
 # Relative error measured against real CPU training steps (docs/accuracy.md).
 ERROR_BAND = {"analytical": 0.10, "traced": 0.03}
@@ -69,7 +76,6 @@ CUDA_CONTEXT_BYTES = int(0.5 * GIB)
 FRAGMENTATION = 0.05
 """The caching allocator reserves more than it hands out; 5 % covers a steady training loop."""
 
-_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 @dataclass
@@ -118,160 +124,9 @@ class Estimate:
         }
 
 
-def host_available_bytes() -> int | None:
-    """Memory available on this machine now, or None when it cannot be read."""
-    try:
-        import psutil
-
-        return int(psutil.virtual_memory().available)
-    except Exception:  # psutil missing or no /proc: the check is skipped, not guessed
-        try:
-            with open("/proc/meminfo") as handle:
-                for line in handle:
-                    if line.startswith("MemAvailable:"):
-                        return int(line.split()[1]) * 1024
-        except OSError:
-            return None
-    return None
-
-
-def host_breakdown(run: RunShape, parts: dict[str, Any], host_activations: float) -> dict[str, int]:
-    """Host bytes by part: offloaded activations, optimizer state (and fp32 master weights) off the device."""
-    optimizer = 0.0
-    if run.optimizer_offload:
-        # the CPU step keeps its state and an fp32 copy of every trainable weight
-        optimizer = parts["optimizer_states_full"] + 4 * parts["trainable_count"]
-    elif run.paged_optimizer:
-        optimizer = parts["optimizer_states_full"]
-    return {"activations": int(host_activations), "optimizer_states": int(optimizer)}
-
-
-@dataclass(frozen=True)
-class RunShape:
-    """The choices of a run that decide its memory, resolved for the target device."""
-
-    device_type: str
-    weight_bytes: int
-    autocast: str | None  # "bf16", "fp16" or None
-    attention: str  # sdpa, flash or eager
-    checkpointing: str
-    checkpoint_every: int
-    loss_chunk_size: int
-    optimizer: str
-    optimizer_impl: str
-    lora_r: int
-    quantize: str
-    optimizer_offload: bool
-    optimizer_in_backward: bool = False
-    activation_offload: bool = False
-    paged_optimizer: bool = False
-    """Paged 8-bit AdamW on CUDA: the state lives in unified memory that the driver pages to host."""
-    mlp_tiles: int = 0
-    fused_loss: bool = False
-    """liger-kernel's fused linear cross-entropy: the logits are never held."""
-    activation_offload_blocks: int | None = None
-    """Partial offload: only the first N blocks' saved inputs go to host (None: everything saved)."""
-    efficient_norm: bool = False
-    """memfit's RMSNorm keeps its input and the fp32 1/rms only (techniques/rms_norm.py)."""
-    efficient_lora: bool = False
-    """memfit's adapter path keeps no fp32 copy of an adapter's input (techniques/efficient_lora.py)."""
-
-
-def tiled_mlp_available() -> bool:
-    """Whether this memfit has the tiled MLP (memfit.techniques.tiled_mlp)."""
-    import importlib.util
-
-    return importlib.util.find_spec("memfit.techniques.tiled_mlp") is not None
-
-
-def _fused_loss_runs(kernels: str, device_type: str, hf_config: Any) -> bool:
-    """Whether the run would use liger's fused loss (the logits never held), by techniques.kernels' rule.
-
-    Never on a CPU, where `--kernels liger` falls back. On a GPU: `auto` only where liger-kernel is
-    installed here and covers the family; an explicit `liger` also when it is not installed on the
-    planning machine (the user asked for it on the GPU machine), unless it is installed and says the
-    family is not covered.
-    """
-    if kernels == "none" or device_type != "cuda":
-        return False
-    import importlib.util
-
-    import torch
-
-    from memfit.techniques.kernels import liger_unavailable_reason
-
-    if importlib.util.find_spec("liger_kernel") is None:
-        return kernels == "liger"
-    try:
-        return liger_unavailable_reason(torch.device("cuda"), getattr(hf_config, "model_type", "")) == ""
-    except ImportError:  # liger-kernel installed without what it needs (Triton) on this machine
-        return kernels == "liger"
-
-
-def resolve_mlp_tiles(tiled_mlp: int | None, seq_len: int) -> int:
-    """Tiles of the MLP as the training run resolves them (None: automatic past a length); 0 when untiled."""
-    if not tiled_mlp_available():
-        return 0
-    from memfit.techniques.tiled_mlp import tiles_for
-
-    tiles = tiles_for(seq_len, tiled_mlp)
-    return tiles if tiles > 1 else 0
-
-
-def resolve_run(config: TrainConfig, hf_config: Any, gpu: GpuSpec | None) -> RunShape:
-    """What the training loop would run for `config` on `gpu` (or this machine without one)."""
-    import torch
-
-    from memfit.techniques.loss import default_loss_chunk_size
-    from memfit.techniques.precision import choose_precision
-
-    device_type = "cuda" if gpu is not None or torch.cuda.is_available() else "cpu"
-    bf16_ok = gpu.bf16 if gpu is not None else device_type == "cpu" or torch.cuda.is_bf16_supported()
-    precision = choose_precision(config.memory.precision, device_type, bf16_ok)  # the training loop's policy
-    autocast = precision.name if precision.autocast_dtype is not None else None
-    attention = config.model.attention
-    if attention in ("auto", "flex"):
-        attention = "sdpa"  # flash-attn and FlexAttention keep the same tensors as SDPA's flash kernel
-    checkpointing = config.memory.gradient_checkpointing
-    if checkpointing == "auto":
-        checkpointing = "full"  # auto checkpoints as few blocks as the budget allows: full is its upper bound
-    chunk = config.memory.loss_chunk_size
-    if chunk is None:
-        chunk = default_loss_chunk_size(hf_config.vocab_size, config.data.seq_len, config.training.batch_size)
-    offload = config.memory.optimizer_offload or config.distributed.zero_offload or config.distributed.fsdp_offload
-    fused_loss = _fused_loss_runs(config.memory.kernels, device_type, hf_config)
-    weight_bytes = _BYTES[config.model.dtype]
-    if config.lora.quantize != "none" and config.model.dtype == "fp16":
-        weight_bytes = 4  # PEFT upcasts an fp16 base's unquantized weights, and so the residual stream (lora.py)
-    return RunShape(
-        device_type, weight_bytes, autocast, attention, checkpointing, config.memory.checkpoint_every,
-        chunk, config.optimizer.optimizer, getattr(config.optimizer, "optimizer_impl", "auto"),
-        config.lora.lora_r, config.lora.quantize, offload,
-        optimizer_in_backward=config.memory.optimizer_in_backward,
-        activation_offload=config.memory.activation_offload,
-        paged_optimizer=config.optimizer.optimizer == "paged-adamw-8bit" and device_type == "cuda",
-        mlp_tiles=resolve_mlp_tiles(getattr(config.memory, "tiled_mlp", 0), config.data.seq_len),
-        fused_loss=fused_loss,
-        activation_offload_blocks=config.memory.activation_offload_blocks if config.memory.activation_offload else None,
-        # liger's RMSNorm replaces memfit's where its fused loss runs
-        efficient_norm=getattr(config.memory, "efficient_norm", False) and not fused_loss,
-        efficient_lora=getattr(config.memory, "efficient_lora", False) and config.lora.lora_r > 0,
-    )
-
-
 # ---------------------------------------------------------------------------
 # The estimate
 # ---------------------------------------------------------------------------
-
-
-def _sharding_of(config: TrainConfig, sharding: str) -> str:
-    if sharding != "none":
-        if sharding not in SHARDINGS:
-            raise UsageError(f"sharding must be one of {', '.join(SHARDINGS)}, got {sharding!r}")
-        return sharding
-    if config.distributed.zero_stage:
-        return f"zero{config.distributed.zero_stage}"
-    return config.distributed.sharding
 
 
 def estimate(
@@ -312,7 +167,7 @@ def estimate(
         budget_bytes = config.memory.memory_budget or config.memory.memory_cap
         if budget_bytes is None and gpu_spec is not None:
             budget_bytes = gpu_spec.memory_bytes
-    sharding = _sharding_of(config, sharding)
+    sharding = sharding_of(config, sharding)
     if hf_config is None:
         hf_config = resolve_model_config(config.model.model, config.model.trust_remote_code)
     if config.model.rope_scale is not None:
@@ -323,15 +178,15 @@ def estimate(
     if run.quantize != "none" and run.lora_r == 0:
         raise UsageError("--quantize needs LoRA: add --lora-r")
     inventory = parameter_inventory(hf_config, run.lora_r)
-    parts = _state_bytes(config, run, inventory)
+    parts = state_parts(config, run, inventory)
     if method == "analytical":
         moment, per_layer, notes = _analytical_peak(config, run, hf_config, inventory, parts)
     else:
         moment, per_layer, notes = _traced_peak(config, run, hf_config, inventory, parts)
-    moment = _apply_sharding(moment, parts, sharding, world_size, hf_config, run,
+    moment = apply_sharding(moment, parts, sharding, world_size, hf_config, run,
                              notes.get("autocast_weight_copies_bytes", 0))
     packed_mask = packed_mask_estimate(config.data, config.training.batch_size, run.attention, run.checkpointing,
-                                       architecture_of(hf_config), _precision(run).attention,
+                                       architecture_of(hf_config), precision_of(run).attention,
                                        config.model.attention, run.device_type, hf_config)
     if packed_mask:  # --packing samples under SDPA: the block-diagonal mask and its per-layer copies
         moment["activations"] += packed_mask
@@ -380,7 +235,7 @@ def estimate(
 def _host_activations(config: TrainConfig, run: RunShape, hf_config: Any) -> float:
     if not run.activation_offload:
         return 0.0
-    arch, precision = architecture_of(hf_config), _precision(run)
+    arch, precision = architecture_of(hf_config), precision_of(run)
     terms = activation_bytes(
         arch, precision, batch_size=config.training.batch_size,
         seq_len=config.data.seq_len, attention=run.attention, checkpointing=run.checkpointing,
@@ -413,66 +268,6 @@ def _offload_first_blocks(terms: ActivationTerms, run: RunShape, arch, precision
     return terms._replace(kept=terms.kept - host + in_flight, host=host)
 
 
-def _state_bytes(config: TrainConfig, run: RunShape, inventory: ParameterInventory) -> dict[str, Any]:
-    """Full bytes of parameters, gradients, optimizer state and the step temporaries."""
-    wb = run.weight_bytes
-    if run.lora_r:
-        trainable_shapes = inventory.adapter_shapes
-        trainable_bytes = 4  # PEFT keeps adapters in fp32
-        base = inventory.total * wb
-        if run.quantize == "4bit":
-            base -= inventory.linear_params * (wb - NF4_BYTES_PER_PARAM)
-        elif run.quantize == "8bit":
-            base -= inventory.linear_params * (wb - 1 - 4 / 4096)  # int8 + one fp32 scale per row (about)
-        parameters = base + 4 * sum(math.prod(s) for s in trainable_shapes)
-    else:
-        trainable_shapes = inventory.shapes
-        trainable_bytes = wb
-        parameters = inventory.total * wb
-    trainable = sum(math.prod(s) for s in trainable_shapes)
-    fused_step = run.optimizer == "adamw" and run.optimizer_impl in ("auto", "fused")
-    if run.optimizer in SMALL_STATE_OPTIMIZERS:  # GaLore, APOLLO, Adam-mini, 4-bit AdamW
-        optimizer = small_state_optimizer_bytes(config.optimizer, inventory, trainable_bytes, run.optimizer_in_backward,
-                                                lora=bool(run.lora_r))
-    else:
-        optimizer = optimizer_state_bytes_for_shapes(run.optimizer, trainable_shapes, trainable_bytes, config.optimizer.momentum, fused_step)
-    if not fused_step and run.optimizer == "adamw" and run.device_type == "cpu":
-        optimizer += 4 * len(trainable_shapes)  # the step counters live on the CPU
-    if run.optimizer_in_backward and run.optimizer in ("adamw-8bit", "paged-adamw-8bit"):
-        optimizer += 2 * BNB_8BIT_BLOCK * 4 * (len(trainable_shapes) - 1)  # one pair of quantization maps per optimizer
-    off_device = run.optimizer_offload or run.paged_optimizer
-    return {
-        "parameters": parameters,
-        "gradients": trainable * trainable_bytes,
-        "optimizer_states": 0 if off_device else optimizer,
-        "optimizer_states_full": optimizer,
-        "largest_trainable": max((math.prod(s) for s in trainable_shapes), default=0),
-        "optimizer_temporaries": optimizer_step_temporary_bytes(run, trainable_shapes, trainable_bytes),
-        "trainable_count": trainable,
-        "trainable_shapes": trainable_shapes,
-        "trainable_bytes": trainable_bytes,
-    }
-
-
-def _precision(run: RunShape) -> Precision:
-    compute = 2 if run.autocast or run.weight_bytes == 2 else 4
-    # CPU autocast leaves SDPA out of its bf16 list: it runs on the fp32 output of RoPE.
-    attention = 4 if run.autocast and run.device_type == "cpu" and run.weight_bytes == 4 else compute
-    return Precision(compute=compute, residual=run.weight_bytes, attention=attention, lora_rank=run.lora_r,
-                     adapter_input=_adapter_input_bytes(run), efficient_norm=run.efficient_norm)
-
-
-def _adapter_input_bytes(run: RunShape) -> int:
-    """Bytes per element of the copy of its input each adapter keeps (see Precision.adapter_input)."""
-    if run.autocast and run.weight_bytes == 4:
-        # autocast's 16-bit cast for the adapter's matmul: the adapters reading the norms' fp32
-        # outputs run PEFT's path; counted so for every adapter (o and down run memfit's: less)
-        return 2
-    if run.efficient_lora:
-        return 0  # the input itself, kept anyway
-    return 2 if run.autocast else 4
-
-
 def _layer_per_token(run: RunShape, arch, hf_config, precision: Precision, seq_len: int) -> float | None:
     """A block's bytes per token measured from the model's code, for families the closed forms do not describe."""
     if arch.model_type in CLOSED_FORM_FAMILIES:
@@ -499,7 +294,7 @@ def _layer_per_token(run: RunShape, arch, hf_config, precision: Precision, seq_l
 
 def _analytical_peak(config, run: RunShape, hf_config, inventory, parts) -> tuple[dict, float, dict]:
     arch = architecture_of(hf_config)
-    precision = _precision(run)
+    precision = precision_of(run)
     b, s = config.training.batch_size, config.data.seq_len
     full_offload = run.activation_offload and run.activation_offload_blocks is None
     # Offloaded checkpoints of every block and the head peak on the device where offloading every
@@ -654,7 +449,7 @@ def _traced_peak(config, run: RunShape, hf_config, inventory, parts) -> tuple[di
     if run.optimizer_offload or run.paged_optimizer:
         moment["optimizer_states"] = 0
     arch = architecture_of(hf_config)
-    per_layer = activation_bytes(arch, _precision(run), batch_size=config.training.batch_size,
+    per_layer = activation_bytes(arch, precision_of(run), batch_size=config.training.batch_size,
                                  seq_len=config.data.seq_len, attention=run.attention, checkpointing="off")[2]
     notes = {"peak_phase": step.peak_phase, "phase_peaks": step.phase_peaks}
     untraced = [name for name, on in (("optimizer in backward", run.optimizer_in_backward),
@@ -665,24 +460,3 @@ def _traced_peak(config, run: RunShape, hf_config, inventory, parts) -> tuple[di
         notes["not_traced"] = untraced
     return moment, per_layer, notes
 
-
-def _apply_sharding(moment: dict, parts: dict, sharding: str, world_size: int, hf_config, run: RunShape,
-                    cache: float = 0.0) -> dict:
-    """Divide what each sharding mode spreads over the ranks; add DDP's gradient buckets."""
-    moment = dict(moment)
-    if world_size == 1 or sharding == "none":
-        return moment
-    if sharding == "ddp":
-        moment["other"] += parts["gradients"]  # bucketed gradient copies for all-reduce
-        return moment
-    divide = {"zero1": ("optimizer_states",), "zero2": ("optimizer_states", "gradients"),
-              "zero3": ("optimizer_states", "gradients", "parameters"), "fsdp": ("optimizer_states", "gradients", "parameters")}
-    for key in divide[sharding]:
-        moment[key] = moment[key] / world_size
-    if "parameters" in divide[sharding]:
-        # sharded parameters are gathered (and cast) one block at a time
-        moment["activations"] = max(0.0, moment["activations"] - cache * (1 - 1 / world_size))
-        # One block gathered in full for compute, the next prefetched.
-        layers = architecture_of(hf_config).layers
-        moment["other"] += 2 * parts["parameters"] / max(1, layers)
-    return moment

@@ -18,188 +18,25 @@ technique grid; the speed model lives in `speed_model.py`.
 
 from __future__ import annotations
 
-import itertools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from memfit.config import TrainConfig
 from memfit.errors import DoesNotFitError, UsageError
 from memfit.gpus import GpuSpec, get_gpu, local_gpu
+from memfit.models.optimizer_state import PLANNING, distance_from_adamw
 from memfit.prediction.activations import architecture_of
-from memfit.prediction.estimator import Estimate, estimate
+from memfit.prediction.candidates import modes_of, technique_grid, user_set
+from memfit.prediction.estimator import estimate
+from memfit.prediction.plan_result import Candidate, PlanResult, plan_to_overrides  # noqa: F401  (plan_to_overrides: re-exported with plan)
 from memfit.prediction.speed_model import estimated_step_seconds
+from memfit.prediction.trade_offs import trade_offs, train_command
 from memfit.units import GIB
 
-SMALL_STATE_PLANNED = {"galore-adamw": None, "apollo-mini": "all", "adam-mini": None, "adamw-4bit": None}
-"""Small-state optimizers the search tries for full fine-tuning, with the weights it projects when the user did not
-say (None: the optimizer's default). APOLLO-Mini projects the embeddings and the head too: their AdamW moments
-would be most of what is left (2 GiB of 4 for Llama-3.1-8B in bf16)."""
-APPROXIMATION = {"adamw-4bit": 1, "adam-mini": 1, "galore-adamw": 2, "galore-adamw-8bit": 2, "apollo-adamw": 2,
-                 "apollo-mini": 2}
-"""How far an optimizer's update is from AdamW's (0: AdamW and 8-bit AdamW): the tie-break among equally fast plans."""
 MARGIN = 0.05
 """Fraction of the budget kept free: the analytical estimate's error band is 10 %, usually less."""
 ALLOW = ("auto", "full", "lora", "qlora", "any")
-DEFAULT_LORA_RANK = 16
-
-
-@dataclass
-class Candidate:
-    changes: dict[str, Any]
-    """Flat config changes (plan_to_overrides)."""
-    estimate: Estimate
-    step_seconds: float
-    tokens_per_step: int
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.tokens_per_step / self.step_seconds
-
-
-@dataclass
-class PlanResult:
-    """The best configuration found and the runners-up."""
-
-    fits: bool
-    plan: dict[str, Any]
-    estimated_peak_bytes: int
-    budget_bytes: int
-    relative_speed: float
-    command: str
-    alternatives: list[dict[str, Any]] = field(default_factory=list)
-    tokens_per_second: float = 0.0
-    host_bytes: int = 0
-    """Host memory the plan needs (offloaded activations, optimizer state off the device)."""
-    host_available_bytes: int | None = None
-    """Memory available on the machine that planned (None when the plan needs none or it is unknown)."""
-    host_limit_bytes: int | None = None
-    """Host memory the plan was allowed (--host-memory, else this machine's total)."""
-    trades: list[str] = field(default_factory=list)
-    """What each chosen technique costs, in words."""
-    maximize: str | None = None
-    memory_limit_seq_len: int | None = None
-    """With --maximize seq-len: the longest sequence memory allows, even past the model's positions."""
-    max_positions: int | None = None
-    """The positions cap the plan used: the model's own, x --rope-scale when given."""
-    rope_scale_to_memory_limit: int | None = None
-    """When memory allows more than max_positions: the whole --rope-scale whose positions reach memory_limit_seq_len."""
-    device: str = "cpu"
-    """What the plan was made for: the --gpu preset, else this machine's GPU, else 'cpu'."""
-
-    @property
-    def host_fits(self) -> bool | None:
-        if not self.host_bytes or self.host_available_bytes is None:
-            return None if self.host_bytes else True
-        return self.host_bytes <= self.host_available_bytes
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "fits": self.fits,
-            "plan": dict(self.plan),
-            "estimated_peak_bytes": self.estimated_peak_bytes,
-            "budget_bytes": self.budget_bytes,
-            "relative_speed": self.relative_speed,
-            "command": self.command,
-            "alternatives": list(self.alternatives),
-            "tokens_per_second": self.tokens_per_second,
-            "host_bytes": self.host_bytes,
-            "host_available_bytes": self.host_available_bytes,
-            "host_fits": self.host_fits,
-            "host_limit_bytes": self.host_limit_bytes,
-            "trades": list(self.trades),
-            "maximize": self.maximize,
-            "memory_limit_seq_len": self.memory_limit_seq_len,
-            "max_positions": self.max_positions,
-            "rope_scale_to_memory_limit": self.rope_scale_to_memory_limit,
-            "device": self.device,
-        }
-
-
-def plan_to_overrides(result: PlanResult) -> dict[str, Any]:
-    """The flat config changes of the plan, for `TrainConfig.replace(**changes)`."""
-    return dict(result.plan)
-
-
-def _modes(allow: str) -> list[str]:
-    return {"full": ["full"], "lora": ["lora"], "qlora": ["qlora"], "any": ["full", "lora", "qlora"],
-            "auto": ["full", "lora", "qlora"]}[allow]
-
-
-def _mode_changes(mode: str, config: TrainConfig) -> dict[str, Any]:
-    rank = config.lora.lora_r or DEFAULT_LORA_RANK
-    if mode == "full":
-        return {"lora_r": 0, "quantize": "none"}
-    # A frozen base needs no fp32 master copy: store it in bf16.
-    return {"lora_r": rank, "quantize": "4bit" if mode == "qlora" else "none", "dtype": "bf16",
-            "lora_targets": config.lora.lora_targets}
-
-
-def _user_set(config: TrainConfig, name: str) -> bool:
-    """Whether the user gave `name` (configs built in code: whether it differs from the default)."""
-    names = getattr(config, "user_set", None)
-    if names is not None:
-        return name in names
-    return TrainConfig().flat().get(name) != config.flat()[name]
-
-
-def technique_grid(mode: str, config: TrainConfig, gpu: GpuSpec | None, seq_len: int, accumulation: int,
-                   long_context: bool = False, hf_config: Any = None) -> list[dict[str, Any]]:
-    """Every combination of memory techniques worth estimating for `mode` (flat config changes).
-
-    Offloading and paged state need a GPU (on a CPU everything is host memory already);
-    optimizer-in-backward needs one micro-batch per step and no fp16 loss scaling; tiled
-    MLP is tried where this memfit has it and the sequence is long. The chunked loss is
-    tried in chunks of 1024 and 256 tokens (a large vocabulary's chunk of 1024 can be most
-    of a small budget). `--compile` changes time, not memory: every combination gets it
-    where the speed model measured its gain, the run is long enough to repay the compile time
-    and it can run (`speed_model.compile_planned`; needs `hf_config`), unless the user chose.
-    """
-    from memfit.prediction.estimator import resolve_mlp_tiles, tiled_mlp_available
-    from memfit.prediction.speed_model import compile_planned
-    from memfit.techniques.loss import DEFAULT_LOSS_CHUNK_TOKENS
-
-    cuda = gpu is not None
-    full = mode == "full"
-    dtypes = [config.model.dtype] if not full else (["fp32", "bf16"] if cuda and gpu.bf16 else [config.model.dtype])
-    optimizers = ["adamw", "adamw-8bit"] + (["paged-adamw-8bit"] if cuda and full else [])
-    if full:  # states a fraction of AdamW's (they need the full weights: LoRA is refused with most)
-        optimizers += list(SMALL_STATE_PLANNED)
-    in_backward = [False] + ([True] if accumulation == 1 and (gpu is None or gpu.bf16) else [])
-    offloads = [False, True] if cuda else [False]
-    compiled = (config.memory.compile if _user_set(config, "compile")
-                else compile_planned("cuda" if cuda else "cpu", config, hf_config))
-    tiles = [0]
-    if tiled_mlp_available() and (long_context or seq_len >= 4096):
-        tiles.append(max(2, resolve_mlp_tiles(None, seq_len) or 2))
-        if long_context:
-            # tiles of half the automatic length: half the MLP working set in backward, where
-            # the longest context is bound by the recomputed block
-            tiles.append(2 * tiles[-1])
-    grid = []
-    for dtype, optimizer, oib, checkpointing, act_offload, tile, chunk, opt_offload in itertools.product(
-        dtypes, optimizers, in_backward, ("off", "selective", "full"), offloads, tiles,
-        (0, DEFAULT_LOSS_CHUNK_TOKENS, DEFAULT_LOSS_CHUNK_TOKENS // 4), offloads,
-    ):
-        if opt_offload and (not full or optimizer != "adamw"):
-            continue  # CPU offload steps torch's AdamW on host copies (per step, or per parameter in backward)
-        if optimizer == "galore-adamw" and oib and not cuda:
-            continue  # on a CPU the SVD of each refresh dominates either way: one GaLore entry is enough
-        if act_offload and checkpointing == "selective":
-            continue  # the kept matmul outputs would all cross the host link: full checkpointing does better
-        changes = {"gradient_checkpointing": checkpointing, "optimizer": optimizer, "loss_chunk_size": chunk,
-                   "optimizer_offload": opt_offload, "optimizer_in_backward": oib,
-                   "activation_offload": act_offload, "tiled_mlp": tile, "compile": compiled,
-                   **_mode_changes(mode, config)}
-        if full:
-            changes["dtype"] = dtype
-        if oib or opt_offload:
-            changes["max_grad_norm"] = 0.0  # neither sees all gradients before they are applied
-        if optimizer in SMALL_STATE_PLANNED and SMALL_STATE_PLANNED[optimizer] and not _user_set(
-                config, "optim_target_modules"):
-            changes["optim_target_modules"] = SMALL_STATE_PLANNED[optimizer]
-        grid.append(changes)
-    return grid
 
 
 @dataclass
@@ -215,7 +52,7 @@ class _Search:
 
     def candidate(self, changes: dict[str, Any], micro: int, accumulation: int, seq_len: int) -> Candidate:
         """`changes` estimated at this shape; offloaded checkpoints offload the fewest blocks that fit."""
-        user_blocks = _user_set(self.config, "activation_offload_blocks")
+        user_blocks = user_set(self.config, "activation_offload_blocks")
         if "activation_offload_blocks" in changes:
             return self._candidate(changes, micro, accumulation, seq_len)
         if not (changes.get("activation_offload") and changes.get("gradient_checkpointing") == "full"):
@@ -431,10 +268,10 @@ def plan(
     # the model's positions, x --rope-scale (refused for a model without RoPE)
     trained_positions = scaled_positions(hf_config, config.model.rope_scale, config.model.rope_scaling)
     memory_seq_len = None
-    for mode in _modes(allow):
+    for mode in modes_of(allow):
         if maximize == "seq-len":
-            micro = config.training.batch_size if _user_set(config, "batch_size") else 1
-            accumulation = config.training.gradient_accumulation_steps if _user_set(
+            micro = config.training.batch_size if user_set(config, "batch_size") else 1
+            accumulation = config.training.gradient_accumulation_steps if user_set(
                 config, "gradient_accumulation_steps") else 1
             fitting = _longest(search, mode, micro, accumulation)
             if fitting and trained_positions and fitting[0].changes["seq_len"] > trained_positions:
@@ -467,7 +304,7 @@ def plan(
     else:
         # fp32 weights before pure bf16 ones (bf16 updates round away small steps), then speed
         chosen.sort(key=lambda c: (c.changes.get("dtype") == "bf16" and not c.changes.get("lora_r"),
-                                   -c.tokens_per_second, APPROXIMATION.get(c.changes.get("optimizer"), 0),
+                                   -c.tokens_per_second, distance_from_adamw(c.changes.get("optimizer")),
                                    c.estimate.peak_bytes))
         chosen = _closest_to_adamw_first(chosen)
     best = chosen[0]
@@ -501,120 +338,10 @@ be at least this much faster (the 8B full fine-tune at batch 2: APOLLO-Mini, 1.2
 def _closest_to_adamw_first(ranked: list[Candidate]) -> list[Candidate]:
     """`ranked` (best first), or only its AdamW and 8-bit AdamW plans when one of them fits and no small-state
     plan is LOSSY_SPEEDUP times faster than the best of them (the runners-up are then AdamW's too)."""
-    exact = [c for c in ranked if not APPROXIMATION.get(c.changes.get("optimizer"), 0)]
+    exact = [c for c in ranked if c.changes.get("optimizer") not in PLANNING]
     if exact and ranked[0] is not exact[0] and ranked[0].tokens_per_second < LOSSY_SPEEDUP * exact[0].tokens_per_second:
         return exact
     return ranked
-
-
-def trade_offs(candidate: Candidate, config: TrainConfig, hf_config: Any, gpu: GpuSpec | None,
-               host_limit: int | None = None, memory_seq_len: int | None = None) -> list[str]:
-    """What each technique of the plan costs, in plain words with the figures that matter."""
-    c, est = candidate.changes, candidate.estimate
-    link = (gpu.host_link_gbps if gpu is not None else 16.0) * 1e9
-    host_gib = est.host_bytes / GIB
-    lines = []
-    if c.get("lora_r"):
-        what = "QLoRA: the base weights are frozen in 4-bit nf4" if c.get("quantize") == "4bit" else "LoRA: the base weights are frozen"
-        lines.append(f"{what}; only rank-{c['lora_r']} adapters train")
-    elif c.get("dtype") == "bf16":
-        lines.append("pure bf16 weights (no fp32 master copy): updates smaller than about 1/256 of a weight round away;"
-                     " numerics differ from fp32 training")
-    if c.get("optimizer") in ("adamw-8bit", "paged-adamw-8bit"):
-        lines.append("8-bit AdamW: moments stored block-quantized (bitsandbytes), close to but not equal to AdamW")
-    if c.get("optimizer") in APPROXIMATION:
-        lines.append(small_state_trade(c, config, est))
-    if c.get("optimizer") == "paged-adamw-8bit" and gpu is not None:
-        state = est.host_breakdown.get("optimizer_states", 0)
-        lines.append(f"paged optimizer state: {state / GIB:.1f} GiB in CUDA unified memory, paged to host when the GPU"
-                     f" is full; up to {2 * state / link:.2f} s of host-link traffic per step")
-    if c.get("optimizer_in_backward"):
-        lines.append("optimizer in backward: each weight is updated as its gradient arrives; no gradient accumulation,"
-                     " no global gradient clipping (--max-grad-norm 0)")
-    if c.get("optimizer_offload"):
-        lines.append(f"optimizer offload: state and step on the CPU ({est.host_breakdown.get('optimizer_states', 0) / GIB:.1f}"
-                     " GiB of host memory); gradients and weights cross the host link every step; no clipping")
-    if c.get("activation_offload"):
-        moved = est.details.get("pcie_bytes_per_micro_batch", 0)
-        blocks = c.get("activation_offload_blocks")
-        layers = architecture_of(hf_config).layers
-        what = "activation offload" if blocks is None else (
-            f"activation offload of the first {blocks} of {layers} blocks' inputs (the last {max(0, layers - blocks)}"
-            " and the head's stay on the device)")
-        lines.append(f"{what}: {est.host_breakdown.get('activations', 0) / GIB:.1f} GiB of pinned host memory;"
-                     f" {moved / GIB:.1f} GiB over the host link per micro-batch ({moved / link:.2f} s at"
-                     f" {link / 1e9:.0f} GB/s, overlapped with compute where the copies allow)")
-    if c.get("gradient_checkpointing") == "full":
-        lines.append("full checkpointing: each block's forward runs again in backward (about +33 % compute)")
-    elif c.get("gradient_checkpointing") == "selective":
-        lines.append("selective checkpointing: cheap operations are recomputed in backward (about +5 % compute)")
-    if c.get("tiled_mlp"):
-        lines.append(f"tiled MLP: {c['tiled_mlp']} sequence tiles, each recomputed in backward (one more MLP forward)")
-    if c.get("loss_chunk_size"):
-        lines.append(f"chunked loss ({c['loss_chunk_size']} tokens): the output projection runs again in backward")
-    if c.get("compile"):
-        lines.append("compiled blocks (--compile): the first step compiles one block with torch.compile (tens of"
-                     " seconds on a CPU, once per run), which the planned tokens/s leave out")
-    if est.host_bytes:
-        available = est.host_available_bytes
-        limit = f" (planned within {host_limit / GIB:.0f} GiB of host memory)" if host_limit else ""
-        if available is None:
-            lines.append(f"needs {host_gib:.1f} GiB of host memory{limit}; this machine's could not be read")
-        else:
-            verdict = "enough" if est.host_bytes <= available else "NOT enough"
-            lines.append(f"needs {host_gib:.1f} GiB of host memory{limit}; this machine has {available / GIB:.1f} GiB"
-                         f" available now ({verdict} here)")
-    from memfit.models.rope import can_scale, scaled_positions, suggested_scale
-
-    own = scaled_positions(hf_config, None)
-    trained = scaled_positions(hf_config, config.model.rope_scale, config.model.rope_scaling)
-    scale = config.model.rope_scale
-    if scale is not None and scale != 1:
-        lines.append(f"RoPE scaling x{scale:g} (--rope-scale): the model's {own:,} positions become {trained:,}; the"
-                     " rotary numerics change at every position, so this is a context-extension fine-tune")
-    if memory_seq_len and trained and memory_seq_len > trained:
-        where = f"the model handles {trained:,} positions" if scale is None else (
-            f"--rope-scale {scale:g} gives the model {trained:,} positions")
-        extend = ""
-        if can_scale(hf_config):
-            factor = suggested_scale(own, memory_seq_len)
-            extend = (f"; --rope-scale {factor} extends them to {own * factor:,} (RoPE scaling, a context-extension"
-                      " fine-tune)")
-        lines.append(f"memory alone would allow {memory_seq_len:,} tokens, but {where} (memfit train refuses longer"
-                     f" windows){extend}")
-    return lines
-
-
-SMALL_STATE_TRADES = {
-    "galore-adamw": "GaLore: AdamW's moments of a rank-{rank} projection of each gradient ({targets}), refreshed by an"
-                    " SVD every {gap} steps; not AdamW: updates stay in the projected subspace between refreshes",
-    "galore-adamw-8bit": "GaLore 8-bit: 8-bit moments of a rank-{rank} projection ({targets}), SVD every {gap} steps;"
-                         " not AdamW",
-    "apollo-adamw": "APOLLO: AdamW's moments of a rank-{rank} random projection ({targets}) only scale the raw"
-                    " gradient per channel; not AdamW (close to it in the APOLLO paper's pre-training runs)",
-    "apollo-mini": "APOLLO-Mini: a rank-{rank} random projection ({targets}) gives one scale per tensor for the raw"
-                   " gradient: SGD-like updates with an adaptive step; furthest from AdamW of the choices",
-    "adam-mini": "Adam-mini: one second moment per attention head or row instead of per weight; close to but not"
-                 " equal to AdamW",
-    "adamw-4bit": "4-bit AdamW (torchao): moments in 4 bits with one scale per 128 values, rounder than 8-bit AdamW;"
-                  " its step is compiled the first time",
-}
-
-
-def small_state_trade(changes: dict[str, Any], config: TrainConfig, est: Estimate) -> str:
-    """What a small-state optimizer of the plan trades, with its state's size."""
-    from dataclasses import replace
-
-    from memfit.models.optimizer_state import low_rank_settings
-
-    keys = ("optimizer", "optim_target_modules", "optim_rank", "optim_update_proj_gap", "optim_scale")
-    optimizer = replace(config.optimizer, **{k: changes[k] for k in keys if k in changes})
-    settings = low_rank_settings(optimizer) if optimizer.optimizer not in ("adam-mini", "adamw-4bit") else None
-    line = SMALL_STATE_TRADES[optimizer.optimizer].format(
-        rank=getattr(settings, "rank", 0), gap=getattr(settings, "update_proj_gap", 0),
-        targets={"all": "every matrix, embeddings and head included", "all-linear": "every Linear weight"}.get(
-            getattr(settings, "target_modules", ""), getattr(settings, "target_modules", "")))
-    return f"{line}; optimizer state {est.details['full_bytes']['optimizer_states'] / GIB:.2f} GiB"
 
 
 def _paged_comparison(best: Candidate, everything: list[Candidate], search: _Search) -> str | None:
@@ -688,31 +415,3 @@ def _host_limit_message(search: _Search, everything: list[Candidate], host_memor
             f"{(least.estimate.host_bytes - allowed) / GIB:.1f} GiB over the {allowed / GIB:.1f} GiB planned"
             f" ({100 * (1 - HOST_MARGIN):.0f} % of {search.host_limit / GIB:.1f} GiB, {source}): give --host-memory"
             " for the machine that trains, or a larger GPU")
-
-
-def train_command(config: TrainConfig, changes: dict[str, Any], gpu: GpuSpec | None, budget: int | None,
-                  world_size: int = 1) -> str:
-    """The `memfit train ...` command line that runs the plan."""
-    seq_len = changes.get("seq_len", config.data.seq_len)
-    parts = ["memfit", "train", "--model", config.model.model, "--seq-len", str(seq_len)]
-    if config.data.dataset:
-        parts += ["--dataset", config.data.dataset]
-    defaults = TrainConfig().flat()
-    for name, value in changes.items():
-        if name == "seq_len":
-            continue
-        if name in ("lora_r", "quantize", "dtype", "lora_targets") and value == defaults.get(name):
-            continue
-        if name == "tiled_mlp" and not value and seq_len <= 8192:
-            continue  # the automatic setting does not tile at this length either
-        if value is None:
-            continue  # the default (activation_offload_blocks: every block and the head offloaded)
-        flag = "--" + name.replace("_", "-")
-        if isinstance(value, bool):
-            if value:
-                parts.append(flag)
-            continue
-        parts += [flag, str(value)]
-    if world_size > 1:
-        return f"torchrun --nproc-per-node {world_size} -m " + " ".join(parts) + " --sharding fsdp"
-    return " ".join(parts)

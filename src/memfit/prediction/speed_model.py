@@ -201,10 +201,10 @@ def small_state_step_flops(changes: dict[str, Any], config: TrainConfig, hf_conf
     """Extra FLOPs of one step of GaLore / APOLLO / Adam-mini / 4-bit AdamW (memfit.models.optimizer_state)."""
     from dataclasses import replace
 
-    from memfit.models.optimizer_state import low_rank_settings, step_extra_flops
+    from memfit.models.optimizer_state import projection_settings, step_extra_flops
     from memfit.models.state_bytes import parameter_inventory
 
     keys = ("optimizer", "optim_target_modules", "optim_rank", "optim_update_proj_gap", "optim_scale")
     optimizer = replace(config.optimizer, **{k: changes[k] for k in keys if k in changes})
-    settings = low_rank_settings(optimizer) if optimizer.optimizer not in ("adam-mini", "adamw-4bit") else None
+    settings = projection_settings(optimizer)
     return step_extra_flops(optimizer.optimizer, parameter_inventory(hf_config).named, settings)

@@ -186,7 +186,7 @@ def test_speed_model_on_a_gpu_keeps_small_micro_batches_slow_and_8_bit_adamw_nea
 
 def test_the_search_pairs_cpu_optimizer_offload_with_optimizer_in_backward():
     from memfit.gpus import get_gpu
-    from memfit.prediction.planner import technique_grid
+    from memfit.prediction.candidates import technique_grid
 
     config = load_config(overrides={"model": "preset:llama-3.2-1b", "seq_len": 1024})
     grid = technique_grid("full", config, get_gpu("rtx-4090"), 1024, accumulation=1)

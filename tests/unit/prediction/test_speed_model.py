@@ -7,9 +7,11 @@ from transformers import LlamaConfig
 
 from memfit.config_loading import load_config
 from memfit.prediction import speed_model
+from memfit.prediction.candidates import technique_grid
 from memfit.prediction.estimator import estimate
-from memfit.prediction.planner import plan, technique_grid, trade_offs
+from memfit.prediction.planner import plan
 from memfit.prediction.speed_model import estimated_step_seconds
+from memfit.prediction.trade_offs import trade_offs
 from memfit.units import MIB
 
 # The 22.9M-parameter Llama of benchmarks/bench_p2_settings.py and bench_peers.py p2.
@@ -126,7 +128,7 @@ def test_planner_finds_micro_batch_4_with_small_loss_chunks_where_1024_token_chu
 def test_trade_offs_name_no_compile_when_not_planned():
     config = _config()
     est = estimate(config)
-    from memfit.prediction.planner import Candidate
+    from memfit.prediction.plan_result import Candidate
 
     candidate = Candidate({"compile": False, "loss_chunk_size": 0}, est, 1.0, 512)
     assert not any("--compile" in line for line in trade_offs(candidate, config, P2_SHAPE, None))

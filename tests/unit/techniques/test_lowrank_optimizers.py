@@ -270,3 +270,12 @@ def test_a_state_cleared_before_the_first_step_still_steps_as_the_library(name):
     _run(model, ours, batches)
     _run(reference, theirs, batches)
     _assert_same_weights(model, reference)
+
+
+def test_every_small_state_optimizer_has_all_its_rows_in_one_module():
+    """Adding an optimizer touches memfit.models.optimizer_state (and the factory): each table there names it."""
+    from memfit.config import SMALL_STATE_OPTIMIZERS
+    from memfit.models.optimizer_state import PLANNING, STEP_TEMPORARY_FACTOR
+
+    assert set(PLANNING) == set(STEP_TEMPORARY_FACTOR) == set(SMALL_STATE_OPTIMIZERS)
+    assert all(facts.distance_from_adamw > 0 for facts in PLANNING.values())  # none of them is AdamW

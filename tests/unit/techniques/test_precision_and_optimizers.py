@@ -66,7 +66,7 @@ def test_the_estimate_resolves_precision_with_the_training_policy(gpu, requested
 
     from memfit.config_loading import load_config
     from memfit.gpus import get_gpu
-    from memfit.prediction.estimator import resolve_run
+    from memfit.prediction.run_shape import resolve_run
     from memfit.techniques.precision import choose_precision
 
     spec = get_gpu(gpu)

@@ -1,0 +1,98 @@
+"""What the planner tries: every combination of memory techniques worth estimating for a mode.
+
+A mode is full fine-tuning, LoRA or QLoRA; `technique_grid` gives the flat config changes of
+each combination (precision, optimizer, checkpointing, offload, tiled MLP, loss chunk, compile),
+which `memfit.prediction.planner` estimates, times and ranks.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+from memfit.config import TrainConfig
+from memfit.gpus import GpuSpec
+from memfit.models.optimizer_state import PLANNING
+
+DEFAULT_LORA_RANK = 16
+
+
+def modes_of(allow: str) -> list[str]:
+    return {"full": ["full"], "lora": ["lora"], "qlora": ["qlora"], "any": ["full", "lora", "qlora"],
+            "auto": ["full", "lora", "qlora"]}[allow]
+
+
+def mode_changes(mode: str, config: TrainConfig) -> dict[str, Any]:
+    rank = config.lora.lora_r or DEFAULT_LORA_RANK
+    if mode == "full":
+        return {"lora_r": 0, "quantize": "none"}
+    # A frozen base needs no fp32 master copy: store it in bf16.
+    return {"lora_r": rank, "quantize": "4bit" if mode == "qlora" else "none", "dtype": "bf16",
+            "lora_targets": config.lora.lora_targets}
+
+
+def user_set(config: TrainConfig, name: str) -> bool:
+    """Whether the user gave `name` (configs built in code: whether it differs from the default)."""
+    names = getattr(config, "user_set", None)
+    if names is not None:
+        return name in names
+    return TrainConfig().flat().get(name) != config.flat()[name]
+
+
+def technique_grid(mode: str, config: TrainConfig, gpu: GpuSpec | None, seq_len: int, accumulation: int,
+                   long_context: bool = False, hf_config: Any = None) -> list[dict[str, Any]]:
+    """Every combination of memory techniques worth estimating for `mode` (flat config changes).
+
+    Offloading and paged state need a GPU (on a CPU everything is host memory already);
+    optimizer-in-backward needs one micro-batch per step and no fp16 loss scaling; tiled
+    MLP is tried where this memfit has it and the sequence is long. The chunked loss is
+    tried in chunks of 1024 and 256 tokens (a large vocabulary's chunk of 1024 can be most
+    of a small budget). `--compile` changes time, not memory: every combination gets it
+    where the speed model measured its gain, the run is long enough to repay the compile time
+    and it can run (`speed_model.compile_planned`; needs `hf_config`), unless the user chose.
+    """
+    from memfit.prediction.run_shape import resolve_mlp_tiles, tiled_mlp_available
+    from memfit.prediction.speed_model import compile_planned
+    from memfit.techniques.loss import DEFAULT_LOSS_CHUNK_TOKENS
+
+    cuda = gpu is not None
+    full = mode == "full"
+    dtypes = [config.model.dtype] if not full else (["fp32", "bf16"] if cuda and gpu.bf16 else [config.model.dtype])
+    optimizers = ["adamw", "adamw-8bit"] + (["paged-adamw-8bit"] if cuda and full else [])
+    if full:  # states a fraction of AdamW's (they need the full weights: LoRA is refused with most)
+        optimizers += [name for name, facts in PLANNING.items() if facts.planned]
+    in_backward = [False] + ([True] if accumulation == 1 and (gpu is None or gpu.bf16) else [])
+    offloads = [False, True] if cuda else [False]
+    compiled = (config.memory.compile if user_set(config, "compile")
+                else compile_planned("cuda" if cuda else "cpu", config, hf_config))
+    tiles = [0]
+    if tiled_mlp_available() and (long_context or seq_len >= 4096):
+        tiles.append(max(2, resolve_mlp_tiles(None, seq_len) or 2))
+        if long_context:
+            # tiles of half the automatic length: half the MLP working set in backward, where
+            # the longest context is bound by the recomputed block
+            tiles.append(2 * tiles[-1])
+    grid = []
+    for dtype, optimizer, oib, checkpointing, act_offload, tile, chunk, opt_offload in itertools.product(
+        dtypes, optimizers, in_backward, ("off", "selective", "full"), offloads, tiles,
+        (0, DEFAULT_LOSS_CHUNK_TOKENS, DEFAULT_LOSS_CHUNK_TOKENS // 4), offloads,
+    ):
+        if opt_offload and (not full or optimizer != "adamw"):
+            continue  # CPU offload steps torch's AdamW on host copies (per step, or per parameter in backward)
+        if optimizer == "galore-adamw" and oib and not cuda:
+            continue  # on a CPU the SVD of each refresh dominates either way: one GaLore entry is enough
+        if act_offload and checkpointing == "selective":
+            continue  # the kept matmul outputs would all cross the host link: full checkpointing does better
+        changes = {"gradient_checkpointing": checkpointing, "optimizer": optimizer, "loss_chunk_size": chunk,
+                   "optimizer_offload": opt_offload, "optimizer_in_backward": oib,
+                   "activation_offload": act_offload, "tiled_mlp": tile, "compile": compiled,
+                   **mode_changes(mode, config)}
+        if full:
+            changes["dtype"] = dtype
+        if oib or opt_offload:
+            changes["max_grad_norm"] = 0.0  # neither sees all gradients before they are applied
+        if optimizer in PLANNING and PLANNING[optimizer].planned_targets and not user_set(
+                config, "optim_target_modules"):
+            changes["optim_target_modules"] = PLANNING[optimizer].planned_targets
+        grid.append(changes)
+    return grid

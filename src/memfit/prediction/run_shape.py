@@ -1,0 +1,265 @@
+"""What a run would run, and the bytes of its state: the first half of an estimate.
+
+`resolve_run` turns a TrainConfig into the choices that decide memory on the target device
+(precision, attention, checkpointing, loss chunk, optimizer, LoRA, offload, kernels) as the
+training loop would resolve them; `state_parts` gives the full bytes of parameters,
+gradients, optimizer state and step temporaries for that shape; `apply_sharding` divides
+what each sharding mode spreads over the ranks. `memfit.prediction.estimator` puts these
+together with the activation moment into an estimate.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from memfit.config import TrainConfig
+from memfit.errors import UsageError
+from memfit.gpus import GpuSpec
+from memfit.models.optimizer_state import SMALL_STATE_OPTIMIZERS
+from memfit.models.state_bytes import (
+    BNB_8BIT_BLOCK,
+    NF4_BYTES_PER_PARAM,
+    ParameterInventory,
+    optimizer_state_bytes_for_shapes,
+    optimizer_step_temporary_bytes,
+    small_state_optimizer_bytes,
+)
+from memfit.prediction.activations import Precision, architecture_of
+
+SHARDINGS = ("none", "ddp", "zero1", "zero2", "zero3", "fsdp")
+_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def host_available_bytes() -> int | None:
+    """Memory available on this machine now, or None when it cannot be read."""
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except Exception:  # psutil missing or no /proc: the check is skipped, not guessed
+        try:
+            with open("/proc/meminfo") as handle:
+                for line in handle:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            return None
+    return None
+
+
+def host_breakdown(run: RunShape, parts: dict[str, Any], host_activations: float) -> dict[str, int]:
+    """Host bytes by part: offloaded activations, optimizer state (and fp32 master weights) off the device."""
+    optimizer = 0.0
+    if run.optimizer_offload:
+        # the CPU step keeps its state and an fp32 copy of every trainable weight
+        optimizer = parts["optimizer_states_full"] + 4 * parts["trainable_count"]
+    elif run.paged_optimizer:
+        optimizer = parts["optimizer_states_full"]
+    return {"activations": int(host_activations), "optimizer_states": int(optimizer)}
+
+
+@dataclass(frozen=True)
+class RunShape:
+    """The choices of a run that decide its memory, resolved for the target device."""
+
+    device_type: str
+    weight_bytes: int
+    autocast: str | None  # "bf16", "fp16" or None
+    attention: str  # sdpa, flash or eager
+    checkpointing: str
+    checkpoint_every: int
+    loss_chunk_size: int
+    optimizer: str
+    optimizer_impl: str
+    lora_r: int
+    quantize: str
+    optimizer_offload: bool
+    optimizer_in_backward: bool = False
+    activation_offload: bool = False
+    paged_optimizer: bool = False
+    """Paged 8-bit AdamW on CUDA: the state lives in unified memory that the driver pages to host."""
+    mlp_tiles: int = 0
+    fused_loss: bool = False
+    """liger-kernel's fused linear cross-entropy: the logits are never held."""
+    activation_offload_blocks: int | None = None
+    """Partial offload: only the first N blocks' saved inputs go to host (None: everything saved)."""
+    efficient_norm: bool = False
+    """memfit's RMSNorm keeps its input and the fp32 1/rms only (techniques/rms_norm.py)."""
+    efficient_lora: bool = False
+    """memfit's adapter path keeps no fp32 copy of an adapter's input (techniques/efficient_lora.py)."""
+
+
+def tiled_mlp_available() -> bool:
+    """Whether this memfit has the tiled MLP (memfit.techniques.tiled_mlp)."""
+    import importlib.util
+
+    return importlib.util.find_spec("memfit.techniques.tiled_mlp") is not None
+
+
+def _fused_loss_runs(kernels: str, device_type: str, hf_config: Any) -> bool:
+    """Whether the run would use liger's fused loss (the logits never held), by techniques.kernels' rule.
+
+    Never on a CPU, where `--kernels liger` falls back. On a GPU: `auto` only where liger-kernel is
+    installed here and covers the family; an explicit `liger` also when it is not installed on the
+    planning machine (the user asked for it on the GPU machine), unless it is installed and says the
+    family is not covered.
+    """
+    if kernels == "none" or device_type != "cuda":
+        return False
+    import importlib.util
+
+    import torch
+
+    from memfit.techniques.kernels import liger_unavailable_reason
+
+    if importlib.util.find_spec("liger_kernel") is None:
+        return kernels == "liger"
+    try:
+        return liger_unavailable_reason(torch.device("cuda"), getattr(hf_config, "model_type", "")) == ""
+    except ImportError:  # liger-kernel installed without what it needs (Triton) on this machine
+        return kernels == "liger"
+
+
+def resolve_mlp_tiles(tiled_mlp: int | None, seq_len: int) -> int:
+    """Tiles of the MLP as the training run resolves them (None: automatic past a length); 0 when untiled."""
+    if not tiled_mlp_available():
+        return 0
+    from memfit.techniques.tiled_mlp import tiles_for
+
+    tiles = tiles_for(seq_len, tiled_mlp)
+    return tiles if tiles > 1 else 0
+
+
+def resolve_run(config: TrainConfig, hf_config: Any, gpu: GpuSpec | None) -> RunShape:
+    """What the training loop would run for `config` on `gpu` (or this machine without one)."""
+    import torch
+
+    from memfit.techniques.loss import default_loss_chunk_size
+    from memfit.techniques.precision import choose_precision
+
+    device_type = "cuda" if gpu is not None or torch.cuda.is_available() else "cpu"
+    bf16_ok = gpu.bf16 if gpu is not None else device_type == "cpu" or torch.cuda.is_bf16_supported()
+    precision = choose_precision(config.memory.precision, device_type, bf16_ok)  # the training loop's policy
+    autocast = precision.name if precision.autocast_dtype is not None else None
+    attention = config.model.attention
+    if attention in ("auto", "flex"):
+        attention = "sdpa"  # flash-attn and FlexAttention keep the same tensors as SDPA's flash kernel
+    checkpointing = config.memory.gradient_checkpointing
+    if checkpointing == "auto":
+        checkpointing = "full"  # auto checkpoints as few blocks as the budget allows: full is its upper bound
+    chunk = config.memory.loss_chunk_size
+    if chunk is None:
+        chunk = default_loss_chunk_size(hf_config.vocab_size, config.data.seq_len, config.training.batch_size)
+    offload = config.memory.optimizer_offload or config.distributed.zero_offload or config.distributed.fsdp_offload
+    fused_loss = _fused_loss_runs(config.memory.kernels, device_type, hf_config)
+    weight_bytes = _BYTES[config.model.dtype]
+    if config.lora.quantize != "none" and config.model.dtype == "fp16":
+        weight_bytes = 4  # PEFT upcasts an fp16 base's unquantized weights, and so the residual stream (lora.py)
+    return RunShape(
+        device_type, weight_bytes, autocast, attention, checkpointing, config.memory.checkpoint_every,
+        chunk, config.optimizer.optimizer, getattr(config.optimizer, "optimizer_impl", "auto"),
+        config.lora.lora_r, config.lora.quantize, offload,
+        optimizer_in_backward=config.memory.optimizer_in_backward,
+        activation_offload=config.memory.activation_offload,
+        paged_optimizer=config.optimizer.optimizer == "paged-adamw-8bit" and device_type == "cuda",
+        mlp_tiles=resolve_mlp_tiles(getattr(config.memory, "tiled_mlp", 0), config.data.seq_len),
+        fused_loss=fused_loss,
+        activation_offload_blocks=config.memory.activation_offload_blocks if config.memory.activation_offload else None,
+        # liger's RMSNorm replaces memfit's where its fused loss runs
+        efficient_norm=getattr(config.memory, "efficient_norm", False) and not fused_loss,
+        efficient_lora=getattr(config.memory, "efficient_lora", False) and config.lora.lora_r > 0,
+    )
+
+
+def sharding_of(config: TrainConfig, sharding: str) -> str:
+    if sharding != "none":
+        if sharding not in SHARDINGS:
+            raise UsageError(f"sharding must be one of {', '.join(SHARDINGS)}, got {sharding!r}")
+        return sharding
+    if config.distributed.zero_stage:
+        return f"zero{config.distributed.zero_stage}"
+    return config.distributed.sharding
+
+
+def state_parts(config: TrainConfig, run: RunShape, inventory: ParameterInventory) -> dict[str, Any]:
+    """Full bytes of parameters, gradients, optimizer state and the step temporaries."""
+    wb = run.weight_bytes
+    if run.lora_r:
+        trainable_shapes = inventory.adapter_shapes
+        trainable_bytes = 4  # PEFT keeps adapters in fp32
+        base = inventory.total * wb
+        if run.quantize == "4bit":
+            base -= inventory.linear_params * (wb - NF4_BYTES_PER_PARAM)
+        elif run.quantize == "8bit":
+            base -= inventory.linear_params * (wb - 1 - 4 / 4096)  # int8 + one fp32 scale per row (about)
+        parameters = base + 4 * sum(math.prod(s) for s in trainable_shapes)
+    else:
+        trainable_shapes = inventory.shapes
+        trainable_bytes = wb
+        parameters = inventory.total * wb
+    trainable = sum(math.prod(s) for s in trainable_shapes)
+    fused_step = run.optimizer == "adamw" and run.optimizer_impl in ("auto", "fused")
+    if run.optimizer in SMALL_STATE_OPTIMIZERS:  # GaLore, APOLLO, Adam-mini, 4-bit AdamW
+        optimizer = small_state_optimizer_bytes(config.optimizer, inventory, trainable_bytes, run.optimizer_in_backward,
+                                                lora=bool(run.lora_r))
+    else:
+        optimizer = optimizer_state_bytes_for_shapes(run.optimizer, trainable_shapes, trainable_bytes, config.optimizer.momentum, fused_step)
+    if not fused_step and run.optimizer == "adamw" and run.device_type == "cpu":
+        optimizer += 4 * len(trainable_shapes)  # the step counters live on the CPU
+    if run.optimizer_in_backward and run.optimizer in ("adamw-8bit", "paged-adamw-8bit"):
+        optimizer += 2 * BNB_8BIT_BLOCK * 4 * (len(trainable_shapes) - 1)  # one pair of quantization maps per optimizer
+    off_device = run.optimizer_offload or run.paged_optimizer
+    return {
+        "parameters": parameters,
+        "gradients": trainable * trainable_bytes,
+        "optimizer_states": 0 if off_device else optimizer,
+        "optimizer_states_full": optimizer,
+        "largest_trainable": max((math.prod(s) for s in trainable_shapes), default=0),
+        "optimizer_temporaries": optimizer_step_temporary_bytes(run, trainable_shapes, trainable_bytes),
+        "trainable_count": trainable,
+        "trainable_shapes": trainable_shapes,
+        "trainable_bytes": trainable_bytes,
+    }
+
+
+def precision_of(run: RunShape) -> Precision:
+    compute = 2 if run.autocast or run.weight_bytes == 2 else 4
+    # CPU autocast leaves SDPA out of its bf16 list: it runs on the fp32 output of RoPE.
+    attention = 4 if run.autocast and run.device_type == "cpu" and run.weight_bytes == 4 else compute
+    return Precision(compute=compute, residual=run.weight_bytes, attention=attention, lora_rank=run.lora_r,
+                     adapter_input=adapter_input_bytes(run), efficient_norm=run.efficient_norm)
+
+
+def adapter_input_bytes(run: RunShape) -> int:
+    """Bytes per element of the copy of its input each adapter keeps (see Precision.adapter_input)."""
+    if run.autocast and run.weight_bytes == 4:
+        # autocast's 16-bit cast for the adapter's matmul: the adapters reading the norms' fp32
+        # outputs run PEFT's path; counted so for every adapter (o and down run memfit's: less)
+        return 2
+    if run.efficient_lora:
+        return 0  # the input itself, kept anyway
+    return 2 if run.autocast else 4
+
+
+def apply_sharding(moment: dict, parts: dict, sharding: str, world_size: int, hf_config, run: RunShape,
+                    cache: float = 0.0) -> dict:
+    """Divide what each sharding mode spreads over the ranks; add DDP's gradient buckets."""
+    moment = dict(moment)
+    if world_size == 1 or sharding == "none":
+        return moment
+    if sharding == "ddp":
+        moment["other"] += parts["gradients"]  # bucketed gradient copies for all-reduce
+        return moment
+    divide = {"zero1": ("optimizer_states",), "zero2": ("optimizer_states", "gradients"),
+              "zero3": ("optimizer_states", "gradients", "parameters"), "fsdp": ("optimizer_states", "gradients", "parameters")}
+    for key in divide[sharding]:
+        moment[key] = moment[key] / world_size
+    if "parameters" in divide[sharding]:
+        # sharded parameters are gathered (and cast) one block at a time
+        moment["activations"] = max(0.0, moment["activations"] - cache * (1 - 1 / world_size))
+        # One block gathered in full for compute, the next prefetched.
+        layers = architecture_of(hf_config).layers
+        moment["other"] += 2 * parts["parameters"] / max(1, layers)
+    return moment
