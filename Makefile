@@ -12,7 +12,7 @@ TORCH_SPEC ?= torch==2.13.0
 EXTRAS ?= all,dev,deepspeed,tensorboard,wandb,mlflow,lowmem-optim,tasks
 # DeepSpeed's tests run on its CPU accelerator. It compiles its CPU communication op on
 # first use (about 35 s on 2 cores); tests/distributed keeps the build in
-# ~/.cache/memfit/torch-extensions, so later runs and fresh clones reuse it.
+# ~/.cache/memfit/torch-extensions/<environment>, so later runs reuse it.
 export DS_ACCELERATOR ?= cpu
 
 .PHONY: demo test setup lint bench bench-gpu bench-frontier clean

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -12,7 +13,10 @@ from safetensors.torch import load_file
 
 REPO = Path(__file__).resolve().parents[2]
 # DeepSpeed compiles its CPU communication op on first use (about 90 s): build it once, keep it.
-EXTENSIONS_CACHE = Path.home() / ".cache" / "memfit" / "torch-extensions"
+# One directory per environment: the build command names the environment's absolute include paths,
+# so two checkouts sharing one directory would rebuild the op each time the other had used it.
+EXTENSIONS_CACHE = (Path.home() / ".cache" / "memfit" / "torch-extensions"
+                    / hashlib.sha1(str(Path(sys.prefix).resolve()).encode()).hexdigest()[:12])
 
 
 WORKER = Path(__file__).with_name("exactness_worker.py")
