@@ -20,8 +20,15 @@ QLoRA (`--quantize 4bit` with `--lora-r`, bitsandbytes)
     stream is fp32.
 
 Targets (`--lora-targets`): `auto` puts adapters on every linear layer inside the
-transformer blocks (attention and MLP projections); `all-linear` on every linear layer
-except the output head; or comma-separated module names (`q_proj,v_proj`).
+transformer blocks (attention and MLP projections, the dense MLPs and shared experts of
+an MoE model included) and on the fused experts of an MoE model; `all-linear` on every
+linear layer except the output head, and the experts; or comma-separated names: module
+names (`q_proj,v_proj`), `experts` (every fused expert weight) or one fused projection
+(`gate_up_proj,down_proj`), and `router` (the routers, trained in full; they stay frozen
+otherwise). The experts' adapters run as split LoRA (techniques/expert_lora.py): x A then
+B per expert group, never the per-expert weight delta. Modules PEFT refuses for the
+family (Mamba's `out_proj` and `conv1d`) are left out of `auto` and `all-linear`, and
+refused in one line when named.
 
 After training, `save_adapter` writes the adapter in PEFT's format (a few MB) and
 `merge_and_save` writes a plain Hugging Face model with the adapter folded in. A 4-bit
@@ -32,8 +39,10 @@ bitsandbytes; it is a full-precision model, as large as the unquantized base.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib.util
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,6 +51,10 @@ from torch import nn
 
 from memfit.config import LoraConfig
 from memfit.errors import UsageError
+from memfit.models.experts import fused_expert_parameter_names, router_modules
+from memfit.techniques.expert_lora import ExpertTargets
+
+log = logging.getLogger("memfit")
 
 BNB_HINT = "pip install memfit[bnb]"
 PEFT_HINT = "pip install memfit[peft]"
@@ -56,15 +69,27 @@ class LoraSummary:
     total_parameters: int
     """All parameters, quantized ones counted by their unpacked size."""
     quantize: str = "none"
+    expert_weights: int = 0
+    """Fused 3-D expert weights that got adapters (one per projection and layer)."""
+    routers: int = 0
+    """Router modules trained in full (--lora-targets router)."""
 
     def describe(self) -> str:
         """One line for the log: 'LoRA r=16 on 14 modules: 0.52M trainable of 124M (0.42%)'."""
         kind = {"none": "LoRA", "4bit": "QLoRA (4-bit base)", "8bit": "LoRA (8-bit base)"}[self.quantize]
         share = 100 * self.trainable_parameters / max(self.total_parameters, 1)
+        experts = f" and {self.expert_weights} fused expert weights" if self.expert_weights else ""
+        routers = f", {self.routers} routers in full" if self.routers else ""
         return (
-            f"{kind} r={self.rank} on {self.modules} modules: {_millions(self.trainable_parameters)} trainable"
-            f" of {_millions(self.total_parameters)} ({share:.2f}%)"
+            f"{kind} r={self.rank} on {self.modules} modules{experts}{routers}:"
+            f" {_millions(self.trainable_parameters)} trainable of {_millions(self.total_parameters)} ({share:.2f}%)"
         )
+
+    def facts(self) -> dict:
+        """What trains, for the metrics' start and summary lines."""
+        return {"rank": self.rank, "modules": self.modules, "expert_weights": self.expert_weights,
+                "routers": self.routers, "trainable_parameters": self.trainable_parameters,
+                "total_parameters": self.total_parameters, "quantize": self.quantize}
 
 
 def _millions(count: int) -> str:
@@ -118,30 +143,105 @@ def linear_module_names(model: nn.Module) -> list[str]:
 
 
 def resolve_lora_targets(model: nn.Module, targets: str) -> list[str]:
-    """Full module names for `--lora-targets` (auto, all-linear, or comma-separated names)."""
-    linear = linear_module_names(model)
-    if not linear:
-        raise UsageError(f"{type(model).__name__} has no linear layers for LoRA adapters; train it without --lora-r")
-    if targets == "all-linear":
-        return linear
-    if targets == "auto":
-        from memfit.techniques.checkpointing import transformer_blocks
+    """Full module names of the linear layers `--lora-targets` adapts (auto, all-linear, or comma-separated names)."""
+    return resolve_targets(model, targets).modules
 
-        try:
-            blocks = transformer_blocks(model)
-        except ValueError:
-            return linear
-        prefix = next(name for name, module in model.named_modules() if module is blocks) + "."
-        return [name for name in linear if name.startswith(prefix)] or linear
+
+@dataclass
+class LoraTargets:
+    modules: list[str]
+    """Full names of the linear layers that get adapters (PEFT's target_modules)."""
+    experts: ExpertTargets
+    """Fused expert weights that get adapters, routers trained in full."""
+    refused: list[str]
+    """Linear layers PEFT refuses for this family (Mamba's out_proj), left out."""
+
+
+def _matches(full: str, name: str) -> bool:
+    return full == name or full.endswith("." + name)
+
+
+def resolve_targets(model: nn.Module, targets: str) -> LoraTargets:
+    """What `--lora-targets` adapts: linear modules, fused expert weights, routers. Raises UsageError, naming the
+    flag, for names that match nothing, expert names on a dense model and modules PEFT refuses for the family."""
+    from memfit.techniques.expert_lora import split_target_names
+
+    routers = {name for name, _ in router_modules(model)}
+    every_linear = linear_module_names(model)
+    refused = [name for name in every_linear if _peft_refuses(model, name)]
+    # The router scores the experts: trained only when named (`router`), never by auto or all-linear.
+    linear = [name for name in every_linear if name not in refused and name not in routers]
+    if targets in ("auto", "all-linear"):
+        _, experts = split_target_names(model, [], auto=True)
+        modules = linear
+        if targets == "auto":
+            from memfit.techniques.checkpointing import transformer_blocks
+
+            try:
+                blocks = transformer_blocks(model)
+                prefix = next(name for name, module in model.named_modules() if module is blocks) + "."
+                modules = [name for name in linear if name.startswith(prefix)] or linear
+            except ValueError:
+                pass
+        if not modules and not experts.parameters:
+            raise UsageError(f"{type(model).__name__} has no linear layers for LoRA adapters; train it without --lora-r")
+        return LoraTargets(modules, experts, refused)
     wanted = [name.strip() for name in targets.split(",") if name.strip()]
-    valid = sorted({name.rsplit(".", 1)[-1] for name in linear})
-    unknown = [name for name in wanted if not any(full == name or full.endswith("." + name) for full in linear)]
+    rest, experts = split_target_names(model, wanted, auto=False)
+    named_refused = sorted({name for name in rest if any(_matches(full, name) for full in refused)})
+    if named_refused:
+        raise UsageError(
+            f"--lora-targets {', '.join(named_refused)}: PEFT refuses adapters on these modules of a"
+            f" {getattr(getattr(model, 'config', None), 'model_type', type(model).__name__)} model; leave them out"
+        )
+    expert_leaves = {full.rsplit(".", 1)[-1] for full in experts.parameters}
+    unknown = [name for name in rest if not any(_matches(full, name) for full in linear) and name not in expert_leaves]
     if unknown or not wanted:
+        valid = sorted({name.rsplit(".", 1)[-1] for name in linear})
+        extra = ", experts, " + ", ".join(sorted(expert_leaves | _expert_leaves(model))) if _expert_leaves(model) else ""
         raise UsageError(
             f"--lora-targets {', '.join(unknown) or targets!r} matches no linear layer of this model;"
-            f" valid names: {', '.join(valid)} (or auto, all-linear)"
+            f" valid names: {', '.join(valid)}{extra} (or auto, all-linear)"
         )
-    return [full for full in linear if any(full == name or full.endswith("." + name) for name in wanted)]
+    modules = [full for full in linear if any(_matches(full, name) for name in rest)]
+    return LoraTargets(modules, experts, refused)
+
+
+def _expert_leaves(model: nn.Module) -> set[str]:
+    return {full.rsplit(".", 1)[-1] for full in fused_expert_parameter_names(model)}
+
+
+def _peft_refuses(model: nn.Module, name: str) -> bool:
+    """Whether PEFT refuses a LoRA adapter on module `name` of this model (Mamba's out_proj and conv1d)."""
+    try:
+        import peft
+        from peft.tuners.tuners_utils import _check_lora_target_modules_mamba
+    except ImportError:  # without peft nothing is wrapped; an older PEFT has no such check
+        return False
+    try:
+        _check_lora_target_modules_mamba(peft.LoraConfig(), model, name.rsplit(".", 1)[-1])
+    except ValueError:
+        return True
+    return False
+
+
+@contextlib.contextmanager
+def _without_v4_target_conversion():
+    """PEFT renames gate_proj/up_proj/down_proj targets of some MoE families to their fused expert weights,
+    to load adapters trained with transformers 4; on a new adapter that drops the dense MLPs and shared
+    experts of DeepSeek-V3 and GLM-4-MoE, which keep those names as linear layers. memfit's targets are
+    this model's own names already."""
+    try:
+        import peft.utils.transformers_weight_conversion as conversion
+    except ImportError:
+        yield
+        return
+    original = conversion.convert_peft_config_for_transformers
+    conversion.convert_peft_config_for_transformers = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        conversion.convert_peft_config_for_transformers = original
 
 
 # ---------------------------------------------------------------------------
@@ -164,7 +264,12 @@ def apply_lora(model: nn.Module, lora_cfg: LoraConfig, gradient_checkpointing: b
     _require("peft", PEFT_HINT, "--lora-r")
     import peft
 
-    targets = resolve_lora_targets(model, lora_cfg.lora_targets)
+    targets = resolve_targets(model, lora_cfg.lora_targets)
+    from memfit.techniques.expert_lora import check_expert_lora
+
+    expert_note = check_expert_lora(model, targets.experts, lora_cfg.lora_dropout, lora_cfg.quantize)
+    if expert_note:
+        log.info("memfit: %s", expert_note)
     quantized = bool(getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False))
     if quantized and any(p.dtype == torch.float16 for p in model.parameters()):
         # PEFT's preparation freezes the base and upcasts every weight it did not quantize
@@ -184,14 +289,33 @@ def apply_lora(model: nn.Module, lora_cfg: LoraConfig, gradient_checkpointing: b
         r=lora_cfg.lora_r,
         lora_alpha=lora_cfg.lora_alpha,
         lora_dropout=lora_cfg.lora_dropout,
-        target_modules=targets,
+        target_modules=targets.modules,
+        target_parameters=targets.experts.parameters or None,
+        modules_to_save=targets.experts.routers or None,
         bias="none",
         task_type=task_type,
     )
-    peft_model = peft.get_peft_model(model, config)
+    with _without_v4_target_conversion():
+        peft_model = peft.get_peft_model(model, config)
+    if targets.experts.parameters:
+        from memfit.techniques.expert_lora import apply_split_lora
+
+        log.info("memfit: split LoRA on the experts: %s", apply_split_lora(peft_model))
     trainable, total = peft_model.get_nb_trainable_parameters()
     quantize = "4bit" if getattr(model, "is_loaded_in_4bit", False) else "8bit" if quantized else "none"
-    return peft_model, LoraSummary(lora_cfg.lora_r, len(targets), trainable, total, quantize)
+    modules, expert_weights = adapted_counts(peft_model)
+    return peft_model, LoraSummary(lora_cfg.lora_r, modules, trainable, total, quantize, expert_weights,
+                                   len(targets.experts.routers))
+
+
+def adapted_counts(model: nn.Module) -> tuple[int, int]:
+    """(linear layers, fused expert weights) that hold an adapter in `model`: what the log reports."""
+    from peft.tuners.lora import LoraLayer
+    from peft.tuners.lora.layer import ParamWrapper
+
+    layers = [module for module in model.modules() if isinstance(module, LoraLayer)]
+    expert_weights = sum(1 for module in layers if isinstance(module, ParamWrapper))
+    return len(layers) - expert_weights, expert_weights
 
 
 def save_adapter(model: nn.Module, directory: str | Path) -> Path:
@@ -248,6 +372,7 @@ def merge_and_save(model: nn.Module, directory: str | Path, dtype: torch.dtype |
 def merged_state_dict(base: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The base model's weights on the CPU, adapters folded in and quantized weights dequantized."""
     from peft.tuners.lora import LoraLayer
+    from peft.tuners.lora.layer import ParamWrapper
 
     state: dict[str, torch.Tensor] = {}
     skip: tuple[str, ...] = ()
@@ -255,6 +380,10 @@ def merged_state_dict(base: nn.Module, dtype: torch.dtype) -> dict[str, torch.Te
         if skip and name.startswith(skip):
             continue
         prefix = f"{name}." if name else ""
+        if isinstance(module, ParamWrapper):
+            skip = (prefix,)
+            state.update(_merged_expert_weights(module, prefix, dtype))
+            continue
         if isinstance(module, LoraLayer):
             skip = (prefix,)  # its children (base layer, lora_A/B) are handled here
             layer = module.get_base_layer()
@@ -277,6 +406,31 @@ def merged_state_dict(base: nn.Module, dtype: torch.dtype) -> dict[str, torch.Te
         for key, buffer in module.named_buffers(recurse=False):
             if key not in module._non_persistent_buffers_set:
                 state[prefix + key] = buffer.detach().cpu()
+    return state
+
+
+def _merged_expert_weights(outer: nn.Module, prefix: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """An experts module's parameters under PEFT's nested ParamWrappers, each adapter's delta folded in.
+
+    The delta is built per weight here (the merge is offline, on the CPU); training never builds it."""
+    from peft.tuners.lora.layer import ParamWrapper
+
+    deltas: dict[str, torch.Tensor] = {}
+    layer = outer
+    while isinstance(layer, ParamWrapper):
+        for adapter in layer.active_adapters:
+            if adapter in layer.lora_A:
+                delta = layer.get_delta_weight(adapter).float().cpu()
+                deltas[layer.parameter_name] = deltas.get(layer.parameter_name, 0) + delta
+        layer = layer.base_layer
+    state = {}
+    for key, parameter in layer.named_parameters():
+        value = parameter.detach().cpu()
+        if key in deltas:
+            value = value.float() + deltas[key]
+        state[prefix + key] = value.to(dtype) if value.is_floating_point() else value
+    for key, buffer in layer.named_buffers():
+        state[prefix + key] = buffer.detach().cpu()
     return state
 
 
