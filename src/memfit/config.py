@@ -175,6 +175,8 @@ class MemoryConfig:
     """Plan the configuration to fit this much memory, then train with it."""
     gpu: str | None = None
     """Plan for this GPU preset (see memfit presets gpus), then train with the plan."""
+    trial: bool = True
+    """With --memory-budget / --gpu: time the planner's best few configurations for a few real steps under the same cap and train with the fastest measured (at most a tenth of the run's predicted time, cached per model, device and settings under $MEMFIT_CACHE_DIR or ~/.cache/memfit); --no-trial trusts the speed model."""
     oom_recovery: bool = True
     """On out-of-memory, split the micro-batch and redo it, keeping the exact update."""
     track_memory: bool = False

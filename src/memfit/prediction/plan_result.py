@@ -50,6 +50,12 @@ class PlanResult:
     """When memory allows more than max_positions: the whole --rope-scale whose positions reach memory_limit_seq_len."""
     device: str = "cpu"
     """What the plan was made for: the --gpu preset, else this machine's GPU, else 'cpu'."""
+    ranked: list[dict[str, Any]] = field(default_factory=list)
+    """The best distinct configurations, best first: plan, step_seconds (predicted), estimated_peak_bytes (trials time them)."""
+    trials: list[dict[str, Any]] = field(default_factory=list)
+    """Measured on this device (memfit.train.trials, or its cache): each ranked plan's predicted and measured step and peak."""
+    chosen_by: str = "speed model"
+    """What picked the plan: 'speed model', or 'trials' (the fastest measured) with why in `trials`."""
 
     @property
     def host_fits(self) -> bool | None:
@@ -77,6 +83,9 @@ class PlanResult:
             "max_positions": self.max_positions,
             "rope_scale_to_memory_limit": self.rope_scale_to_memory_limit,
             "device": self.device,
+            "ranked": list(self.ranked),
+            "trials": list(self.trials),
+            "chosen_by": self.chosen_by,
         }
 
 

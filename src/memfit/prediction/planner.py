@@ -309,6 +309,8 @@ def plan(
         chosen = _closest_to_adamw_first(chosen)
     best = chosen[0]
     alternatives = [_describe(c, best) for c in _distinct(chosen)[1:3]]
+    ranked = [{"plan": dict(c.changes), "step_seconds": c.step_seconds, "estimated_peak_bytes": c.estimate.peak_bytes}
+              for c in _distinct(chosen)[:TRIAL_CANDIDATES]]  # what trials may time (memfit.train.trials)
     if config.model.rope_scale is not None:  # the planned positions need the scaled model: the command carries it
         best.changes["rope_scale"] = config.model.rope_scale
         if config.model.rope_scaling != "auto":
@@ -324,12 +326,14 @@ def plan(
         trades=trade_offs(best, config, hf_config, gpu_spec, host_limit, memory_seq_len)
         + [line for line in [_paged_comparison(best, everything, search)] if line], maximize=maximize,
         memory_limit_seq_len=memory_seq_len or (seq_len if maximize == "seq-len" else None),
-        max_positions=trained_positions, device=gpu_spec.name if gpu_spec is not None else "cpu",
+        max_positions=trained_positions, device=gpu_spec.name if gpu_spec is not None else "cpu", ranked=ranked,
         rope_scale_to_memory_limit=suggested_scale(
             scaled_positions(hf_config, None), memory_seq_len) if memory_seq_len and can_scale(hf_config) else None,
     )
 
 
+TRIAL_CANDIDATES = 10
+"""Distinct configurations a plan ranks for trials to time (the trials' cost bounds how many run)."""
 LOSSY_SPEEDUP = 1.2
 """A small-state optimizer's plan is chosen over an AdamW or 8-bit AdamW plan that fits only when it is expected to
 be at least this much faster (the 8B full fine-tune at batch 2: APOLLO-Mini, 1.29x the paged 8-bit plan)."""

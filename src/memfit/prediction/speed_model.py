@@ -116,10 +116,10 @@ def compile_planned(device: str, config: TrainConfig, hf_config: Any = None) -> 
         return False
     if config.training.epochs is None:
         from memfit.models.flops import flops_per_token
-
         seq = config.data.seq_len
         tokens = config.training.max_steps * config.effective_batch_for(1) * seq
-        if tokens * flops_per_token(hf_config, seq).model < COMPILE_PAYS_AFTER_FLOPS[device]:
+        threshold = compile_pays_after_flops(device) or COMPILE_PAYS_AFTER_FLOPS[device]  # measured here, else ours
+        if tokens * flops_per_token(hf_config, seq).model < threshold:
             return False
     import torch
 
@@ -129,7 +129,7 @@ def compile_planned(device: str, config: TrainConfig, hf_config: Any = None) -> 
 
 
 def estimated_step_seconds(changes: dict[str, Any], config: TrainConfig, est: Estimate, gpu: GpuSpec | None,
-                           hf_config: Any, *, device: str | None = None) -> float:
+                           hf_config: Any, *, device: str | None = None, calibrate: bool = True) -> float:
     """Seconds of one optimizer step: FLOPs over the device's rate, plus host transfers.
 
     Training FLOPs are the hardware FLOPs of `memfit.models.flops.flops_per_token`: every
@@ -145,6 +145,10 @@ def estimated_step_seconds(changes: dict[str, Any], config: TrainConfig, est: Es
 
     `device` is "cpu" or "cuda"; by default "cpu" without a GPU preset (a plan with only a
     memory budget runs where memory is the host's), "cuda" with one.
+
+    Planning for this machine's CPU (no GPU preset), the seconds are multiplied by what this
+    device measured (`memfit.prediction.calibration`: trials and planned runs); `calibrate=False`
+    gives the model's own figure.
     """
     from memfit.models.flops import flops_per_token
     from memfit.prediction.activations import architecture_of
@@ -194,7 +198,31 @@ def estimated_step_seconds(changes: dict[str, Any], config: TrainConfig, est: Es
     if changes.get("optimizer") == "paged-adamw-8bit" and gpu is not None:
         # the state pages come in for the step and go out again for the next forward
         seconds += 2 * est.host_breakdown.get("optimizer_states", 0) / link
+    if calibrate and gpu is None and device == "cpu":  # measured here: the CPU that plans is the one that trains
+        from memfit.prediction.calibration import correction
+
+        seconds *= correction(changes, config, device, compute)
     return seconds
+
+
+def compile_pays_after_flops(device: str) -> float | None:
+    """Training FLOPs after which --compile repays its compile time on this device, from what it measured
+    (`calibration.compile_measured`): the compile seconds of a compiled run here, the gain compiled steps
+    showed (measured, else this model's COMPILED_BLOCKS_SPEEDUP corrected by the device's compile term)
+    and the device's calibrated rate. None when no compiled run was measured here; inf when compile lost."""
+    import math
+
+    from memfit.prediction.calibration import compile_measured
+
+    measured = compile_measured(device)
+    if measured is None:
+        return None
+    compile_seconds, gain, compile_correction, rate_correction = measured
+    gain = gain or COMPILED_BLOCKS_SPEEDUP.get(device, 1.0) / compile_correction
+    if gain <= 1.0:
+        return math.inf  # compiled steps ran no faster here: never repaid
+    rate = NOMINAL_TFLOPS * 1e12 * UTILISATION / rate_correction  # FLOPs per second measured here
+    return compile_seconds * rate * gain / (gain - 1.0)
 
 
 def small_state_step_flops(changes: dict[str, Any], config: TrainConfig, hf_config: Any) -> float:

@@ -25,7 +25,9 @@ def apply_plan_if_asked(config: TrainConfig) -> TrainConfig:
     result = plan(config, budget_bytes=memory.memory_budget, gpu=memory.gpu)
     overrides = plan_to_overrides(result)
     log.info("memfit: planned for %s: %s", memory.gpu or f"{memory.memory_budget} bytes", " ".join(f"--{k.replace('_', '-')} {v}" for k, v in overrides.items()))
-    return config.replace(**overrides)
+    from memfit.train.trials import trial_then_record
+
+    return trial_then_record(config.replace(**overrides), result)  # the fastest measured of the best few
 
 
 def decide_before_training(config: TrainConfig) -> TrainConfig:

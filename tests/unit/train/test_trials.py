@@ -1,0 +1,165 @@
+"""Trials: the planner's best few configurations timed for real, the fastest measured kept, cached, never
+changing the run (same weights as the same configuration without trials), an over-cap trial dropped."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from memfit.config_loading import load_config
+from memfit.prediction.plan_result import PlanResult
+from memfit.train import trials
+from memfit.train.loop import train
+
+BIG = {"batch_size": 8, "gradient_accumulation_steps": 1, "gradient_checkpointing": "off"}
+SMALL = {"batch_size": 1, "gradient_accumulation_steps": 8, "gradient_checkpointing": "full"}
+
+
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path, monkeypatch):
+    """Each test measures into its own cache (never the user's ~/.cache/memfit)."""
+    monkeypatch.setenv("MEMFIT_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(trials, "TRIAL_SHARE", 1e6)  # the tiny runs below are short: let trials run anyway
+
+
+def _config(llama_dir, text_file, out, **changes):
+    values = dict(model=str(llama_dir), dataset=str(text_file), seq_len=64, packing=False, batch_size=8,
+                  gradient_accumulation_steps=1, max_steps=2, optimizer="sgd", lr=1.0, max_grad_norm=0,
+                  loss_chunk_size=0, output_dir=str(out), report=False)
+    return load_config(overrides=values | changes)
+
+
+def _result(ranked: list[dict], budget: int) -> PlanResult:
+    return PlanResult(fits=True, plan=dict(ranked[0]["plan"]), estimated_peak_bytes=ranked[0]["estimated_peak_bytes"],
+                      budget_bytes=budget, relative_speed=1.0, command="", ranked=ranked)
+
+
+def _ranked(*plans, seconds=(0.01, 0.02)):
+    return [{"plan": dict(p), "step_seconds": s, "estimated_peak_bytes": 1 << 20} for p, s in zip(plans, seconds, strict=True)]
+
+
+def _measured_peak(config, plan) -> int:
+    trial = trials.Trial(dict(plan), 0.01, 1 << 20)
+    trials.time_trial(config, trial, None)
+    assert trial.status == "measured", trial.status
+    return trial.peak_bytes
+
+
+def test_over_cap_trial_is_dropped_and_next_taken(llama_dir, text_file, tmp_path):
+    """A cap between the two plans' measured peaks: the first (larger) runs out of memory in its trial
+    and is dropped, the second is measured and chosen; the run's config is the second's."""
+    config = _config(llama_dir, text_file, tmp_path / "run")
+    big, small = _measured_peak(config, BIG), _measured_peak(config, SMALL)
+    assert small < big
+    cap = (big + small) // 2
+    chosen, done, why = trials.with_trials(config, _result(_ranked(BIG, SMALL), cap))
+    assert [t.status for t in done] == ["over cap", "measured"]
+    assert done[1].peak_bytes <= cap
+    assert (chosen.training.batch_size, chosen.training.gradient_accumulation_steps) == (1, 8)
+    assert chosen.memory.gradient_checkpointing == "full" and "fastest measured" in why
+    # trials write nothing in the output directory but the token cache the run reads too
+    assert {path.name for path in (tmp_path / "run").iterdir()} <= {"cache"}
+
+
+def _final_weights(config):
+    result = train(config)
+    return load_file(str(result.final_dir / "model.safetensors"))
+
+
+def test_run_after_trials_ends_with_the_weights_of_the_same_plan_without_them(llama_dir, text_file, tmp_path):
+    """SGD without clipping at lr 1: any trace of the trials in the run (weights, data order, RNG) shows."""
+    with_trials_config = _config(llama_dir, text_file, tmp_path / "with")  # carries the first plan, as planned.py gives it
+    planned, done, _ = trials.with_trials(with_trials_config, _result(_ranked(BIG, SMALL), 1 << 40))
+    assert all(t.status == "measured" for t in done)
+    plan = {k: getattr(planned.training, k) for k in ("batch_size", "gradient_accumulation_steps")}
+    plan["gradient_checkpointing"] = planned.memory.gradient_checkpointing
+    without = _config(llama_dir, text_file, tmp_path / "without", trial=False, **plan)
+    reference = _final_weights(without)
+    weights = _final_weights(planned)
+    for name, tensor in reference.items():
+        torch.testing.assert_close(weights[name], tensor, atol=0, rtol=0, msg=f"{name} differs after trials")
+    # and the run really moved the weights: a test that compares unchanged weights proves nothing
+    start = load_file(str(llama_dir / "model.safetensors"))
+    assert any(not torch.equal(start[name], reference[name]) for name in reference if name in start)
+
+
+def test_fault_twin_a_trial_that_leaks_its_trained_model_into_the_run_is_caught(llama_dir, text_file, tmp_path,
+                                                                              monkeypatch):
+    """The comparison above fails when trials leave a trace: here a session cache hands the run the model a
+    trial already stepped (the bug such a cache would bring)."""
+    import memfit.train.loop as loop
+    import memfit.train.setup as setup
+
+    real_build, kept = setup.build_session, {}
+
+    def leaky_build(config):
+        session = real_build(config)
+        if "model" in kept:
+            session.loaded.model.load_state_dict(kept["model"].state_dict())
+        kept["model"] = session.loaded.model
+        return session
+
+    monkeypatch.setattr(setup, "build_session", leaky_build)
+    monkeypatch.setattr(loop, "build_session", leaky_build)
+    config = _config(llama_dir, text_file, tmp_path / "with")
+    planned, _, _ = trials.with_trials(config, _result(_ranked(BIG, BIG | {"gradient_checkpointing": "full"}), 1 << 40))
+    leaked = _final_weights(planned)
+    monkeypatch.setattr(setup, "build_session", real_build)
+    monkeypatch.setattr(loop, "build_session", real_build)
+    clean = _final_weights(planned.replace(output_dir=str(tmp_path / "clean"), trial=False))
+    assert any(not torch.equal(leaked[name], clean[name]) for name in clean)
+
+
+def test_cache_hit_skips_trials_and_keeps_the_choice(llama_dir, text_file, tmp_path, monkeypatch):
+    config = _config(llama_dir, text_file, tmp_path / "run")
+    ranked = _ranked(BIG, SMALL)
+    first, done, _ = trials.with_trials(config, _result(ranked, 1 << 40))
+    assert [t.status for t in done] == ["measured", "measured"]
+    cache = json.loads((tmp_path / "cache" / "speed.json").read_text())
+    assert len(next(iter(cache["trials"].values()))) == 2 and cache["calibration"]  # times and calibration kept
+
+    def no_trial(*args, **kwargs):
+        raise AssertionError("a cached configuration was timed again")
+
+    monkeypatch.setattr(trials, "time_trial", no_trial)
+    again, cached, _ = trials.with_trials(config, _result(ranked, 1 << 40))
+    assert [t.status for t in cached] == ["cached", "cached"]
+    assert [t.measured_seconds for t in cached] == [t.measured_seconds for t in done]
+    assert again.training.batch_size == first.training.batch_size
+    # another cap is another setting: measured again
+    with pytest.raises(AssertionError, match="timed again"):
+        trials.with_trials(config, _result(ranked, 1 << 39))
+
+
+def test_no_trial_and_short_runs_time_nothing(llama_dir, text_file, tmp_path, monkeypatch):
+    def no_trial(*args, **kwargs):
+        raise AssertionError("timed")
+
+    monkeypatch.setattr(trials, "time_trial", no_trial)
+    config = _config(llama_dir, text_file, tmp_path / "run", trial=False)
+    assert trials.with_trials(config, _result(_ranked(BIG, SMALL), 1 << 40)) == (config, [], "--no-trial")
+    monkeypatch.setattr(trials, "TRIAL_SHARE", 0.1)
+    config = _config(llama_dir, text_file, tmp_path / "run")
+    same, shown, why = trials.with_trials(config, _result(_ranked(BIG, SMALL), 1 << 40))
+    assert same is config and why == "too short to repay trials" and all(t.status == "not run" for t in shown)
+
+
+def test_planned_train_logs_plan_trials_first(llama_dir, text_file, tmp_path):
+    """Through memfit.train with --memory-budget: the planner's ranked plans are timed and metrics.jsonl
+    starts with what was measured and what won."""
+    import memfit
+
+    config = _config(llama_dir, text_file, tmp_path / "run", memory_budget="1GiB", max_steps=2, optimizer="adamw",
+                     lr=1e-3)
+    result = memfit.train(config)
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    record = lines[0]
+    assert record["event"] == "plan_trials" and record["chosen_by"] in ("speed model", "trials")
+    measured = [c for c in record["candidates"] if c["status"] == "measured"]
+    assert len(measured) >= 2 and all(c["measured_seconds"] > 0 and c["peak_bytes"] > 0 for c in measured)
+    fastest = min(measured, key=lambda c: c["measured_seconds"])
+    assert lines[1]["event"] == "start" and result.steps == 2
+    assert fastest["plan"]["batch_size"] == result.summary["micro_batch_size"]
