@@ -95,4 +95,9 @@ def technique_grid(mode: str, config: TrainConfig, gpu: GpuSpec | None, seq_len:
                 config, "optim_target_modules"):
             changes["optim_target_modules"] = PLANNING[optimizer].planned_targets
         grid.append(changes)
+    if not cuda and config.memory.precision == "auto" and not user_set(config, "precision"):
+        from memfit.prediction.calibration import native_bf16
+
+        if native_bf16("cpu"):  # bf16 autocast where this CPU's matrix units run it (AVX-512 bf16, AMX)
+            grid += [{**changes, "precision": "amp"} for changes in grid]
     return grid

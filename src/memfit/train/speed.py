@@ -108,6 +108,11 @@ class SpeedMeter:
         self._hfu.append(figures["hfu"])
         return {"mfu": round(figures["mfu"], 5), "hfu": round(figures["hfu"], 5)}
 
+    @property
+    def first_step_seconds(self) -> float | None:
+        """The first step's time (compile and allocator warm-up included)."""
+        return self._seconds[0] if self._seconds else None
+
     def summary(self) -> dict[str, Any]:
         """Medians over the steps after the first (which carries compile and allocator warm-up)."""
         def typical(values: list[float]) -> float | None:
