@@ -87,3 +87,30 @@ def test_gpu_spellings_and_unknown_gpu():
     with pytest.raises(UsageError, match="did you mean rtx-4090"):
         get_gpu("rtx-4091")
     assert len(list_gpus()) == len(GPUS) >= 9
+
+
+def test_moe_and_recent_presets_match_published_parameter_counts():
+    """Every MoE and recent dense preset builds to its model card's total (and, for MoE, active) parameters."""
+    from memfit.models.experts import total_and_active_parameters
+    from memfit.models.presets_moe import MOE_AND_RECENT_PRESETS, PUBLISHED_PARAMETERS
+
+    assert set(PUBLISHED_PARAMETERS) == set(MOE_AND_RECENT_PRESETS)
+    for name, (total, active) in PUBLISHED_PARAMETERS.items():
+        config = preset_config(name)
+        model = build_meta_model(config)
+        counted_total, counted_active = total_and_active_parameters(model)
+        assert counted_total / 1e9 == pytest.approx(total, rel=0.015), name
+        if active is None:
+            assert counted_active == counted_total, name  # a dense model runs every parameter
+            continue
+        if config.model_type == "gpt_oss":
+            counted_active -= config.vocab_size * config.hidden_size  # OpenAI's active count leaves out the embedding
+        assert counted_active / 1e9 == pytest.approx(active, rel=0.03), name
+        assert counted_active < counted_total / 3, name
+
+
+def test_moe_presets_resolve_by_name_and_hub_id():
+    assert resolve_model_config("gpt-oss-20b").num_local_experts == 32
+    assert resolve_model_config("openai/gpt-oss-120b").num_local_experts == 128
+    assert resolve_model_config("Qwen/Qwen3-30B-A3B").moe_intermediate_size == 768
+    assert resolve_model_config("Mixtral-8x7B").num_experts_per_tok == 2

@@ -43,13 +43,23 @@ def run(argv: list[str]) -> int:
     return 0
 
 
+def _count(n: int) -> str:
+    """A parameter count a person reads: 20.9B, 1.3M, 35.0K (a tiny model is not "0.00B")."""
+    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.{2 if unit == 'B' else 1}f}{unit}"
+    return str(n)
+
+
 def render(result) -> str:
     """The estimate as a table: bytes in GiB and % of the peak, then the verdict."""
     peak = max(result.peak_bytes, 1)
     d = result.details
     lines = [
-        f"memfit estimate: {result.model} ({d['parameter_count'] / 1e9:.2f}B parameters, "
-        f"{d['trainable_parameter_count'] / 1e6:.1f}M trainable), {result.method} method",
+        f"memfit estimate: {result.model} ({_count(d['parameter_count'])} parameters"
+        + (f", {_count(d['parameters_active'])} active per token" if d.get("parameters_active", d["parameter_count"])
+           != d["parameter_count"] else "")
+        + f", {_count(d['trainable_parameter_count'])} trainable), {result.method} method",
         f"  device {d['device']}, precision {d['precision']}, attention {d['attention']}, "
         f"checkpointing {d['checkpointing']}, loss chunk {d['loss_chunk_size'] or 'off'}, "
         f"sharding {d['sharding']} x{d['world_size']}",

@@ -97,6 +97,10 @@ MODEL_PRESETS: dict[str, ModelPreset] = {
 
 
 MODEL_PRESETS.update(ENCODER_PRESETS)  # DNA and protein encoders: models.presets_encoders
+# mixtures of experts and recent dense decoders: models.presets_moe (imported here, once ModelPreset exists)
+from memfit.models.presets_moe import MOE_AND_RECENT_PRESETS  # noqa: E402
+
+MODEL_PRESETS.update(MOE_AND_RECENT_PRESETS)
 
 
 def _preset_key(name: str) -> str:

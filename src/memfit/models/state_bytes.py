@@ -44,6 +44,12 @@ class ParameterInventory:
     """Every parameter tensor with its name and kind (what the small-state optimizers' state depends on)."""
     head_block: int = 1
     """Values of one attention head's query weights as Adam-mini splits them (hidden^2 / heads)."""
+    expert_params: int = 0
+    """Weights of the fused 3-D experts (every expert counts: all are stored, trained and stepped)."""
+    active: int = 0
+    """Parameters one token runs through (routed experts top-k of n); the total for a dense model."""
+    expert_adapters: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = field(default_factory=list)
+    """LoRA pairs on the fused experts (PEFT's target_parameters, rank r per expert): (weight name, A, B) each."""
 
     @property
     def total(self) -> int:
@@ -84,7 +90,11 @@ def _build_inventory(hf_config: Any, lora_r: int) -> ParameterInventory:
             adapters += [(lora_r, fan_in), (fan_out, lora_r)]
     heads = getattr(hf_config, "num_attention_heads", None) or 1
     hidden = getattr(hf_config, "hidden_size", None) or 1
-    return ParameterInventory(shapes, linear_params, adapters, named_trainable(model), max(1, hidden * hidden // heads))
+    from memfit.models.expert_bytes import expert_inventory
+
+    expert_params, active, expert_adapters = expert_inventory(model, lora_r)
+    return ParameterInventory(shapes, linear_params, adapters, named_trainable(model), max(1, hidden * hidden // heads),
+                              expert_params, active, expert_adapters)
 
 
 def small_state_optimizer_bytes(optimizer_config: Any, inventory: ParameterInventory, param_bytes: int,

@@ -71,7 +71,9 @@ def architecture_of(hf_config: Any) -> Architecture:
             tied_embeddings=bool(getattr(c, "tie_word_embeddings", True)), learned_positions=True, fused_qkv=True,
         )
     hidden = c.hidden_size
-    heads = c.num_attention_heads
+    # a state-space family (Mamba-2) may have no attention heads: its blocks are probed, these numbers only
+    # size the closed forms' side terms
+    heads = getattr(c, "num_attention_heads", None) or getattr(c, "num_heads", None) or 1
     head_dim = getattr(c, "head_dim", None) or hidden // heads
     intermediate = getattr(c, "intermediate_size", None) or getattr(c, "ffn_hidden_size", None) or 4 * hidden
     return Architecture(

@@ -53,6 +53,7 @@ from memfit.prediction.activations import (
     logits_bytes,
     norm_module_bytes_per_token,
 )
+from memfit.prediction.experts import balancing_loss_bytes, moe_details
 from memfit.prediction.run_shape import (
     RunShape,
     apply_sharding,
@@ -116,6 +117,8 @@ class Estimate:
             "headroom_bytes": self.headroom_bytes,
             "error_band": self.error_band,
             "per_layer_activation_bytes": self.per_layer_activation_bytes,
+            "parameters_total": self.details.get("parameters_total"),
+            "parameters_active": self.details.get("parameters_active"),
             "host_bytes": self.host_bytes,
             "host_breakdown": dict(self.host_breakdown),
             "host_available_bytes": self.host_available_bytes,
@@ -188,6 +191,9 @@ def estimate(
     packed_mask = packed_mask_estimate(config.data, config.training.batch_size, run.attention, run.checkpointing,
                                        architecture_of(hf_config), precision_of(run).attention,
                                        config.model.attention, run.device_type, hf_config)
+    if method == "analytical":  # every MoE layer's router logits, kept for the balancing loss (traced: in the step)
+        moment["activations"] += balancing_loss_bytes(hf_config, config.training.batch_size * config.data.seq_len,
+                                                      precision_of(run).compute)
     if packed_mask:  # --packing samples under SDPA: the block-diagonal mask and its per-layer copies
         moment["activations"] += packed_mask
         notes["packed_mask_bytes"] = packed_mask
@@ -215,6 +221,9 @@ def estimate(
         "sharding": sharding,
         "world_size": world_size,
         "parameter_count": inventory.total,
+        "parameters_total": inventory.total,
+        "parameters_active": inventory.active or inventory.total,  # what one token runs (MoE: top-k experts)
+        **moe_details(hf_config, inventory, config.training.batch_size * config.data.seq_len, precision_of(run).compute),
         "trainable_parameter_count": parts["trainable_count"],
         "full_bytes": {k: int(parts[k]) for k in ("parameters", "gradients", "optimizer_states")},
         "precision": run.autocast or {4: "fp32", 2: "bf16"}[run.weight_bytes],
@@ -361,7 +370,9 @@ def _analytical_peak(config, run: RunShape, hf_config, inventory, parts) -> tupl
     released = terms.released_per_block
     fixed = activations - arch.layers * released  # the embedding side, uncheckpointed or offloaded blocks
     # autocast caches a 16-bit copy of each weight from its first use until backward is past it
-    cache = 2 * inventory.linear_params if run.autocast and run.weight_bytes == 4 and run.quantize == "none" else 0.0
+    # (the fused experts' 3-D weights too: autocast casts them for grouped_mm and caches the copies alike)
+    cache = 2 * (inventory.linear_params + inventory.expert_params) if (
+        run.autocast and run.weight_bytes == 4 and run.quantize == "none") else 0.0
     # The chunked loss runs the head once per chunk and autograd adds each chunk's head gradient
     # to the sum so far out of place: the sum, the chunk's and the new sum are live at once, with
     # every activation kept and before any block's gradient (measured with the tracker).

@@ -11,6 +11,14 @@ length and layer count follow analytically. Extra norms (Gemma 3's four per bloc
 Qwen 3's and OLMo 2's query/key norms), LayerNorm with biases, parallel attention and
 MLP, non-gated MLPs: whatever the block saves is counted, not assumed.
 
+Blocks that differ (DeepSeek-V3's and GLM-4-MoE's dense first layers before the MoE ones, Jamba's Mamba and
+attention layers, experts on every other layer) are measured one kind at a time: each kind of block (its
+modules and parameter shapes) is probed where it first occurs after the first block, and the bytes per
+token are the average over the model's layers. Mixture-of-experts blocks run their routed path (transformers'
+grouped_mm: every token's top-k expert rows, the permutation buffers) on fake tensors, fp32 included
+(`memfit.prediction.fake_ops`). The config is probed as it is (a copy with fewer layers), never rebuilt from
+its JSON: Falcon-H1 and Mamba-2 encode an infinite time-step limit that does not survive the round trip.
+
 What it does not see: kernels chosen by device (the probe runs CPU kernels; CUDA
 autocast also runs attention in 16 bits, so an autocast probe counts Q/K/V in fp32: an
 upper bound).
@@ -46,30 +54,89 @@ def probed_layer_parts(hf_config: Any, weight_bytes: int, autocast: bool, attent
     """(bytes one block keeps per token, the part its norm modules keep themselves), as above.
 
     The norms' part is what was saved while a module named like a norm (`...Norm`) ran:
-    on an fp32 residual stream they run in fp32, autocast or not.
+    on an fp32 residual stream they run in fp32, autocast or not. Over blocks of several kinds
+    both are the average per layer.
     """
     key = hf_config.to_json_string(use_diff=False)
+    _CONFIGS.setdefault(key, copy.deepcopy(hf_config))
+    attention = supported_attention(hf_config, attention)
     short, long = (_measure(key, weight_bytes, autocast, attention, s, lora_r, efficient_norm, efficient_lora)
                    for s in PROBE_SEQ_LENS)
     span = PROBE_SEQ_LENS[1] - PROBE_SEQ_LENS[0]
     return tuple(a + (b - a) / span * (seq_len - PROBE_SEQ_LENS[0]) for a, b in zip(short, long, strict=True))
 
 
+_CONFIGS: dict[str, Any] = {}
+"""The configs probed, by their JSON (the cache key): probed as given, never rebuilt from the JSON."""
+_KINDS: dict[str, list[tuple]] = {}
+
+
+def supported_attention(hf_config: Any, attention: str) -> str:
+    """`attention` (memfit's or transformers' name), or eager where the family has no such kernel.
+
+    What `memfit train`'s loader does: gpt-oss (attention sinks) and Mamba-2 have no SDPA path in
+    transformers and run eager; the estimate and the probe trace the kernel that runs.
+    """
+    try:
+        from transformers import AutoModelForCausalLM
+
+        model_class = AutoModelForCausalLM._model_mapping[type(hf_config)]
+    except (ImportError, KeyError):  # not a causal LM transformers maps: the loader says so itself
+        return attention
+    supports = {"sdpa": "_supports_sdpa", "flash": "_supports_flash_attn", "flash_attention_2": "_supports_flash_attn",
+                "flex": "_supports_flex_attn", "flex_attention": "_supports_flex_attn"}.get(attention)
+    if supports and not getattr(model_class, supports, True):
+        return "eager"
+    return attention
+
+
+def block_kinds(hf_config: Any) -> list[tuple]:
+    """One signature per layer of the model (its modules' types and parameter shapes): equal for alike blocks."""
+    key = hf_config.to_json_string(use_diff=False)
+    if key not in _KINDS:
+        from memfit.models.presets import build_meta_model
+
+        _KINDS[key] = [_signature(block) for block in _blocks(build_meta_model(hf_config))]
+    return _KINDS[key]
+
+
+def _signature(block: Any) -> tuple:
+    return tuple((name, type(module).__name__, tuple(tuple(p.shape) for p in module.parameters(recurse=False)))
+                 for name, module in block.named_modules())
+
+
+def probe_plan(kinds: list[tuple]) -> tuple[int, dict[int, int]]:
+    """(layers of the probe model, {index of a block probed: how many layers of the model are of its kind}).
+
+    Each kind is probed at its first occurrence after the first block (whose input is the embedding's),
+    or at the first block when only that one has it.
+    """
+    counts: dict[tuple, int] = {}
+    where: dict[tuple, int] = {}
+    for index, kind in enumerate(kinds):
+        counts[kind] = counts.get(kind, 0) + 1
+        if where.get(kind, 0) == 0:
+            where[kind] = index
+    probed = {where[kind]: counts[kind] for kind in where}
+    return min(len(kinds), max(2, max(probed) + 1)), probed
+
+
 @lru_cache(maxsize=256)
 def _measure(config_json: str, weight_bytes: int, autocast: bool, attention: str, seq_len: int,
              lora_r: int = 0, efficient_norm: bool = False, efficient_lora: bool = False) -> tuple[float, float]:
-    import json
-
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    data = json.loads(config_json)
-    config = AutoConfig.for_model(data.pop("model_type"), **data)
-    config = _two_blocks(config)
+    from memfit.prediction.fake_ops import FakeStepAnswers, quiet_meta_failures
+
+    full = _CONFIGS[config_json]
+    kinds = block_kinds(full)
+    probe_layers, probed = probe_plan(kinds)
+    config = _with_layers(full, probe_layers)
     dtype = torch.float32 if weight_bytes == 4 else torch.bfloat16
     fake = FakeTensorMode(allow_non_fake_inputs=True)
-    with fake, _real_mask_path():
+    with quiet_meta_failures(), fake, _real_mask_path():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attention)
         model.config.use_cache = False
         if lora_r:
@@ -85,48 +152,31 @@ def _measure(config_json: str, weight_bytes: int, autocast: bool, attention: str
         model.train()
         blocks = _blocks(model)
         parameters = {id(p.untyped_storage()) for p in model.parameters()}
-        counted: dict[int, Any] = {}  # id(storage) -> storage, kept alive so ids stay unique
-        in_norms: set[int] = set()  # ids of the storages first saved while a norm module ran
-        inside, norm_depth = [False], [0]
-        second = blocks[1]
-        second.register_forward_pre_hook(lambda *_: inside.__setitem__(0, True))
-        second.register_forward_hook(lambda *_: inside.__setitem__(0, False))
-        for module in second.modules():
-            if type(module).__name__.endswith("Norm"):
-                module.register_forward_pre_hook(lambda *_: norm_depth.__setitem__(0, norm_depth[0] + 1))
-                module.register_forward_hook(lambda *_: norm_depth.__setitem__(0, norm_depth[0] - 1))
+        counted: dict[int, tuple[Any, int, bool]] = {}  # id(storage) -> (storage kept alive, block, saved in a norm)
+        inside, norm_depth = [None], [0]
+        for index in probed:
+            blocks[index].register_forward_pre_hook(lambda *_, i=index: inside.__setitem__(0, i))
+            blocks[index].register_forward_hook(lambda *_: inside.__setitem__(0, None))
+            for module in blocks[index].modules():
+                if type(module).__name__.endswith("Norm"):
+                    module.register_forward_pre_hook(lambda *_: norm_depth.__setitem__(0, norm_depth[0] + 1))
+                    module.register_forward_hook(lambda *_: norm_depth.__setitem__(0, norm_depth[0] - 1))
 
         def pack(tensor):
             storage = tensor.untyped_storage()
-            if inside[0] and id(storage) not in parameters and id(storage) not in counted:
-                counted[id(storage)] = storage
-                if norm_depth[0]:
-                    in_norms.add(id(storage))
+            if inside[0] is not None and id(storage) not in parameters and id(storage) not in counted:
+                counted[id(storage)] = (storage, inside[0], bool(norm_depth[0]))
             return tensor
 
         input_ids = torch.zeros((1, seq_len), dtype=torch.long)
         cast = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
-        with cast, _scalar_reads_mode(), torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        with cast, FakeStepAnswers(), torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
             backbone = model.get_decoder() if hasattr(model, "get_decoder") else model.base_model
             backbone(input_ids=input_ids)
-        total = sum(storage.nbytes() for storage in counted.values())
-        norms = sum(storage.nbytes() for key, storage in counted.items() if key in in_norms)
-    return total / seq_len, norms / seq_len
-
-
-def _scalar_reads_mode():
-    import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class ScalarReads(TorchDispatchMode):
-        """A fake tensor has no value: answer the mask code's reads ("is the mask all ones": yes)."""
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func is torch.ops.aten._local_scalar_dense.default:
-                return {torch.bool: True}.get(args[0].dtype, 1)
-            return func(*args, **(kwargs or {}))
-
-    return ScalarReads()
+        # the average block: each kind's bytes weighted by how many of the model's layers have it
+        total = sum(storage.nbytes() * probed[block] for storage, block, _ in counted.values())
+        norms = sum(storage.nbytes() * probed[block] for storage, block, in_norm in counted.values() if in_norm)
+    return total / len(kinds) / seq_len, norms / len(kinds) / seq_len
 
 
 def _with_adapters(model: Any, rank: int) -> Any:
@@ -144,14 +194,17 @@ def _with_adapters(model: Any, rank: int) -> Any:
         return get_peft_model(model, lora)
 
 
-def _two_blocks(config: Any) -> Any:
+def _with_layers(config: Any, layers: int) -> Any:
+    """A copy of `config` with `layers` blocks (the same kinds in the same places)."""
     config = copy.deepcopy(config)
     for name in ("num_hidden_layers", "n_layer", "num_layers"):
         if isinstance(getattr(config, name, None), int):
-            setattr(config, name, 2)
-    layer_types = getattr(config, "layer_types", None)
-    if isinstance(layer_types, list):
-        config.layer_types = layer_types[:2]
+            setattr(config, name, layers)
+    if isinstance(getattr(config, "layer_types", None), list):
+        try:
+            config.layer_types = config.layer_types[:layers]
+        except AttributeError:  # derived from other fields (Jamba's periods, Falcon-H1's block types), not stored
+            pass
     return config
 
 

@@ -146,6 +146,9 @@ def resolve_run(config: TrainConfig, hf_config: Any, gpu: GpuSpec | None) -> Run
     attention = config.model.attention
     if attention in ("auto", "flex"):
         attention = "sdpa"  # flash-attn and FlexAttention keep the same tensors as SDPA's flash kernel
+    from memfit.prediction.layer_probe import supported_attention
+
+    attention = supported_attention(hf_config, attention)  # eager where the family has no SDPA (gpt-oss, Mamba-2)
     checkpointing = config.memory.gradient_checkpointing
     if checkpointing == "auto":
         checkpointing = "full"  # auto checkpoints as few blocks as the budget allows: full is its upper bound
@@ -187,7 +190,9 @@ def state_parts(config: TrainConfig, run: RunShape, inventory: ParameterInventor
     """Full bytes of parameters, gradients, optimizer state and the step temporaries."""
     wb = run.weight_bytes
     if run.lora_r:
-        trainable_shapes = inventory.adapter_shapes
+        from memfit.prediction.experts import expert_adapter_shapes
+
+        trainable_shapes = inventory.adapter_shapes + expert_adapter_shapes(inventory, config.lora.lora_targets)
         trainable_bytes = 4  # PEFT keeps adapters in fp32
         base = inventory.total * wb
         if run.quantize == "4bit":

@@ -32,10 +32,10 @@ from typing import Any
 from unittest import mock
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from memfit.config import TrainConfig
 from memfit.memory.tracker import MemoryTracker
+from memfit.prediction.fake_ops import FakeStepAnswers, quiet_meta_failures
 from memfit.prediction.traced import StepSetup, TracedStep, register_step_tracer
 from memfit.techniques.precision import PrecisionChoice
 from memfit.train.engine import SingleProcessEngine
@@ -43,20 +43,6 @@ from memfit.train.setup import _build_optimizer, apply_model_techniques
 from memfit.train.step import StepRunner
 
 TRACED_STEPS = 2
-
-
-class _AnswerScalarReads(TorchDispatchMode):
-    """A fake tensor has no value: answer the few reads a training step makes.
-
-    They are "is the attention mask all ones" (yes: traced windows are unpadded), counts
-    of target tokens and the optimizer's step counter (any positive number), and the
-    loss and gradient norm read once at the end of the step (any number).
-    """
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default:
-            return {torch.bool: True}.get(args[0].dtype, 1)
-        return func(*args, **(kwargs or {}))
 
 
 def trace_step(hf_config, train_config: TrainConfig, setup: StepSetup, fake: bool = True) -> TracedStep:
@@ -70,9 +56,11 @@ def trace_step(hf_config, train_config: TrainConfig, setup: StepSetup, fake: boo
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else None
     previous_dtype = torch.get_default_dtype()
     try:
-        # The scalar answers cover building too: an 8-bit optimizer reads its state's values when made.
-        scalars = _AnswerScalarReads() if fake else None
-        with _maybe(fake_mode), _maybe(_real_mask_path() if fake else None), _maybe(scalars):
+        # The answers cover building too: an 8-bit optimizer reads its state's values when made. A fake step
+        # answers scalar reads and fp32 grouped matmuls (fused experts) whose meta kernel wants bf16.
+        answers = FakeStepAnswers() if fake else None
+        quiet = quiet_meta_failures() if fake else None
+        with _maybe(quiet), _maybe(fake_mode), _maybe(_real_mask_path() if fake else None), _maybe(answers):
             runner, samples = _build_step(hf_config, train_config, setup, fake)
             tracker = MemoryTracker(setup.device)
             tracker.attach(runner.model, runner.engine.optimizer)
