@@ -148,3 +148,13 @@ def total_and_active_parameters(model: nn.Module) -> tuple[int, int]:
         expert_weights = sum(p.numel() for p in module.parameters())
         idle += expert_weights * (module.num_experts - shape.top_k) // module.num_experts
     return total, total - idle
+
+
+def experts_facts(model: nn.Module) -> dict | None:
+    """For the metrics: which experts implementation ran, total and active parameters; None for a dense model."""
+    implementation = experts_implementation(model)
+    if implementation is None:
+        return None
+    total, active = total_and_active_parameters(model)
+    return {"implementation": implementation, "total_parameters": total, "active_parameters": active,
+            "experts_modules": len(fused_expert_modules(_base(model)))}

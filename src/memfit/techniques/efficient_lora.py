@@ -207,7 +207,9 @@ def apply_efficient_lora(model: nn.Module) -> str:
 
     Returns what was done, e.g. "14 of 14 adapted linears".
     """
-    adapted = [m for m in model.modules() if hasattr(m, "lora_A") and hasattr(m, "base_layer")]
+    # Adapters on fused expert weights (PEFT's ParamWrapper) are no linears: split LoRA runs them (expert_lora.py).
+    adapted = [m for m in model.modules() if hasattr(m, "lora_A") and hasattr(m, "base_layer")
+               and type(m).__name__ != "ParamWrapper"]
     patched = 0
     for module in adapted:
         known, casts_first = _is_supported(module)

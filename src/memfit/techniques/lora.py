@@ -308,6 +308,19 @@ def apply_lora(model: nn.Module, lora_cfg: LoraConfig, gradient_checkpointing: b
                                    len(targets.experts.routers))
 
 
+def lora_facts(model: nn.Module, lora_cfg: LoraConfig) -> dict | None:
+    """What trains under LoRA, read from the wrapped model (what the adapter holds), or None without LoRA."""
+    if lora_cfg.lora_r <= 0 or not hasattr(model, "get_nb_trainable_parameters"):
+        return None
+    modules, expert_weights = adapted_counts(model)
+    trainable, total = model.get_nb_trainable_parameters()
+    routers = [name for name, _ in router_modules(model.get_base_model())]
+    trained = [name for name, p in model.get_base_model().named_parameters() if p.requires_grad and "lora_" not in name]
+    trained_routers = sum(1 for router in routers if any(name.startswith(router + ".") for name in trained))
+    return LoraSummary(lora_cfg.lora_r, modules, trainable, total, lora_cfg.quantize, expert_weights,
+                       trained_routers).facts()
+
+
 def adapted_counts(model: nn.Module) -> tuple[int, int]:
     """(linear layers, fused expert weights) that hold an adapter in `model`: what the log reports."""
     from peft.tuners.lora import LoraLayer

@@ -319,6 +319,9 @@ def _activation_offload_context(session: TrainingSession):
 
 def run_facts(session: TrainingSession) -> dict[str, Any]:
     """What really runs: recorded in the metrics' start and summary lines."""
+    from memfit.models.experts import experts_facts
+    from memfit.techniques.lora import lora_facts
+
     config = session.config
     return {
         "model": config.model.model,
@@ -338,6 +341,8 @@ def run_facts(session: TrainingSession) -> dict[str, Any]:
         "packing": packing_facts(session.dataset),
         "data": dataset_facts(session.dataset),
         "fallbacks": dict(session.fallbacks),
+        "lora": lora_facts(session.model, config.lora) if config.lora.lora_r > 0 else None,  # what trains
+        "experts": experts_facts(session.model),  # MoE: the experts implementation that ran, active parameters
     }
 
 

@@ -1,0 +1,79 @@
+"""Every family of the model zoo (tests/model_zoo.py) through `memfit train` (full and LoRA) and `memfit profile`.
+
+A technique that is on by default must never break a model transformers trains: each command ends with exit 0,
+and nothing anywhere in its output is a traceback, stderr included (a library logging one through its own
+handler counts). All commands share one process, so torch and transformers are imported once.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import model_zoo
+from model_zoo import MOE_FAMILIES, ZOO, run_in_one_process
+
+zoo_model_dirs = model_zoo.zoo_model_dirs  # the session fixture, visible to this module's tests
+
+LEGS = {
+    "full": ["train"],
+    "lora": ["train", "--lora-r", "4"],
+    "profile": ["profile", "--steps", "1"],
+}
+
+
+@pytest.fixture(scope="module")
+def zoo_runs(zoo_model_dirs, text_file, tmp_path_factory) -> dict[tuple[str, str], dict]:
+    """(family, leg) -> the result of that command, all run in one process."""
+    out = tmp_path_factory.mktemp("zoo-runs")
+    keys, commands = [], []
+    for family, directory in zoo_model_dirs.items():
+        for leg, head in LEGS.items():
+            keys.append((family, leg))
+            commands.append([*head, "--model", str(directory), "--dataset", str(text_file), "--seq-len", "32",
+                             "--batch-size", "2", "--max-steps", "1", "--output-dir", str(out / f"{family}-{leg}")])
+    return dict(zip(keys, run_in_one_process(commands), strict=True))
+
+
+def _failure(result: dict) -> str:
+    return f"exit {result['returncode']} of memfit {' '.join(result['args'][:3])}:\n{result['stderr'][-4000:]}"
+
+
+@pytest.mark.parametrize("leg", list(LEGS))
+@pytest.mark.parametrize("family", list(ZOO))
+def test_family_runs_without_a_traceback(zoo_runs, family, leg):
+    result = zoo_runs[(family, leg)]
+    assert result["returncode"] == 0, _failure(result)
+    assert "Traceback" not in result["stderr"] + result["stdout"], _failure(result)
+
+
+@pytest.mark.parametrize("family", list(ZOO))
+def test_lora_log_counts_what_the_adapter_holds(zoo_runs, family):
+    """The log's 'LoRA r=4 on N modules' equals the adapted modules the run's summary lists."""
+    result = zoo_runs[(family, "lora")]
+    line = next((ln for ln in result["stderr"].splitlines() if "LoRA r=4 on" in ln), None)
+    assert line is not None, _failure(result)
+    lora = _summary(result)["lora"]  # read from the wrapped model: what the adapter holds
+    assert f"on {lora['modules']} modules" in line, (line, lora)
+    if family in MOE_FAMILIES:
+        assert lora["expert_weights"] > 0 and f"and {lora['expert_weights']} fused expert weights" in line, line
+
+
+@pytest.mark.parametrize("family", list(ZOO))
+def test_metrics_say_which_experts_implementation_ran(zoo_runs, family):
+    experts = _summary(zoo_runs[(family, "full")])["experts"]
+    if family not in MOE_FAMILIES:
+        assert experts is None
+        return
+    assert experts["implementation"] == "grouped_mm"  # transformers' grouped path, never the loop over experts
+    assert experts["active_parameters"] < experts["total_parameters"]
+    lora_experts = _summary(zoo_runs[(family, "lora")])["experts"]
+    assert lora_experts["implementation"] in ("grouped_mm + split LoRA", "grouped_mm, grouped_mm + split LoRA")
+
+
+def _summary(result: dict) -> dict:
+    output_dir = Path(result["args"][result["args"].index("--output-dir") + 1])
+    lines = (output_dir / "metrics.jsonl").read_text().splitlines()
+    return next(json.loads(line) for line in reversed(lines) if '"summary"' in line)
