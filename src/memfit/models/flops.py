@@ -15,6 +15,8 @@ activations, softmax and the optimizer are left out: they are memory-bound and s
   hardware FLOPs utilisation (HFU), always >= MFU.
 - LoRA: frozen weights need no weight gradient, so their backward is 1 x forward, not 2 x;
   the adapters' own matmuls are counted.
+- Mixtures of experts: the MLP counts the experts a token runs (top-k of n, shared experts
+  included) and the router: MFU over active parameters, as MoE speed figures are quoted.
 
 The device peak comes from the GPU preset (vendor dense figures, memfit.gpus) or, on a
 CPU or an unknown GPU, from a short matmul probe measured once per process.
@@ -63,8 +65,25 @@ def shape_of(hf_config: Any) -> Shape:
     head_dim = getattr(c, "head_dim", None) or hidden // heads
     kv_heads = getattr(c, "num_key_value_heads", None) or heads
     gated = getattr(c, "model_type", "") not in ("gpt_neox", "gpt_bigcode", "opt", "falcon")
-    return Shape(hidden, c.num_hidden_layers, heads * head_dim, kv_heads * head_dim, c.intermediate_size,
+    return Shape(hidden, c.num_hidden_layers, heads * head_dim, kv_heads * head_dim, _active_intermediate(c),
                  c.vocab_size, gated_mlp=gated)
+
+
+def _active_intermediate(config: Any) -> int:
+    """The MLP width one token runs through, averaged over the layers.
+
+    A mixture of experts counts the experts a token is routed to (top-k of n) and the shared ones, not all of
+    them, as MFU figures for MoE models do (active parameters); its router adds hidden x experts per token.
+    """
+    from memfit.models.experts import moe_shape
+
+    moe = moe_shape(config)
+    if moe is None:
+        return config.intermediate_size
+    layers = config.num_hidden_layers
+    dense = layers - moe.moe_layers
+    per_moe_layer = moe.active_width() + moe.experts / (3 if moe.gated else 2)  # the router's matmul, as MLP width
+    return round((dense * config.intermediate_size + moe.moe_layers * per_moe_layer) / layers)
 
 
 @dataclass(frozen=True)

@@ -109,3 +109,28 @@ def test_cpu_peak_is_probed_once_and_mfu_is_a_fraction():
     result = utilisation(tokens, seconds, flops, DevicePeak(peak.flops_per_second, "test"))
     assert result["hfu"] == pytest.approx(0.5)
     assert 0 < result["mfu"] < result["hfu"]
+
+
+def test_moe_flops_count_active_experts_not_all():
+    """A token of an MoE runs top-k of n experts: its FLOPs follow the active, not the total, parameters."""
+    from memfit.models.experts import moe_shape
+    from model_zoo import ZOO
+
+    config = ZOO["qwen3_moe"]()
+    shape = moe_shape(config)
+    assert (shape.experts, shape.top_k, shape.expert_width, shape.moe_layers) == (4, 2, 32, 2)
+    routed = flops_per_token(config, seq_len=32).model
+    config.num_experts = 16  # four times the experts, the same two per token: the same work but the router's
+    more_experts = flops_per_token(config, seq_len=32).model
+    assert more_experts < 1.05 * routed
+    config.num_experts_per_tok = 4  # twice the experts per token: about twice the MLP's work
+    assert flops_per_token(config, seq_len=32).model > 1.2 * more_experts
+
+
+def test_moe_shape_reads_dense_first_layers_and_shared_experts():
+    from memfit.models.experts import moe_shape
+    from model_zoo import ZOO
+
+    shape = moe_shape(ZOO["deepseek_v3"]())
+    assert shape.moe_layers == 1 and shape.shared_width == 32 and shape.active_width() == 3 * 32
+    assert moe_shape(ZOO["llama"]()) is None
