@@ -44,6 +44,9 @@ def run(argv: list[str]) -> int:
     sharding = "zero3" if config.distributed.zero_stage == 3 else config.distributed.sharding
     result = plan(config, allow=options.allow, world_size=options.world_size, sharding=sharding,
                   maximize=options.maximize, host_memory=options.host_memory)
+    from memfit.train.trials import attach_cached
+
+    attach_cached(config, result)  # what earlier trials on this device measured of these plans
     if options.json:
         sys.stdout.write(json.dumps(result.to_dict() | ({"dataset_lengths": basis} if basis else {})) + "\n")
         return 0
@@ -84,6 +87,11 @@ def render(result) -> str:
     for rank, (text, peak, speed) in enumerate(rows, 1):
         host = f", host memory {format_bytes(result.host_bytes)}" if rank == 1 and result.host_bytes else ""
         lines.append(f"  {rank}. {text}\n     peak {format_bytes(peak)}{host}, relative speed {speed:.2f}")
+    if result.trials:
+        from memfit.train.trials import describe_trial
+
+        lines += ["", "measured here before (trials; predicted seconds from the calibrated speed model):"]
+        lines += [f"  - {describe_trial(t)}" for t in result.trials]
     if result.trades:
         lines += ["", "what it trades:"] + [f"  - {line}" for line in result.trades]
     lines += ["", "run the best with:", f"  {result.command}"]

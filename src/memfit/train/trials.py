@@ -478,3 +478,29 @@ def learn_from_run(session: Any, summary: dict[str, Any], first_step_seconds: fl
             calibration.record_compile("cpu", first_step_seconds - measured, None)
     except Exception as error:  # calibration is a help, never a reason to fail a finished run
         log.info("memfit: speed calibration skipped: %s: %s", type(error).__name__, str(error)[:120])
+
+
+def attach_cached(config: TrainConfig, result: Any) -> None:
+    """`memfit plan`: fill `result.trials` with what earlier trials on this device measured of its ranked
+    plans (nothing is run; plans never measured show the prediction only)."""
+    if not result.ranked or result.maximize:
+        return
+    try:
+        from memfit.models.presets import resolve_model_config
+
+        hf_config = resolve_model_config(config.model.model, config.model.trust_remote_code)
+    except Exception:  # the plan itself resolved it; a failure here only hides the measurements
+        return
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    cached = cached_trials(settings_key(config, hf_config, config.memory.memory_cap or result.budget_bytes, device))
+    if not cached:
+        return
+    shown = []
+    for r in comparable(result.ranked)[:MAX_TRIALS]:
+        trial = Trial(dict(r["plan"]), r["step_seconds"], r["estimated_peak_bytes"])
+        hit = cached.get(candidate_key(trial.plan))
+        if hit:
+            trial.measured_seconds, trial.peak_bytes, trial.status = hit["measured_seconds"], hit["peak_bytes"], (
+                "cached" if hit["status"] == "measured" else hit["status"])
+        shown.append(asdict(trial))
+    result.trials = shown
