@@ -149,6 +149,7 @@ def apply_efficient_rms_norm(model: nn.Module) -> str:
     candidates = [m for m in model.modules() if _is_candidate(m)]
     replaced = 0
     more_inputs: dict[str, int] = {}
+    other: dict[str, int] = {}
     for module in candidates:
         extra = _extra_inputs(module)
         if extra:
@@ -160,8 +161,15 @@ def apply_efficient_rms_norm(model: nn.Module) -> str:
             # instances are untouched, and a later liger patch replaces this one.
             module.forward = types.MethodType(_efficient_forward, module)
             replaced += 1
+        else:
+            name = type(module).__name__
+            other[name] = other.get(name, 0) + 1
     done = f"{replaced} of {len(candidates)} norms"
     if more_inputs:
         kept = ", ".join(f"{count} {name}" for name, count in more_inputs.items())
         done += f"; kept their own forward, which takes more than the hidden states: {kept}"
+    if other:
+        # Gemma's norms scale by (1 + weight) in fp32: another function, left to its own forward.
+        kept = ", ".join(f"{count} {name}" for name, count in other.items())
+        done += f"; kept their own forward, which computes another norm: {kept}"
     return done

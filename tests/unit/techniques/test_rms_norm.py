@@ -262,11 +262,24 @@ def test_gemma_style_and_layer_norms_are_left_alone():
             return (out * (1.0 + self.weight.float())).type_as(x)
 
     model = nn.Sequential(GemmaStyleNorm(16), nn.LayerNorm(16), LlamaRMSNorm(16))
-    assert apply_efficient_rms_norm(model) == "1 of 3 norms"
+    done = apply_efficient_rms_norm(model)
+    assert done.startswith("1 of 3 norms") and "computes another norm: 1 GemmaStyleNorm, 1 LayerNorm" in done, done
     assert "forward" not in model[0].__dict__ and "forward" not in model[1].__dict__
     assert "forward" in model[2].__dict__
     # a second application finds nothing left to do
-    assert apply_efficient_rms_norm(model) == "0 of 2 norms"
+    assert apply_efficient_rms_norm(model).startswith("0 of 2 norms")
+
+
+def test_gemma3_norms_are_named_as_kept_and_its_gradients_are_the_plain_ones():
+    """Gemma 3 scales by (1 + weight) in fp32 in all 13 of its norms: each keeps its own forward, the log
+    says so, and the model's update under SGD equals the plain one's."""
+    from model_zoo import build_model
+
+    plain = build_model("gemma3_text")
+    efficient = copy.deepcopy(plain)
+    done = apply_efficient_rms_norm(efficient)
+    assert done == "0 of 13 norms; kept their own forward, which computes another norm: 13 Gemma3RMSNorm", done
+    assert_same_after_sgd(plain, efficient, _tokens(2, 16))
 
 
 def test_gated_norms_keep_their_forward_and_a_mamba2_model_trains():
