@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import os
 import random
 from pathlib import Path
 
 import pytest
 import torch
+
+# One torch thread per process, here and (through the environment) in every command a test starts.
+# The tests' models are tiny, so a second thread gains them little, while on a busy 2-core machine the
+# default pool's threads spin against the other processes' (the distributed ranks', concurrent runs')
+# and multiply the CPU time (docs/testing.md, Timings). An OMP_NUM_THREADS set by the caller is kept.
+THREADS = int(os.environ.setdefault("OMP_NUM_THREADS", "1"))
+os.environ.setdefault("MKL_NUM_THREADS", str(THREADS))
+torch.set_num_threads(THREADS)
 
 
 def pytest_collection_modifyitems(config, items):
