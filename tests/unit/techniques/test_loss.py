@@ -241,6 +241,8 @@ def test_a_doubled_chunk_gradient_fails_the_comparison(monkeypatch):
     assert min(errors) > 0.5  # every gradient flows through the chunks: all of them are off
 
 
+# Every case of the test below in one torchrun launch: argv[1] is the output directory, then one
+# "head,tiles,blocks" argument per case. Each rank writes rank{R}-{head}-{tiles}-{blocks}.txt.
 FSDP_WORKER = """
 import os, sys, torch, torch.distributed as dist
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -248,71 +250,87 @@ from memfit.distributed.fsdp import fully_shard_model
 from memfit.techniques.loss import causal_lm_loss_sum
 from memfit.techniques.tiled_mlp import apply_tiled_mlp
 
-def tiny():
+def tiny(head):
     torch.manual_seed(0)
     return LlamaForCausalLM(LlamaConfig(
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=300, max_position_embeddings=256, tie_word_embeddings=sys.argv[1] == "tied"))
+        vocab_size=300, max_position_embeddings=256, tie_word_embeddings=head == "tied"))
 
 def gradients(model):
     return {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
             for n, p in model.named_parameters()}
 
+def run_case(head, tiles, blocks, out_dir):
+    input_ids = torch.randint(0, 300, (2, 48), generator=torch.Generator().manual_seed(3))
+    labels = input_ids.clone()
+    labels[0, 30:] = -100
+    reference = tiny(head)
+    reference_loss = causal_lm_loss_sum(reference, input_ids, labels, chunk_size=0)
+    reference_loss.backward()
+    model = tiny(head)
+    apply_tiled_mlp(model, int(tiles))  # 0: plain MLPs
+    if blocks == "compiled":  # blocks compiled after tiling and before sharding, as setup does
+        from memfit.techniques.compile import compile_blocks, compile_stats
+        graphs_before = compile_stats()["compiled_graphs"]  # the process's count: earlier cases' graphs left out
+        compile_blocks(model, torch.device("cpu"), backend="aot_eager")
+    fully_shard_model(model, dist.get_world_size(), torch.device("cpu"))
+    for _ in range(2):  # the second step runs with the root's state set up by the first
+        model.zero_grad(set_to_none=True)
+        loss = causal_lm_loss_sum(model, input_ids, labels, chunk_size=16)
+        loss.backward()
+    # Every rank saw the same batch: the mean over ranks is the single-process gradient.
+    errors = {n: ((g - reference.get_parameter(n).grad).norm() / reference.get_parameter(n).grad.norm()).item()
+              for n, g in gradients(model).items()}
+    if blocks == "compiled":
+        compiled = compile_stats()["compiled_graphs"] - graphs_before
+        assert compiled >= 3, compile_stats()  # nothing fell back to eager
+    name = f"rank{dist.get_rank()}-{head}-{tiles}-{blocks}.txt"
+    with open(os.path.join(out_dir, name), "w") as out:
+        out.write(f"{loss.item()!r} {reference_loss.item()!r} {max(errors.values())!r}")
+    dist.barrier()  # the next case's collectives start on both ranks together
+
 dist.init_process_group("gloo")
-input_ids = torch.randint(0, 300, (2, 48), generator=torch.Generator().manual_seed(3))
-labels = input_ids.clone()
-labels[0, 30:] = -100
-reference = tiny()
-reference_loss = causal_lm_loss_sum(reference, input_ids, labels, chunk_size=0)
-reference_loss.backward()
-model = tiny()
-apply_tiled_mlp(model, int(sys.argv[3]))  # 0: plain MLPs
-if sys.argv[4] == "compiled":  # blocks compiled after tiling and before sharding, as setup does
-    from memfit.techniques.compile import compile_blocks, compile_stats
-    compile_blocks(model, torch.device("cpu"), backend="aot_eager")
-fully_shard_model(model, dist.get_world_size(), torch.device("cpu"))
-for _ in range(2):  # the second step runs with the root's state set up by the first
-    model.zero_grad(set_to_none=True)
-    loss = causal_lm_loss_sum(model, input_ids, labels, chunk_size=16)
-    loss.backward()
-# Every rank saw the same batch: the mean over ranks is the single-process gradient.
-errors = {n: ((g - reference.get_parameter(n).grad).norm() / reference.get_parameter(n).grad.norm()).item()
-          for n, g in gradients(model).items()}
-if sys.argv[4] == "compiled":
-    assert compile_stats()["compiled_graphs"] >= 3, compile_stats()  # nothing fell back to eager
-with open(os.path.join(sys.argv[2], f"rank{dist.get_rank()}.txt"), "w") as out:
-    out.write(f"{loss.item()!r} {reference_loss.item()!r} {max(errors.values())!r}")
-dist.barrier()  # neither rank tears gloo down while the other still talks to it
+for case in sys.argv[2:]:
+    run_case(*case.split(","), sys.argv[1])
 dist.destroy_process_group()
 # Leave without interpreter teardown: a background thread destroyed there has aborted a rank
 # ("terminate called without an active exception") after its results were written.
 os._exit(0)
 """
 
+FSDP_CASES = [("untied", 0, "eager"), ("tied", 0, "eager"), ("untied", 3, "eager"), ("untied", 3, "compiled")]
+
+
+@pytest.fixture(scope="module")
+def fsdp_chunked_losses(tmp_path_factory):
+    """Every case of FSDP_CASES in one 2-rank launch (start-up and process group paid once)."""
+    import os
+    import subprocess
+    import sys
+
+    root = tmp_path_factory.mktemp("fsdp-chunked-loss")
+    script = root / "worker.py"
+    script.write_text(FSDP_WORKER)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
+               str(root), *(f"{head},{tiles},{blocks}" for head, tiles, blocks in FSDP_CASES)]
+    result = subprocess.run(
+        command, capture_output=True, text=True, timeout=480, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return root
+
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("head", "tiles", "blocks"),
-                         [("untied", 0, "eager"), ("tied", 0, "eager"), ("untied", 3, "eager"), ("untied", 3, "compiled")])
-def test_chunked_loss_under_fsdp2_equals_the_plain_single_process_loss(head, tiles, blocks, tmp_path):
+@pytest.mark.parametrize(("head", "tiles", "blocks"), FSDP_CASES)
+def test_chunked_loss_under_fsdp2_equals_the_plain_single_process_loss(head, tiles, blocks, fsdp_chunked_losses):
     """FSDP2 gathers the root unit's head in the root's forward, which the chunked loss now runs.
 
     With `tiles`, the blocks' MLPs are tiled too: their recompute runs on the gathered weights.
     With `blocks="compiled"`, the tiled blocks are also compiled (--compile) before sharding.
     """
-    import os
-    import subprocess
-    import sys
-
-    script = tmp_path / "worker.py"
-    script.write_text(FSDP_WORKER)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script), head]
-    command += [str(tmp_path), str(tiles), blocks]
-    result = subprocess.run(
-        command, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"}
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
     for rank in (0, 1):
-        loss, reference, worst = (tmp_path / f"rank{rank}.txt").read_text().split()
+        result = fsdp_chunked_losses / f"rank{rank}-{head}-{tiles}-{blocks}.txt"
+        loss, reference, worst = result.read_text().split()
         assert float(loss) == pytest.approx(float(reference), rel=1e-6)
         assert float(worst) < 1e-6
 
