@@ -63,10 +63,16 @@ def _losses_after_last_start(path: Path) -> dict[int, float]:
 
 @pytest.fixture(scope="module")
 def runs(dropout_model, text_file, tmp_path_factory):
-    """The uninterrupted run, and a run killed with SIGKILL once its step-K checkpoint is complete."""
+    """The uninterrupted run, and a run killed with SIGKILL once its step-K checkpoint is complete.
+
+    The two start together: each is one process on one thread (tests/conftest.py), so on two cores
+    neither waits for the other.
+    """
     root = tmp_path_factory.mktemp("sigkill")
     straight, killed = root / "straight", root / "killed"
-    _run(_command(dropout_model, text_file, straight))
+    with open(root / "straight.stderr", "w") as straight_stderr:  # a file: nobody reads a pipe meanwhile
+        reference = subprocess.Popen(_command(dropout_model, text_file, straight), cwd=REPO,
+                                     stdout=subprocess.DEVNULL, stderr=straight_stderr)
     kill_after = random.SystemRandom().randint(1, STEPS // 2)
     process = subprocess.Popen(_command(dropout_model, text_file, killed, "--save-every", "1"), cwd=REPO,
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -76,6 +82,10 @@ def runs(dropout_model, text_file, tmp_path_factory):
         time.sleep(0.02)
     os.kill(process.pid, signal.SIGKILL)
     assert process.wait() == -signal.SIGKILL, f"the run ended before step {kill_after} could be killed"
+    reference.wait(timeout=600)
+    stderr = (root / "straight.stderr").read_text()
+    assert reference.returncode == 0, stderr[-3000:]
+    assert "Traceback" not in stderr
     return {"straight": straight, "killed": killed, "kill_after": kill_after, "root": root}
 
 
