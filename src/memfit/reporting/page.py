@@ -16,6 +16,7 @@ from typing import Any
 
 from memfit.data.samples import describe_facts
 from memfit.reporting import compare, figures
+from memfit.reporting.plan_trials import plan_trials_html
 from memfit.reporting.run_data import RunData
 from memfit.tasks.metrics import METRIC_NAMES
 from memfit.units import format_bytes
@@ -344,6 +345,7 @@ def render_report(run: RunData) -> str:
     body = [f'<div class="cards">{cards}</div>', "<h2>Configuration that ran</h2>"]
     body.append(_table(["setting", "value"], configuration_rows(run)))
     body.append("<h2>Fallbacks</h2>" + _fallbacks_html(run))
+    body.append(plan_trials_html(run.events))  # a planned run: what its trials measured and what won
     if run.steps:
         marks = (
             "; OOM recoveries (red, dotted) and resumes (green, dashed) are marked"

@@ -163,3 +163,17 @@ def test_planned_train_logs_plan_trials_first(llama_dir, text_file, tmp_path):
     fastest = min(measured, key=lambda c: c["measured_seconds"])
     assert lines[1]["event"] == "start" and result.steps == 2
     assert fastest["plan"]["batch_size"] == result.summary["micro_batch_size"]
+
+
+def test_report_shows_the_trials_of_a_planned_run():
+    from memfit.reporting.plan_trials import plan_trials_html
+    from memfit.reporting.run_data import from_records
+
+    done = [trials.Trial(dict(BIG), 0.2, 3 << 20, None, None, "over cap"),
+            trials.Trial(dict(SMALL), 0.3, 1 << 20, 0.25, 900 << 10, "measured")]
+    record = trials.plan_trials_record(done, "fastest measured: 0.25 s/step", "trials")
+    run = from_records([record, {"event": "start"}, {"step": 1, "loss": 1.0}], "run", "here")
+    page = plan_trials_html(run.events)
+    assert "Plan trials" in page and "Chosen by trials: fastest measured" in page
+    assert page.count("<tr>") == 3 and "over cap" in page and "900.00 KiB" in page
+    assert plan_trials_html(from_records([{"event": "start"}], "run", "here").events) == ""
