@@ -206,8 +206,8 @@ def train(
         **(evaluator.summary() if evaluator is not None else {}),
     }
     summary.update(engine.summary_metrics(summary))
-    if save_outputs:  # a planned run on this CPU teaches the speed model its measured step (train/trials.py)
-        from memfit.train.trials import learn_from_run
+    if save_outputs:  # a planned run on this CPU teaches the speed model its measured step (train/run_calibration.py)
+        from memfit.train.run_calibration import learn_from_run
 
         learn_from_run(session, summary, speed.first_step_seconds)
     logger.log(summary)

@@ -42,6 +42,7 @@ import torch
 from memfit.config import TrainConfig
 from memfit.memory.cap import is_out_of_memory
 from memfit.prediction import calibration
+from memfit.train.trial_steps import time_steps
 from memfit.units import format_bytes
 
 log = logging.getLogger("memfit")
@@ -323,7 +324,7 @@ def time_trial(config: TrainConfig, trial: Trial, cap: int | None) -> float | No
         with _quiet():
             session = build_session(trial_config(config, trial.plan, cap))
         build_seconds = time.perf_counter() - built
-        trial.measured_seconds, trial.peak_bytes = _time_steps(session, cap)
+        trial.measured_seconds, trial.peak_bytes = time_steps(session, cap)
         trial.status = "measured"
     except Exception as error:  # a trial never stops the run: it is dropped and the next one taken
         if is_out_of_memory(error):
@@ -342,70 +343,6 @@ def time_trial(config: TrainConfig, trial: Trial, cap: int | None) -> float | No
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     return build_seconds
-
-
-def _time_steps(session: Any, cap: int | None) -> tuple[float, int]:
-    """(seconds of one optimizer step at the plan's accumulation, peak bytes) from three short steps.
-
-    The first step (two micro-batches where the plan accumulates: gradients held across them) runs
-    under the cap and measures the peak; it also warms up allocations and kernel choices. The timed
-    steps run without the tracker, whose bookkeeping would slow every operator.
-    """
-    from memfit.train.loop import _activation_offload_context
-    from memfit.train.step import StepRunner
-
-    micro = session.config.training.batch_size
-    accumulation = session.accumulation_steps
-    indices = session.schedule.batch_indices(0)
-    samples = session.task.prepare([session.dataset[i] for i in indices], indices, 0)
-    one, two = samples[:micro], samples[: 2 * micro]
-    first = two if accumulation > 1 else one
-    cuda = session.device.type == "cuda"
-    with _activation_offload_context(session):
-        if not cuda:
-            from memfit.memory.tracker import MemoryTracker
-
-            tracker = MemoryTracker(session.device, cap_bytes=cap)
-            tracker.attach(session.model, session.optimizer)
-            runner = StepRunner.from_session(session, tracker=tracker, micro_batch_size=micro, oom_recovery=False)
-            try:
-                with tracker:
-                    runner.run(first)
-                    peak = tracker.end_step().peak_bytes
-            finally:
-                runner.close()
-                tracker.detach()
-        else:
-            from memfit.memory.cap import apply_memory_cap
-
-            if cap is not None:
-                apply_memory_cap(session.device, cap)
-            torch.cuda.reset_peak_memory_stats(session.device)
-        runner = StepRunner.from_session(session, micro_batch_size=micro, oom_recovery=False)
-        try:
-            def timed(batch: list[dict]) -> float:
-                if cuda:
-                    torch.cuda.synchronize(session.device)
-                start = time.perf_counter()
-                runner.run(batch)
-                if cuda:
-                    torch.cuda.synchronize(session.device)
-                return time.perf_counter() - start
-
-            if cuda:
-                timed(first)  # warm-up under the allocator's cap: an OOM here drops the trial
-            t1 = timed(one)
-            if accumulation > 1 and len(two) > len(one):
-                t2 = timed(two)
-                micro_seconds = max(t2 - t1, 0.5 * t1)  # noise can make t2 - t1 tiny: a micro-batch is at least half of t1
-                seconds = accumulation * micro_seconds + max(0.0, t1 - micro_seconds)
-            else:
-                seconds = t1
-        finally:
-            runner.close()
-        if cuda:
-            peak = torch.cuda.max_memory_allocated(session.device)
-    return seconds, int(peak)
 
 
 def _calibrate_from(trials: list[Trial], config: TrainConfig, device: str, scale: float) -> None:
@@ -449,35 +386,6 @@ def trial_then_record(config: TrainConfig, result: Any) -> TrainConfig:
         logger.log(plan_trials_record(trials, why, result.chosen_by))
         logger.close()
     return config
-
-
-def learn_from_run(session: Any, summary: dict[str, Any], first_step_seconds: float | None) -> None:
-    """A finished planned run on this CPU calibrates the speed model with its median step (and, compiled,
-    its first step's compile time). Never stops a run: a failure here is logged and forgotten."""
-    config = session.config
-    if (session.device.type != "cpu" or session.dist.world_size > 1 or config.memory.memory_budget is None
-            or (summary.get("steps") or 0) < 4 or not summary.get("measured_step_seconds")):
-        return
-    try:
-        from memfit.prediction.estimator import estimate
-        from memfit.prediction.speed_model import compute_dtype, estimated_step_seconds
-
-        model = session.model.get_base_model() if hasattr(session.model, "get_base_model") else session.model
-        hf_config = model.config
-        checkpointing = next((m for m in ("full", "selective") if str(session.checkpointing).startswith(m)), "off")
-        changes = {"batch_size": config.training.batch_size, "gradient_accumulation_steps": session.accumulation_steps,
-                   "gradient_checkpointing": checkpointing, "loss_chunk_size": session.loss_chunk_size,
-                   "compile": session.compiled != "off"}
-        model_seconds = estimated_step_seconds(changes, config, estimate(config, hf_config=hf_config), None,
-                                               hf_config, device="cpu", calibrate=False)
-        measured = summary["measured_step_seconds"]
-        compute = compute_dtype(changes, config, "cpu")
-        calibration.record_points("cpu", [(calibration.features(changes, config, compute), model_seconds, measured)],
-                                  "run")
-        if changes["compile"] and first_step_seconds and first_step_seconds > measured:
-            calibration.record_compile("cpu", first_step_seconds - measured, None)
-    except Exception as error:  # calibration is a help, never a reason to fail a finished run
-        log.info("memfit: speed calibration skipped: %s: %s", type(error).__name__, str(error)[:120])
 
 
 def attach_cached(config: TrainConfig, result: Any) -> None:

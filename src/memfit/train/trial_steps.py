@@ -1,0 +1,73 @@
+"""The few short steps a trial times (train/trials.py): the peak under the cap, then one and two micro-batches."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+
+def time_steps(session: Any, cap: int | None) -> tuple[float, int]:
+    """(seconds of one optimizer step at the plan's accumulation, peak bytes) from three short steps.
+
+    The first step (two micro-batches where the plan accumulates: gradients held across them) runs
+    under the cap and measures the peak; it also warms up allocations and kernel choices. The timed
+    steps run without the tracker, whose bookkeeping would slow every operator.
+    """
+    from memfit.train.loop import _activation_offload_context
+    from memfit.train.step import StepRunner
+
+    micro = session.config.training.batch_size
+    accumulation = session.accumulation_steps
+    indices = session.schedule.batch_indices(0)
+    samples = session.task.prepare([session.dataset[i] for i in indices], indices, 0)
+    one, two = samples[:micro], samples[: 2 * micro]
+    first = two if accumulation > 1 else one
+    cuda = session.device.type == "cuda"
+    with _activation_offload_context(session):
+        if not cuda:
+            from memfit.memory.tracker import MemoryTracker
+
+            tracker = MemoryTracker(session.device, cap_bytes=cap)
+            tracker.attach(session.model, session.optimizer)
+            runner = StepRunner.from_session(session, tracker=tracker, micro_batch_size=micro, oom_recovery=False)
+            try:
+                with tracker:
+                    runner.run(first)
+                    peak = tracker.end_step().peak_bytes
+            finally:
+                runner.close()
+                tracker.detach()
+        else:
+            from memfit.memory.cap import apply_memory_cap
+
+            if cap is not None:
+                apply_memory_cap(session.device, cap)
+            torch.cuda.reset_peak_memory_stats(session.device)
+        runner = StepRunner.from_session(session, micro_batch_size=micro, oom_recovery=False)
+        try:
+            def timed(batch: list[dict]) -> float:
+                if cuda:
+                    torch.cuda.synchronize(session.device)
+                start = time.perf_counter()
+                runner.run(batch)
+                if cuda:
+                    torch.cuda.synchronize(session.device)
+                return time.perf_counter() - start
+
+            if cuda:
+                timed(first)  # warm-up under the allocator's cap: an OOM here drops the trial
+            t1 = timed(one)
+            if accumulation > 1 and len(two) > len(one):
+                t2 = timed(two)
+                micro_seconds = max(t2 - t1, 0.5 * t1)  # noise can make t2 - t1 tiny: a micro-batch is at least half of t1
+                seconds = accumulation * micro_seconds + max(0.0, t1 - micro_seconds)
+            else:
+                seconds = t1
+        finally:
+            runner.close()
+        if cuda:
+            peak = torch.cuda.max_memory_allocated(session.device)
+    return seconds, int(peak)
+
