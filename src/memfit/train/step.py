@@ -71,7 +71,11 @@ class StepResult:
 def _plain_loss(session):
     """The loss function without fused kernels: the compiled logits-to-loss tail under --compile."""
     token_loss = getattr(session, "token_loss", None)
-    return functools.partial(causal_lm_loss_sum, token_loss=token_loss) if token_loss is not None else causal_lm_loss_sum
+    plain = functools.partial(causal_lm_loss_sum, token_loss=token_loss) if token_loss is not None else causal_lm_loss_sum
+    from memfit.techniques.router_balance import balancing_loss_on, with_balancing_loss
+
+    # An MoE with output_router_logits adds its load-balancing loss as the model defines it (router_balance.py)
+    return with_balancing_loss(plain) if balancing_loss_on(session.model) else plain
 
 
 class StepRunner:
