@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,15 @@ import torch
 THREADS = int(os.environ.setdefault("OMP_NUM_THREADS", "1"))
 os.environ.setdefault("MKL_NUM_THREADS", str(THREADS))
 torch.set_num_threads(THREADS)
+# Trials and the speed calibration (docs/planning.md) measure into a cache of this test session, never the
+# user's ~/.cache/memfit: a CPU plan a test pins would otherwise follow what earlier runs measured here.
+os.environ["MEMFIT_CACHE_DIR"] = tempfile.mkdtemp(prefix="memfit-test-cache-")
+
+
+@pytest.fixture(autouse=True)
+def _speed_cache_of_this_test(tmp_path_factory, monkeypatch):
+    """Each test its own speed cache: what one test's planned run measured never ranks another's plan."""
+    monkeypatch.setenv("MEMFIT_CACHE_DIR", str(tmp_path_factory.mktemp("memfit-cache")))
 
 
 def pytest_collection_modifyitems(config, items):
