@@ -206,3 +206,28 @@ def test_merge_folds_the_expert_adapters(tmp_path):
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
     with torch.no_grad():
         assert torch.allclose(merged(input_ids=tokens).logits, expected, atol=1e-5)
+
+
+def test_qlora_quantizes_the_linears_and_says_the_fused_experts_stay_unquantized(tmp_path, caplog):
+    """bitsandbytes quantizes nn.Linear only: attention goes 4-bit, the 3-D expert weights stay in the load
+    dtype, the log says so in one line, and the split adapters on the experts train."""
+    pytest.importorskip("bitsandbytes")
+    import logging
+
+    from transformers import AutoModelForCausalLM
+
+    from memfit.techniques.lora import quantization_config
+
+    build_model("qwen3_moe").save_pretrained(tmp_path)
+    config = quantization_config(LoraConfig(lora_r=4, quantize="4bit"), torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=config, device_map={"": "cpu"})
+    assert type(base.model.layers[0].self_attn.q_proj.weight).__name__ == "Params4bit"
+    with caplog.at_level(logging.INFO, logger="memfit"):
+        model, summary = apply_lora(base, LoraConfig(lora_r=4, quantize="4bit"), gradient_checkpointing=False)
+    assert any("fused 3-D expert weights stay in the load dtype" in r.message for r in caplog.records)
+    assert summary.quantize == "4bit" and summary.expert_weights == 4
+    experts = model.get_base_model().model.layers[0].mlp.experts.base_layer.base_layer
+    assert experts.gate_up_proj.dtype == torch.float32
+    tokens = _tokens()
+    model(input_ids=tokens, labels=tokens).loss.backward()
+    assert all(p.grad is not None for n, p in model.named_parameters() if "experts" in n and p.requires_grad)
