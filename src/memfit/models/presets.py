@@ -195,7 +195,8 @@ def build_meta_model(hf_config: Any, attention: str | None = None) -> Any:
 
     kwargs = {"attn_implementation": attention} if attention else {}
     model_class = AutoModelForCausalLM
-    if any(name.endswith("ForMaskedLM") for name in getattr(hf_config, "architectures", None) or ()):
+    if any(name.endswith("ForMaskedLM") for name in getattr(hf_config, "architectures", None) or ()) or (
+            type(hf_config) not in AutoModelForCausalLM._model_mapping):  # ESM, ModernBERT: no causal-LM class
         from transformers import AutoModelForMaskedLM as model_class  # an encoder: built with its published head
     with torch.device("meta"):
         return model_class.from_config(hf_config, **kwargs)

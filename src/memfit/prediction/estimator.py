@@ -48,11 +48,10 @@ from memfit.prediction.activations import (
     ActivationTerms,
     Precision,
     activation_bytes,
-    architecture_of,
     layer_bytes_per_token,
-    logits_bytes,
     norm_module_bytes_per_token,
 )
+from memfit.prediction.encoders import architecture_for, backward_working_bytes, head_logits_bytes, task_head
 from memfit.prediction.experts import balancing_loss_bytes, moe_details
 from memfit.prediction.run_shape import (
     RunShape,
@@ -189,7 +188,7 @@ def estimate(
     moment = apply_sharding(moment, parts, sharding, world_size, hf_config, run,
                              notes.get("autocast_weight_copies_bytes", 0))
     packed_mask = packed_mask_estimate(config.data, config.training.batch_size, run.attention, run.checkpointing,
-                                       architecture_of(hf_config), precision_of(run).attention,
+                                       architecture_for(hf_config), precision_of(run).attention,
                                        config.model.attention, run.device_type, hf_config)
     if method == "analytical":  # every MoE layer's router logits, kept for the balancing loss (traced: in the step)
         moment["activations"] += balancing_loss_bytes(hf_config, config.training.batch_size * config.data.seq_len,
@@ -244,7 +243,7 @@ def estimate(
 def _host_activations(config: TrainConfig, run: RunShape, hf_config: Any) -> float:
     if not run.activation_offload:
         return 0.0
-    arch, precision = architecture_of(hf_config), precision_of(run)
+    arch, precision = architecture_for(hf_config), precision_of(run)
     terms = activation_bytes(
         arch, precision, batch_size=config.training.batch_size,
         seq_len=config.data.seq_len, attention=run.attention, checkpointing=run.checkpointing,
@@ -302,7 +301,8 @@ def _layer_per_token(run: RunShape, arch, hf_config, precision: Precision, seq_l
 
 
 def _analytical_peak(config, run: RunShape, hf_config, inventory, parts) -> tuple[dict, float, dict]:
-    arch = architecture_of(hf_config)
+    arch = architecture_for(hf_config)
+    head_shape = task_head(config, arch)  # the --task's head: vocabulary logits or a few labels (prediction.encoders)
     precision = precision_of(run)
     b, s = config.training.batch_size, config.data.seq_len
     full_offload = run.activation_offload and run.activation_offload_blocks is None
@@ -324,11 +324,11 @@ def _analytical_peak(config, run: RunShape, hf_config, inventory, parts) -> tupl
     if device_run is not run:
         terms = terms._replace(host=_host_activations(config, run, hf_config))
     activations, recompute, per_layer = terms.kept, terms.recompute, terms.per_layer
-    logits = logits_bytes(arch, b * (s - 1), run.loss_chunk_size, precision.compute, fused=run.fused_loss)
+    logits = head_logits_bytes(head_shape, arch, b, s, run.loss_chunk_size, precision.compute, run.fused_loss)
     # Backward frees a block's activations while its gradients appear: the peak is at the
     # first block (everything kept + the head's and one block's gradients) or the last
     # one (one block kept + every gradient), whichever is larger.
-    head = arch.vocab * arch.hidden * parts["trainable_bytes"] if not run.lora_r else 0
+    head = head_shape.outputs * arch.hidden * parts["trainable_bytes"] if not run.lora_r else 0
     block_grads = (parts["gradients"] - head) / max(1, arch.layers)
     largest_grad = parts["largest_trainable"] * parts["trainable_bytes"]
     step_temporaries = parts["optimizer_temporaries"]
@@ -336,7 +336,7 @@ def _analytical_peak(config, run: RunShape, hf_config, inventory, parts) -> tupl
     # embedding's (last); autograd adds them out of place before the weight's gradient exists:
     # the two and their sum are live together at the end of backward (measured with the tracker).
     tb, shapes = parts["trainable_bytes"], list(parts["trainable_shapes"])
-    tied = arch.tied_embeddings and not run.lora_r and (arch.vocab, arch.hidden) in shapes
+    tied = head_shape.tied and not run.lora_r and (arch.vocab, arch.hidden) in shapes
     tied_grad = arch.vocab * arch.hidden * tb if tied else 0.0
     tied_end = 0.0
     if run.optimizer_in_backward:
@@ -367,6 +367,7 @@ def _analytical_peak(config, run: RunShape, hf_config, inventory, parts) -> tupl
 
         tile_tokens = b * s / max(1, run.mlp_tiles)
         recompute += 4 * min(SLICE_ELEMENTS, tile_tokens * max(arch.intermediate, arch.hidden))
+    recompute += backward_working_bytes(arch, precision.compute, b * s)  # an encoder's own backward (ESM's GELU)
     released = terms.released_per_block
     fixed = activations - arch.layers * released  # the embedding side, uncheckpointed or offloaded blocks
     # autocast caches a 16-bit copy of each weight from its first use until backward is past it
@@ -376,7 +377,7 @@ def _analytical_peak(config, run: RunShape, hf_config, inventory, parts) -> tupl
     # The chunked loss runs the head once per chunk and autograd adds each chunk's head gradient
     # to the sum so far out of place: the sum, the chunk's and the new sum are live at once, with
     # every activation kept and before any block's gradient (measured with the tracker).
-    head_one = arch.vocab * arch.hidden * tb if not run.lora_r else 0
+    head_one = head_shape.outputs * arch.hidden * tb if not run.lora_r else 0
     head_sums = 2 * head_one if not run.fused_loss and 0 < run.loss_chunk_size < b * (s - 1) else 0
     if run.optimizer_in_backward and head_sums + head_one - head > largest_grad + step_temporaries:
         largest_grad, step_temporaries = head_sums + head_one - head, 0  # the head's hook waits for the sum
@@ -459,7 +460,7 @@ def _traced_peak(config, run: RunShape, hf_config, inventory, parts) -> tuple[di
         moment["parameters"] += parts["parameters"] - (inventory.total * 2 + 4 * parts["trainable_count"])
     if run.optimizer_offload or run.paged_optimizer:
         moment["optimizer_states"] = 0
-    arch = architecture_of(hf_config)
+    arch = architecture_for(hf_config)
     per_layer = activation_bytes(arch, precision_of(run), batch_size=config.training.batch_size,
                                  seq_len=config.data.seq_len, attention=run.attention, checkpointing="off")[2]
     notes = {"peak_phase": step.peak_phase, "phase_peaks": step.phase_peaks}

@@ -126,7 +126,6 @@ def _measure(config_json: str, weight_bytes: int, autocast: bool, attention: str
              lora_r: int = 0, efficient_norm: bool = False, efficient_lora: bool = False) -> tuple[float, float]:
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from transformers import AutoModelForCausalLM
 
     from memfit.prediction.fake_ops import FakeStepAnswers, quiet_meta_failures
 
@@ -137,7 +136,9 @@ def _measure(config_json: str, weight_bytes: int, autocast: bool, attention: str
     dtype = torch.float32 if weight_bytes == 4 else torch.bfloat16
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     with quiet_meta_failures(), fake, _real_mask_path():
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attention)
+        from memfit.prediction.encoders import is_encoder, probe_model_class  # an encoder's blocks: under its MLM head
+
+        model = probe_model_class(config).from_config(config, dtype=dtype, attn_implementation=attention)
         model.config.use_cache = False
         if lora_r:
             model = _with_adapters(model, lora_r)
@@ -172,6 +173,8 @@ def _measure(config_json: str, weight_bytes: int, autocast: bool, attention: str
         cast = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
         with cast, FakeStepAnswers(), torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
             backbone = model.get_decoder() if hasattr(model, "get_decoder") else model.base_model
+            if is_encoder(config):  # ModernBERT's masked LM names its vocabulary projection `decoder`
+                backbone = (model.get_base_model() if hasattr(model, "get_base_model") else model).base_model
             backbone(input_ids=input_ids)
         # the average block: each kind's bytes weighted by how many of the model's layers have it
         total = sum(storage.nbytes() * probed[block] for storage, block, _ in counted.values())
@@ -188,6 +191,10 @@ def _with_adapters(model: Any, rank: int) -> Any:
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     lora = LoraConfig(r=rank, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM")
+    from memfit.prediction.encoders import is_encoder
+
+    if is_encoder(model.config):  # a masked LM generates nothing: PEFT's plain wrapper, as the task's LoRA
+        lora.task_type = "FEATURE_EXTRACTION"
     # every module is already on the one fake device, and PEFT keeps adapters in fp32 either way
     with mock.patch.object(BaseTunerLayer, "_move_adapter_to_device_of_base_layer", lambda *a, **k: None), \
             mock.patch.object(torch.nn.Module, "to", lambda self, *a, **k: self):

@@ -154,7 +154,10 @@ def resolve_run(config: TrainConfig, hf_config: Any, gpu: GpuSpec | None) -> Run
         checkpointing = "full"  # auto checkpoints as few blocks as the budget allows: full is its upper bound
     chunk = config.memory.loss_chunk_size
     if chunk is None:
-        chunk = default_loss_chunk_size(hf_config.vocab_size, config.data.seq_len, config.training.batch_size)
+        from memfit.prediction.encoders import vocabulary_head  # a label head has no vocabulary logits to chunk
+
+        vocab = hf_config.vocab_size if vocabulary_head(config) else 0
+        chunk = default_loss_chunk_size(vocab, config.data.seq_len, config.training.batch_size)
     offload = config.memory.optimizer_offload or config.distributed.zero_offload or config.distributed.fsdp_offload
     fused_loss = _fused_loss_runs(config.memory.kernels, device_type, hf_config)
     weight_bytes = _BYTES[config.model.dtype]

@@ -25,6 +25,7 @@ Importing this module registers `trace_step` as the estimator's tracer
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Iterator
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -119,11 +120,16 @@ class _TracedSession:
     loaded: Any
     loss_chunk_size: int
     checkpointing: str
+    task: Any = None
 
 
 def _build_step(hf_config, train_config: TrainConfig, setup: StepSetup, fake: bool) -> tuple[StepRunner, list[dict]]:
     """The model, engine and step runner of a run shaped by `setup`, and one effective batch of samples."""
-    from transformers import AutoModelForCausalLM
+    import transformers
+
+    from memfit.prediction.encoders import traced_task
+
+    task, head_config, make_sample = traced_task(train_config, hf_config)  # the --task's head, loss and batches
 
     config = train_config.replace(
         gradient_checkpointing=setup.checkpointing,
@@ -133,12 +139,15 @@ def _build_step(hf_config, train_config: TrainConfig, setup: StepSetup, fake: bo
     )
     with _fake_module_moves() if fake else contextlib.nullcontext():
         # Under fake tensors model.to(dtype) fails: the dtype is given at construction instead.
-        model = AutoModelForCausalLM.from_config(
+        hf_config = copy.deepcopy(hf_config)
+        for key, value in head_config.items():
+            setattr(hf_config, key, value)
+        model = getattr(transformers, task.auto_class).from_config(
             hf_config, dtype=setup.weight_dtype, attn_implementation=setup.attention
         )
         model.config.use_cache = False
         model.train()
-        model, checkpointing = apply_model_techniques(config, model)
+        model, checkpointing = apply_model_techniques(config, model, task.peft_task_type)
     if not fake:
         model.to(setup.device)
     name = {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[setup.autocast_dtype]
@@ -156,14 +165,13 @@ def _build_step(hf_config, train_config: TrainConfig, setup: StepSetup, fake: bo
         loaded=SimpleNamespace(tokenizer=SimpleNamespace(pad_token_id=0)),
         loss_chunk_size=setup.loss_chunk_size,
         checkpointing=checkpointing,
+        task=task,
     )
     runner = StepRunner.from_session(session, micro_batch_size=setup.batch_size, oom_recovery=False)
-    vocab = model.get_output_embeddings().weight.shape[0]
+    vocab = model.get_input_embeddings().weight.shape[0]
     generator = torch.Generator().manual_seed(0)
-    samples = []
-    for _ in range(setup.batch_size):
-        ids = torch.randint(0, vocab, (setup.seq_len,), generator=generator)
-        samples.append({"input_ids": ids, "labels": ids.clone()})
+    samples = [make_sample(torch.randint(0, vocab, (setup.seq_len,), generator=generator))
+               for _ in range(setup.batch_size)]
     return runner, samples
 
 

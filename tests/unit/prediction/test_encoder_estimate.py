@@ -1,0 +1,176 @@
+"""Estimates of encoder models (BERT-like, ESM-like, ModernBERT) for every task, against the tracker's peak.
+
+The truth is the tracked peak of memfit's own training step on real tensors (`measure_step_with_tracker`), and
+for two configurations the tracked peak of a real `profile` run on a table: the analytical method stays within
+its 10 % band, the traced one (the same step on fake tensors) equals the measured step to the byte.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import memfit.train.traced  # noqa: F401  (registers the traced step)
+from memfit.config_loading import load_config
+from memfit.prediction.encoders import is_encoder, task_head
+from memfit.prediction.estimator import ERROR_BAND, estimate, resolve_run
+from memfit.prediction.traced import StepSetup
+from memfit.train.traced import measure_step_with_tracker
+from tiny_encoders import bert_config, dna_tokenizer, esm_config, write_csv
+
+MIB = 1024**2
+LABEL_FIELDS = {"token-classification": "tags", "regression": "value"}
+
+
+def encoder_config(family: str, vocab: int = 10):
+    """3 blocks, hidden 128, intermediate 4 x hidden (as the published encoders), `vocab` tokens."""
+    config = (bert_config if family == "bert" else esm_config)(layers=3, hidden=128, max_positions=1024)
+    config.intermediate_size, config.vocab_size = 512, vocab
+    config.architectures = ["BertForMaskedLM" if family == "bert" else "EsmForMaskedLM"]
+    return config
+
+
+def _measured(hf_config, config) -> int:
+    run = resolve_run(config, hf_config, None)
+    setup = StepSetup(config.training.batch_size, config.data.seq_len, {4: torch.float32, 2: torch.bfloat16}[run.weight_bytes],
+                      torch.bfloat16 if run.autocast else None, run.attention, run.checkpointing, run.checkpoint_every,
+                      run.loss_chunk_size, torch.device("cpu"))
+    return measure_step_with_tracker(hf_config, config, setup)
+
+
+def _config(task: str, **changes):
+    return load_config(overrides={"task": task, "label_fields": LABEL_FIELDS.get(task, "label"), "num_labels": 3,
+                                  "seq_len": 128, "batch_size": 2, **changes})
+
+
+TASKS = ["sequence-classification", "token-classification", "regression", "masked-lm"]
+
+
+@pytest.mark.parametrize("family", ["bert", "esm"])
+@pytest.mark.parametrize("task", TASKS)
+@pytest.mark.parametrize("changes", [{}, {"gradient_checkpointing": "full"}, {"lora_r": 8}],
+                         ids=["adamw", "full checkpointing", "lora"])
+def test_encoder_estimates_stay_within_their_band_of_the_tracked_step(family, task, changes):
+    hf_config = encoder_config(family, vocab=4096 if task == "masked-lm" else 10)
+    config = _config(task, **changes)
+    if task == "regression":
+        config.task.num_labels = 1
+    truth = _measured(hf_config, config)
+    traced = estimate(config, hf_config=hf_config, method="traced").peak_bytes
+    analytical = estimate(config, hf_config=hf_config).peak_bytes
+    print(f"{family} {task} {changes}: measured {truth} B, traced {traced} B, analytical {analytical} B "
+          f"({analytical / truth - 1:+.1%})")
+    assert traced == truth  # the task's own model, loss and batches on fake tensors, counted by the same tracker
+    assert abs(analytical / truth - 1) <= ERROR_BAND["analytical"]
+
+
+def test_the_masked_lm_head_is_counted_at_every_position_and_a_label_head_is_not():
+    """The vocabulary logits of a masked LM (every position, 4096 tokens) are most of what the head adds;
+    a classifier's few logits are nothing, and no loss chunk applies to them."""
+    hf_config = encoder_config("esm", vocab=40_000)
+    masked = estimate(_config("masked-lm"), hf_config=hf_config)
+    classified = estimate(_config("sequence-classification"), hf_config=hf_config)
+    assert masked.details["logits_bytes"] > 12 * 2 * 128 * 40_000 * 0.99  # b x s positions, not b x (s - 1)
+    assert classified.details["logits_bytes"] < 1024
+    assert masked.details["loss_chunk_size"] == 0  # 256 tokens: fewer than one chunk
+    assert estimate(_config("sequence-classification", seq_len=1024), hf_config=hf_config).details[
+        "loss_chunk_size"] == 0
+    assert estimate(_config("masked-lm", seq_len=1024), hf_config=hf_config).details["loss_chunk_size"] > 0
+    head = task_head(_config("token-classification"), __import__("memfit.prediction.encoders").prediction.encoders
+                     .architecture_for(hf_config))
+    assert head.outputs == 3 and head.per_token and not head.tied
+
+
+def test_esm_has_no_causal_lm_class_and_is_estimated_as_an_encoder():
+    hf_config = encoder_config("esm")
+    assert is_encoder(hf_config) and not is_encoder(bert_config().__class__(is_decoder=True))
+    result = estimate(_config("sequence-classification"), hf_config=hf_config)
+    assert result.details["activations_measured_from_model"] and result.peak_bytes > 0
+
+
+@pytest.fixture(scope="module")
+def equal_length_encoder(tmp_path_factory):
+    """A saved tiny ESM and a table of sequences that fill --seq-len 128 exactly ([CLS] + 126 bases + [SEP])."""
+    from transformers import AutoModelForMaskedLM
+
+    root = tmp_path_factory.mktemp("encoder")
+    torch.manual_seed(0)
+    AutoModelForMaskedLM.from_config(encoder_config("esm")).save_pretrained(root / "esm")
+    dna_tokenizer().save_pretrained(root / "esm")
+    rng = random.Random(0)
+    rows = [{"sequence": "".join(rng.choice("ACGT") for _ in range(126)), "label": "abc"[i % 3], "value": i / 10}
+            for i in range(12)]
+    return root / "esm", write_csv(root / "equal.csv", rows)
+
+
+def _profiled_peak(overrides: dict) -> int:
+    from memfit.train.profiling import profile_run
+
+    report, _ = profile_run(load_config(overrides=overrides))
+    return report.to_dict()["peak_bytes"]
+
+
+@pytest.mark.parametrize("task", ["sequence-classification", "regression"])
+def test_estimate_of_a_saved_encoder_matches_a_real_profiled_run(equal_length_encoder, tmp_path, task):
+    model, table = equal_length_encoder
+    overrides = dict(model=str(model), dataset=str(table), task=task, label_fields=LABEL_FIELDS.get(task, "label"),
+                     seq_len=128, batch_size=2, max_steps=2, output_dir=str(tmp_path / "out"), report=False)
+    truth = _profiled_peak(overrides)
+    config = load_config(overrides=overrides | ({"num_labels": 3} if task != "regression" else {}))
+    analytical = estimate(config).peak_bytes
+    traced = estimate(config, method="traced").peak_bytes
+    assert abs(analytical / truth - 1) <= ERROR_BAND["analytical"]
+    assert abs(traced / truth - 1) <= ERROR_BAND["traced"]
+
+
+def test_plan_maximize_batch_size_for_an_encoder_stays_under_the_budget_when_run(equal_length_encoder, tmp_path):
+    from memfit.prediction.planner import plan, plan_to_overrides
+
+    model, table = equal_length_encoder
+    budget = 40 * MIB
+    overrides = dict(model=str(model), dataset=str(table), task="sequence-classification", num_labels=3, seq_len=128,
+                     batch_size=1, max_steps=2, output_dir=str(tmp_path / "out"), report=False)
+    result = plan(load_config(overrides=overrides), budget_bytes=budget, allow="full", maximize="batch-size")
+    assert result.plan["batch_size"] >= 2
+    planned = plan_to_overrides(result)
+    planned["batch_size"] = min(planned["batch_size"], 12)  # the table's 12 rows: one step
+    assert _profiled_peak(overrides | planned) <= budget
+
+
+def test_plan_maximize_seq_len_for_an_encoder_is_capped_by_its_positions():
+    from memfit.prediction.planner import plan
+
+    hf_config = encoder_config("bert")
+    config = _config("sequence-classification", seq_len=64, batch_size=1)
+    longest = plan(config, budget_bytes=64 * MIB, allow="full", maximize="seq-len", hf_config=hf_config)
+    assert 64 < longest.plan["seq_len"] <= 1024  # BERT's learned positions
+    tighter = plan(config, budget_bytes=24 * MIB, allow="full", maximize="seq-len", hf_config=hf_config)
+    assert tighter.plan["seq_len"] < longest.plan["seq_len"] or longest.plan["seq_len"] == 1024
+    assert estimate(config.replace(seq_len=tighter.plan["seq_len"]), hf_config=hf_config, budget_bytes=24 * MIB).fits
+
+
+@pytest.mark.parametrize("preset", ["esm2-650m", "nt-v2-500m", "dnabert-2-117m", "modernbert-base"])
+def test_encoder_presets_estimate_offline_for_every_task(preset):
+    from memfit.models.presets import find_preset
+
+    if find_preset(preset) is None:
+        pytest.skip(f"no preset {preset}")
+    peaks = {task: estimate(load_config(overrides={"model": preset, "task": task, "seq_len": 512, "batch_size": 2,
+                                                   "gradient_checkpointing": "full"})).peak_bytes
+             for task in TASKS}
+    assert all(peak > 0 for peak in peaks.values())
+    # the masked LM's vocabulary logits at every position weigh more than a classifier's few
+    assert peaks["masked-lm"] > peaks["sequence-classification"]
+
+
+def test_estimate_cli_on_an_encoder_preset(capsys):
+    from memfit.cli.main import main
+
+    assert main(["estimate", "--model", "esm2-650m", "--task", "sequence-classification", "--seq-len", "1024",
+                 "--json"]) == 0
+    import json
+
+    result = json.loads(capsys.readouterr().out)
+    assert result["peak_bytes"] > 650e6 * 16  # weights, gradients and two AdamW moments in fp32
