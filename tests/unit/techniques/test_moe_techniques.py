@@ -72,6 +72,14 @@ def test_checkpointing_equals_no_checkpointing(plain, family, text_file, tmp_pat
     _assert_same(reference, _weights(result))
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_selective_checkpointing_equals_no_checkpointing(plain, family, text_file, tmp_path):
+    directory, reference = plain[family]
+    result = train(_config(directory, text_file, tmp_path, gradient_checkpointing="selective"))
+    assert result.summary["gradient_checkpointing"].startswith("selective")
+    _assert_same(reference, _weights(result))
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_oom_in_backward_is_recovered_exactly(plain, family, text_file, tmp_path):
     """An OOM raised when backward reaches the first block's query projection, for micro-batches above 2."""
