@@ -332,7 +332,7 @@ def plan(
     )
 
 
-TRIAL_CANDIDATES = 10
+TRIAL_CANDIDATES = 24
 """Distinct configurations a plan ranks for trials to time (the trials' cost bounds how many run)."""
 LOSSY_SPEEDUP = 1.2
 """A small-state optimizer's plan is chosen over an AdamW or 8-bit AdamW plan that fits only when it is expected to

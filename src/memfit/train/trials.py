@@ -161,7 +161,7 @@ def with_trials(config: TrainConfig, result: Any, hf_config: Any = None) -> tupl
     cached = cached_trials(key)
     scale = probe_scale(device)
     trials = [Trial(dict(r["plan"]), r["step_seconds"] * scale, r["estimated_peak_bytes"])
-              for r in comparable(result.ranked)[:MAX_TRIALS]]
+              for r in diverse(comparable(result.ranked))[:MAX_TRIALS]]
     for trial in trials:
         hit = cached.get(candidate_key(trial.plan))
         if hit:
@@ -199,6 +199,21 @@ def comparable(ranked: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
     return [r for r in ranked if family(r["plan"]) <= family(first) and
             all(a <= b for a, b in zip(family(r["plan"]), family(first), strict=True))]
+
+
+SHAPE_KEYS = ("batch_size", "gradient_checkpointing", "optimizer_in_backward", "precision", "dtype")
+
+
+def diverse(ranked: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`ranked` with the best of each shape (micro-batch, checkpointing, in backward, precision) first, in rank
+    order, and the rest after: the trials' few slots go to plans whose speed differs, not to one plan's loss-chunk
+    variants (which run at its speed, and over the cap where it does)."""
+    seen, first, rest = set(), [], []
+    for r in ranked:
+        shape = tuple(r["plan"].get(k) for k in SHAPE_KEYS)
+        (rest if shape in seen else first).append(r)
+        seen.add(shape)
+    return first + rest
 
 
 def _trial_cost_guess(trial: Trial, config: TrainConfig) -> float:
@@ -404,7 +419,7 @@ def attach_cached(config: TrainConfig, result: Any) -> None:
     if not cached:
         return
     shown = []
-    for r in comparable(result.ranked)[:MAX_TRIALS]:
+    for r in diverse(comparable(result.ranked))[:MAX_TRIALS]:
         trial = Trial(dict(r["plan"]), r["step_seconds"], r["estimated_peak_bytes"])
         hit = cached.get(candidate_key(trial.plan))
         if hit:

@@ -177,3 +177,12 @@ def test_report_shows_the_trials_of_a_planned_run():
     assert "Plan trials" in page and "Chosen by trials: fastest measured" in page
     assert page.count("<tr>") == 3 and "over cap" in page and "900.00 KiB" in page
     assert plan_trials_html(from_records([{"event": "start"}], "run", "here").events) == ""
+
+
+def test_trials_go_to_plans_of_different_shapes_first():
+    chunked = [{"plan": BIG | {"loss_chunk_size": c}, "step_seconds": 0.1, "estimated_peak_bytes": 1} for c in (0, 1024)]
+    other = {"plan": SMALL, "step_seconds": 0.2, "estimated_peak_bytes": 1}
+    order = trials.diverse([*chunked, other])
+    assert [r["plan"] for r in order] == [chunked[0]["plan"], SMALL, chunked[1]["plan"]]
+    lossy = {"plan": SMALL | {"optimizer": "apollo-mini"}, "step_seconds": 0.05, "estimated_peak_bytes": 1}
+    assert lossy not in trials.comparable([chunked[0], lossy])  # never chosen over AdamW for a few measured percent
