@@ -51,6 +51,15 @@ class Task:
     def prepare_model(self, model: torch.nn.Module, tokenizer: Any) -> None:
         """Last touches on a loaded model (a decoder's classification head pools at the last non-pad token)."""
 
+    head_modules: tuple[str, ...] = ()
+    """Names of the modules the task's head adds to the checkpoint's model (newly initialised, trained in full)."""
+
+    def keep_head_unquantized(self, quantization: Any) -> None:
+        """Keep the head's new modules out of --quantize: bitsandbytes quantizes weights as they load, and a module
+        the checkpoint lacks is initialised instead, left in a state its 4-bit forward cannot run."""
+        if quantization is not None and self.head_modules:
+            quantization.llm_int8_skip_modules = list(self.head_modules)
+
     # -- the data --------------------------------------------------------------
 
     def load_data(self, data_config: Any, tokenizer: Any, *, role: str = "training", **options: Any) -> Any:

@@ -127,6 +127,7 @@ class SequenceClassificationTask(TableTask):
     auto_class = "AutoModelForSequenceClassification"
     unit = "samples"
     peft_task_type = "SEQ_CLS"
+    head_modules = ("classifier", "score", "pooler.dense")  # BERT/ESM classifier, BERT pooler, a decoder score
     sequence_level = True
 
     def __init__(self, config: Any):
@@ -179,6 +180,7 @@ class TokenClassificationTask(TableTask):
     name = "token-classification"
     auto_class = "AutoModelForTokenClassification"
     peft_task_type = "TOKEN_CLS"
+    head_modules = ("classifier", "score")
     label_kind = "tokens"
     metric_kind = "tokens"
 

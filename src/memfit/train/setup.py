@@ -154,6 +154,7 @@ def _build_session(config: TrainConfig) -> TrainingSession:
         from memfit.techniques.lora import quantization_config
 
         quantization = quantization_config(config.lora, precision.autocast_dtype or torch.float32)
+        task.keep_head_unquantized(quantization)  # a new classifier (and pooler) is built, not loaded: never 4/8-bit
     else:
         quantization = None
     if config.model.dtype == "fp16" and config.lora.lora_r == 0:
@@ -265,7 +266,11 @@ def apply_model_techniques(config: TrainConfig, model: torch.nn.Module,
 
     tiles = tiles_for(config.data.seq_len, config.memory.tiled_mlp)
     if tiles > 1:
-        log.info("memfit: tiled MLP: %s", apply_tiled_mlp(model, tiles))
+        tiled = apply_tiled_mlp(model, tiles)
+        if config.memory.tiled_mlp and tiled.startswith("off"):  # asked for and nothing to tile: refused, not ignored
+            raise UsageError(f"--tiled-mlp {config.memory.tiled_mlp}: the blocks of {type(model).__name__} have no MLP"
+                             " module (mlp, feed_forward or ffn) to tile; drop --tiled-mlp")
+        log.info("memfit: tiled MLP: %s", tiled)
     if config.memory.efficient_norm:
         from memfit.techniques.rms_norm import apply_efficient_rms_norm
 
