@@ -5,7 +5,8 @@ shape, under `--memory-cap 24GiB`, train 3 steps of
 
 1. QLoRA (rank 32, every linear) at the longest context `memfit plan --maximize seq-len`
    finds for the cap, and
-2. the full fine-tune at batch 2, seq 2048, as `memfit plan --allow full` configures it,
+2. the full fine-tune at batch 2, seq 2048, as `memfit plan --allow full` configures it (the frontier: nothing
+   paged to the host), and beside it (GPU only) the same run with paged 8-bit AdamW, torchtune's recipe,
 
 and record torch.cuda.max_memory_allocated / max_memory_reserved, the tracker's peak and
 host peak, and tokens/s beside the planner's estimate (device and host).
@@ -84,6 +85,24 @@ def _plans(model: str, cap: int, gpu, full_seq: int, host_memory: int | None) ->
     full = plan(load_config(overrides={"model": model, "seq_len": full_seq, "batch_size": 2}),
                 budget_bytes=cap, gpu=gpu, allow="full", host_memory=host_memory)
     return {"QLoRA r32 all-linear, longest context": qlora, f"full fine-tune, batch 2, seq {full_seq}": full}
+
+
+def _paged_beside(model: str, full, cap: int, gpu) -> Any:
+    """The full fine-tune's plan with paged 8-bit AdamW and no activation offload: torchtune's recipe, and the paged
+    plan the planner compares its choice with ("nothing paged to the host: expected ...x")."""
+    from types import SimpleNamespace
+
+    from memfit.config_loading import load_config
+    from memfit.prediction.estimator import estimate
+
+    changes = {k: v for k, v in full.plan.items() if k not in ("optim_target_modules", "activation_offload_blocks")}
+    changes.update(optimizer="paged-adamw-8bit", activation_offload=False)
+    est = estimate(load_config(overrides={"model": model, **changes}), gpu=gpu, budget_bytes=cap)
+    command = " ".join(["memfit", "train", "--model", model] + [f"--{k.replace('_', '-')} {v}" for k, v in changes.items()
+                                              if not isinstance(v, bool)] + [f"--{k.replace('_', '-')}" for k, v in
+                                                                             changes.items() if v is True])
+    return SimpleNamespace(plan=changes, estimated_peak_bytes=est.peak_bytes, host_bytes=est.host_bytes,
+                           command=command, trades=[])
 
 
 def _measure(model: str, result, cap: int, steps: int, workdir: Path, device: str) -> dict[str, Any]:
@@ -177,6 +196,10 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
         model = "preset:llama-3.1-8b" if device == "cuda" else _cpu_model(workdir / "model", shape)
         full_seq = 2048 if device == "cuda" else (128 if args.quick else 512)
         plans = _plans(model, cap, _gpu_spec(cap, device), full_seq, host_memory)
+        if device == "cuda":  # bitsandbytes pages state through CUDA unified memory: no CPU equivalent
+            full_name = next(name for name in plans if name.startswith("full"))
+            plans[f"{full_name}, paged 8-bit AdamW"] = _paged_beside(model, plans[full_name], cap,
+                                                                          _gpu_spec(cap, device))
         rows = {}
         for name, result in plans.items():
             print(f"{name}: {result.command}", file=sys.stderr)

@@ -59,10 +59,12 @@ def refusal_under_sharding(optimizer: str) -> str | None:
                 " full matrix), which sharded training splits over ranks: use --sharding ddp")
     if optimizer == "adam-mini":
         return ("--optimizer adam-mini averages its second moment over whole attention heads and rows, which"
-                " sharded training splits over ranks: use --sharding ddp")
+                " sharded training splits over ranks, and adam-mini reduces them across ranks only on CUDA (it counts"
+                " ranks with torch.cuda.device_count()): use --sharding ddp")
     if optimizer == "adamw-4bit":
-        return ("--optimizer adamw-4bit: torchao's compiled step cannot update sharded parameters here:"
-                " use --sharding ddp, or --optimizer adamw-8bit under FSDP")
+        return ("--optimizer adamw-4bit: torchao's step takes FSDP2's sharded parameters, but memfit's sharded"
+                " checkpoints do not yet save and resume its 4-bit state tensors exactly: use --sharding ddp, or"
+                " --optimizer adamw-8bit under FSDP")
     return None
 
 

@@ -224,13 +224,14 @@ def layer_bytes_per_token(arch: Architecture, precision: Precision, attention: s
 
 
 def checkpointed_layer_bytes_per_token(arch: Architecture, precision: Precision) -> float:
-    """What a fully checkpointed block keeps: its input and output (the residual stream).
+    """What a fully checkpointed block keeps: its input (the residual stream).
 
-    With LoRA the output is not needed for a weight gradient: a block keeps its input alone
-    (tracked: 16 checkpointed blocks keep 16 residual-stream tensors, fp32 and bf16 alike).
+    A block's output is the next block's input, so each block adds one residual-stream tensor,
+    with LoRA and without (tracked: 8 checkpointed Llama blocks, bf16 weights and fp32 under
+    autocast, and the 32-block Llama-3.1-8B shape at 1/1024 scale keep one tensor per block; the
+    last block's output is the final norm's input, counted with the model's edges).
     """
-    copies = 1.0 if precision.lora_rank else 2.0
-    return copies * precision.residual * arch.hidden + (arch.hidden if arch.dropout > 0 else 0)
+    return precision.residual * arch.hidden + (arch.hidden if arch.dropout > 0 else 0)
 
 
 def selective_layer_bytes_per_token(arch: Architecture, precision: Precision) -> float:

@@ -95,6 +95,10 @@ def technique_grid(mode: str, config: TrainConfig, gpu: GpuSpec | None, seq_len:
                 config, "optim_target_modules"):
             changes["optim_target_modules"] = PLANNING[optimizer].planned_targets
         grid.append(changes)
+        if act_offload and oib and full and checkpointing == "full" and not user_set(config, "activation_offload_blocks"):
+            # In backward an untied head is stepped with every checkpoint live: offloading them all lowers that
+            # moment, where the fewest blocks that fit (the planner's default) would leave them on the device
+            grid.append({**changes, "activation_offload_blocks": None})
     if not cuda and config.memory.precision == "auto" and not user_set(config, "precision"):
         from memfit.prediction.calibration import native_bf16
 

@@ -53,6 +53,7 @@ from memfit.prediction.activations import (
 )
 from memfit.prediction.encoders import architecture_for, backward_working_bytes, head_logits_bytes, task_head
 from memfit.prediction.experts import balancing_loss_bytes, moe_details
+from memfit.prediction.in_backward import untied_edge_steps
 from memfit.prediction.run_shape import (
     RunShape,
     apply_sharding,
@@ -351,7 +352,9 @@ def _analytical_peak(config, run: RunShape, hf_config, inventory, parts) -> tupl
             tied_end = tied_grad + max(2 * tied_grad, 0 if run.optimizer_offload else in_backward_step_temporary_bytes(
                 run.optimizer, arch.vocab * arch.hidden, tb))
         head, block_grads = tied_grad, 0.0
-        largest = max((math.prod(shape) for shape in shapes), default=0)
+        # An untied head and embedding are stepped apart from the blocks (`untied_edge_steps`)
+        untied_edges = [] if tied or run.lora_r else [shape for shape in shapes if arch.vocab in shape]
+        largest = max((math.prod(shape) for shape in shapes if shape not in untied_edges), default=0)
         largest_grad = largest * tb
         step_temporaries = 0 if run.optimizer_offload else in_backward_step_temporary_bytes(run.optimizer, largest, tb)
     if run.checkpointing != "off" and run.lora_r and (run.weight_bytes == 2 or not run.autocast):
@@ -379,7 +382,11 @@ def _analytical_peak(config, run: RunShape, hf_config, inventory, parts) -> tupl
     # every activation kept and before any block's gradient (measured with the tracker).
     head_one = head_shape.outputs * arch.hidden * tb if not run.lora_r else 0
     head_sums = 2 * head_one if not run.fused_loss and 0 < run.loss_chunk_size < b * (s - 1) else 0
-    if run.optimizer_in_backward and head_sums + head_one - head > largest_grad + step_temporaries:
+    edge_grads, edge_temporaries, end_grad, end_temporaries = untied_edge_steps(
+        run, untied_edges, head_one // max(1, tb), tb, head_sums + head_one) if run.optimizer_in_backward else (0.0,) * 4
+    if end_grad:  # the embedding, stepped last like a tied one
+        tied_grad, tied_end = end_grad, end_grad + end_temporaries
+    if run.optimizer_in_backward and not edge_grads and head_sums + head_one - head > largest_grad + step_temporaries:
         largest_grad, step_temporaries = head_sums + head_one - head, 0  # the head's hook waits for the sum
     first_grads = block_grads if run.optimizer_in_backward else max(block_grads, head_sums)
     at_first_block = activations + cache + first_grads
@@ -404,6 +411,10 @@ def _analytical_peak(config, run: RunShape, hf_config, inventory, parts) -> tupl
     backward = resident + accumulated + backward_activations + recompute + head + in_flight_grads
     if run.optimizer_in_backward:
         backward += largest_grad + step_temporaries
+        at_head_step = resident + backward_activations + edge_grads + edge_temporaries  # no block recomputed yet
+        if edge_grads and at_head_step > backward:
+            backward, recompute, head, in_flight_grads = at_head_step, 0.0, 0.0, 0.0
+            largest_grad, step_temporaries = edge_grads, edge_temporaries
         optimizer_step = resident + tied_end  # the steps ran inside backward; a tied embedding's last
     else:
         # every gradient exists from the end of backward (a tied embedding's sum) through the step

@@ -306,7 +306,7 @@ def plan(
         chosen.sort(key=lambda c: (c.changes.get("dtype") == "bf16" and not c.changes.get("lora_r"),
                                    -c.tokens_per_second, distance_from_adamw(c.changes.get("optimizer")),
                                    c.estimate.peak_bytes))
-        chosen = _closest_to_adamw_first(chosen)
+        chosen = _smaller_peak_first(_closest_to_adamw_first(chosen), budget)
     best = chosen[0]
     alternatives = [_describe(c, best) for c in _distinct(chosen)[1:3]]
     ranked = [{"plan": dict(c.changes), "step_seconds": c.step_seconds, "estimated_peak_bytes": c.estimate.peak_bytes}
@@ -346,6 +346,26 @@ def _closest_to_adamw_first(ranked: list[Candidate]) -> list[Candidate]:
     if exact and ranked[0] is not exact[0] and ranked[0].tokens_per_second < LOSSY_SPEEDUP * exact[0].tokens_per_second:
         return exact
     return ranked
+
+
+PEAK_TIE = 0.03
+"""When the fastest plan fills more than TIGHT of the budget, plans expected within this fraction of its tokens/s, with
+its optimizer and weight dtype, count as equally fast: the smallest peak among them is chosen (headroom against the
+estimate's error band)."""
+TIGHT = 0.8
+
+
+def _smaller_peak_first(ranked: list[Candidate], budget: int) -> list[Candidate]:
+    """`ranked` with the smallest-peak plan among those as fast as its best (PEAK_TIE) moved to the front, when the
+    best fills more than TIGHT of the budget (with room to spare the fastest stays first)."""
+    best = ranked[0]
+    if best.estimate.peak_bytes <= TIGHT * budget:
+        return ranked
+    same = [c for c in ranked if c.tokens_per_second >= (1 - PEAK_TIE) * best.tokens_per_second
+            and c.changes.get("optimizer") == best.changes.get("optimizer")
+            and c.changes.get("dtype") == best.changes.get("dtype")]
+    smallest = min(same, key=lambda c: c.estimate.peak_bytes)
+    return [smallest] + [c for c in ranked if c is not smallest]
 
 
 def _paged_comparison(best: Candidate, everything: list[Candidate], search: _Search) -> str | None:

@@ -14,7 +14,7 @@ from memfit.config import TrainConfig
 from memfit.gpus import GpuSpec
 from memfit.models.optimizer_state import PLANNING
 from memfit.prediction.activations import architecture_of
-from memfit.prediction.estimator import Estimate
+from memfit.prediction.estimator import CUDA_CONTEXT_BYTES, FRAGMENTATION, Estimate
 from memfit.prediction.plan_result import Candidate
 from memfit.units import GIB
 
@@ -67,6 +67,11 @@ def trade_offs(candidate: Candidate, config: TrainConfig, hf_config: Any, gpu: G
     if c.get("compile"):
         lines.append("compiled blocks (--compile): the first step compiles one block with torch.compile (tens of"
                      " seconds on a CPU, once per run), which the planned tokens/s leave out")
+    allocated = est.details.get("allocated_peak_bytes")
+    if allocated:
+        lines.append(f"peak {est.peak_bytes / GIB:.2f} GiB: {allocated / GIB:.2f} GiB allocated to tensors (what"
+                     f" torch.cuda.max_memory_allocated reports) + {CUDA_CONTEXT_BYTES / GIB:.1f} GiB CUDA context +"
+                     f" {100 * FRAGMENTATION:.0f} % allocator slack")
     if est.host_bytes:
         available = est.host_available_bytes
         limit = f" (planned within {host_limit / GIB:.0f} GiB of host memory)" if host_limit else ""
