@@ -107,4 +107,4 @@ def test_a_plan_stopped_by_device_memory_says_so_and_names_the_flag():
     config = load_config(overrides={"model": "tiny", "seq_len": 256})
     with pytest.raises(DoesNotFitError, match=r"^device memory stopped it: needs \d+\.\d GiB with everything on,"
                        r" \d+\.\d GiB over the --memory-budget .*\(--gpu / --memory-budget set it\)"):
-        plan(config, budget_bytes=16 * MIB, host_memory=64 * GIB)
+        plan(config, budget_bytes=1 * MIB, host_memory=64 * GIB)
