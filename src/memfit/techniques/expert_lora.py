@@ -188,7 +188,11 @@ def _split_lora_forward(chain: _Chain, hidden_states: torch.Tensor, top_k_index:
     order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
     expert_ids = flat[order]
     x = hidden_states[order // top_k]
-    counts = torch.bincount(expert_ids, minlength=experts.num_experts)
+    # histc, not bincount: a fixed number of bins keeps the shapes static (fake tensors of the traced estimate,
+    # CUDA graphs); its CPU kernel takes floats, its CUDA kernel integers under deterministic algorithms.
+    on_cpu = expert_ids.device.type in ("cpu", "mps")
+    counts = torch.histc(expert_ids.float() if on_cpu else expert_ids.int(), bins=experts.num_experts, min=0,
+                         max=experts.num_experts - 1)
     offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
     first = "gate_up_proj" if experts.has_gate else "up_proj"
     h = _project(chain, first, x, expert_ids, offsets)
