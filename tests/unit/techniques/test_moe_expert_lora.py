@@ -231,3 +231,39 @@ def test_qlora_quantizes_the_linears_and_says_the_fused_experts_stay_unquantized
     tokens = _tokens()
     model(input_ids=tokens, labels=tokens).loss.backward()
     assert all(p.grad is not None for n, p in model.named_parameters() if "experts" in n and p.requires_grad)
+
+
+def test_a_lora_run_with_expert_adapters_resumes_exactly(text_file, tmp_path):
+    """The expert adapters are saved in the checkpoint and read back (Mixtral: PEFT renames such keys for
+    transformers 4 adapters): a resumed run ends with the uninterrupted run's adapter weights."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from memfit.checkpoint_files import list_checkpoints
+    from memfit.config_loading import load_config
+    from memfit.train.loop import train
+    from model_zoo import save_family
+
+    directory = save_family("mixtral", tmp_path / "model")
+
+    def config(out, **extra):
+        return load_config(overrides=dict(
+            model=str(directory), dataset=str(text_file), seq_len=32, batch_size=2, max_steps=2, lora_r=4,
+            packing=False, report=False, optimizer="sgd", momentum=0.0, max_grad_norm=0.0, lr=1.0,
+            warmup_steps=0, lr_schedule="constant", output_dir=str(out), **extra))
+
+    straight = train(config(tmp_path / "straight"))
+    train(config(tmp_path / "killed", save_every=1))
+    for checkpoint in list_checkpoints(tmp_path / "killed"):
+        if checkpoint.name != "step-1":
+            shutil.rmtree(checkpoint)
+    shutil.rmtree(tmp_path / "killed" / "final")
+    (tmp_path / "killed" / "metrics.jsonl").unlink()
+    resumed = train(config(tmp_path / "killed", resume="auto"))
+    expected = load_file(str(straight.final_dir / "adapter_model.safetensors"))
+    got = load_file(str(resumed.final_dir / "adapter_model.safetensors"))
+    assert any("experts" in name and "lora_B" in name for name in expected)
+    assert any(float(t.abs().max()) > 0 for n, t in expected.items() if "experts" in n and "lora_B" in n)
+    for name, tensor in expected.items():
+        torch.testing.assert_close(got[name], tensor, atol=1e-6, rtol=0, msg=name)
