@@ -4,6 +4,8 @@ A fake tensor has no values and runs each operator's meta kernel. Two things a r
 
 - scalar reads ("is the attention mask all ones", target-token counts, the optimizer's step counter, the loss
   read at the end of a step): any plausible value;
+- `torch.bincount(expert_ids, minlength=experts)` (tokens per expert, memfit's split LoRA): its length depends on
+  the values, which a fake tensor lacks; the ids are below `minlength`, so that is its length;
 - `torch._grouped_mm`, which transformers 5 runs for fused experts: its meta kernel accepts bf16 only, while the
   CPU kernel also runs fp32 and fp16 (a real fp32 MoE step works, its trace did not). The output of a grouped
   matmul is one new tensor whose shape follows from the inputs' shapes alone, so it is made here in the dtype the
@@ -54,6 +56,12 @@ class FakeStepAnswers(TorchDispatchMode):
             offs = args[2] if len(args) > 2 else kwargs.get("offs")
             out_dtype = (args[4] if len(args) > 4 else kwargs.get("out_dtype")) or mat_a.dtype
             return torch.empty(grouped_mm_output_shape(mat_a, mat_b, offs), dtype=out_dtype, device=mat_a.device)
+        if func is torch.ops.aten.bincount.default and _is_fake(args[0]):
+            minlength = args[2] if len(args) > 2 else kwargs.get("minlength", 0)
+            if minlength:  # tokens per expert: the ids are below the expert count the caller passes as minlength
+                weights = args[1] if len(args) > 1 else kwargs.get("weights")
+                dtype = torch.int64 if weights is None else weights.dtype
+                return torch.zeros(minlength, dtype=dtype, device=args[0].device)
         return func(*args, **kwargs)
 
 

@@ -183,14 +183,21 @@ def _measure(config_json: str, weight_bytes: int, autocast: bool, attention: str
 
 
 def _with_adapters(model: Any, rank: int) -> Any:
-    """PEFT adapters on every linear, on fake tensors (whose storage cannot be swapped by Module.to)."""
+    """PEFT adapters where `memfit train --lora-r` puts them, on fake tensors (whose storage Module.to cannot swap)."""
     from unittest import mock
 
     import torch
     from peft import LoraConfig, get_peft_model
     from peft.tuners.tuners_utils import BaseTunerLayer
 
-    lora = LoraConfig(r=rank, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM")
+    from memfit.techniques.lora import resolve_targets
+
+    # memfit train's default targets: the blocks' linears PEFT accepts for the family (not Mamba's out_proj or
+    # conv1d) and the fused experts, run by memfit's split LoRA
+    targets = resolve_targets(model, "auto")
+    experts = targets.experts.parameters
+    lora = LoraConfig(r=rank, lora_alpha=16, target_modules=targets.modules, target_parameters=experts or None,
+                      task_type="CAUSAL_LM")
     from memfit.prediction.encoders import is_encoder
 
     if is_encoder(model.config):  # a masked LM generates nothing: PEFT's plain wrapper, as the task's LoRA
@@ -198,7 +205,12 @@ def _with_adapters(model: Any, rank: int) -> Any:
     # every module is already on the one fake device, and PEFT keeps adapters in fp32 either way
     with mock.patch.object(BaseTunerLayer, "_move_adapter_to_device_of_base_layer", lambda *a, **k: None), \
             mock.patch.object(torch.nn.Module, "to", lambda self, *a, **k: self):
-        return get_peft_model(model, lora)
+        model = get_peft_model(model, lora)
+    if experts:
+        from memfit.techniques.expert_lora import apply_split_lora
+
+        apply_split_lora(model)
+    return model
 
 
 def _with_layers(config: Any, layers: int) -> Any:
