@@ -136,9 +136,13 @@ def _measure(config_json: str, weight_bytes: int, autocast: bool, attention: str
     dtype = torch.float32 if weight_bytes == 4 else torch.bfloat16
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     with quiet_meta_failures(), fake, _real_mask_path():
+        from transformers.initialization import no_init_weights
+
         from memfit.prediction.encoders import is_encoder, probe_model_class  # an encoder's blocks: under its MLM head
 
-        model = probe_model_class(config).from_config(config, dtype=dtype, attn_implementation=attention)
+        # fake weights need no values: ModernBERT's trunc_normal_ initialisation stalls on them
+        with no_init_weights() if is_encoder(config) else contextlib.nullcontext():
+            model = probe_model_class(config).from_config(config, dtype=dtype, attn_implementation=attention)
         model.config.use_cache = False
         if lora_r:
             model = _with_adapters(model, lora_r)

@@ -140,7 +140,7 @@ def test_plan_maximize_batch_size_for_an_encoder_stays_under_the_budget_when_run
 
 
 def test_plan_maximize_seq_len_for_an_encoder_is_capped_by_its_positions():
-    from memfit.prediction.planner import plan
+    from memfit.prediction.planner import MARGIN, plan, plan_to_overrides
 
     hf_config = encoder_config("bert")
     config = _config("sequence-classification", seq_len=64, batch_size=1)
@@ -148,7 +148,10 @@ def test_plan_maximize_seq_len_for_an_encoder_is_capped_by_its_positions():
     assert 64 < longest.plan["seq_len"] <= 1024  # BERT's learned positions
     tighter = plan(config, budget_bytes=24 * MIB, allow="full", maximize="seq-len", hf_config=hf_config)
     assert tighter.plan["seq_len"] < longest.plan["seq_len"] or longest.plan["seq_len"] == 1024
-    assert estimate(config.replace(seq_len=tighter.plan["seq_len"]), hf_config=hf_config, budget_bytes=24 * MIB).fits
+    planned = config.replace(**plan_to_overrides(tighter))
+    assert estimate(planned, hf_config=hf_config, budget_bytes=24 * MIB).fits
+    twice = planned.replace(seq_len=2 * planned.data.seq_len)
+    assert twice.data.seq_len > 1024 or not estimate(twice, hf_config=hf_config, budget_bytes=24 * MIB * (1 - MARGIN)).fits
 
 
 @pytest.mark.parametrize("preset", ["esm2-650m", "nt-v2-500m", "dnabert-2-117m", "modernbert-base"])
@@ -157,12 +160,12 @@ def test_encoder_presets_estimate_offline_for_every_task(preset):
 
     if find_preset(preset) is None:
         pytest.skip(f"no preset {preset}")
-    peaks = {task: estimate(load_config(overrides={"model": preset, "task": task, "seq_len": 512, "batch_size": 2,
-                                                   "gradient_checkpointing": "full"})).peak_bytes
-             for task in TASKS}
-    assert all(peak > 0 for peak in peaks.values())
+    results = {task: estimate(load_config(overrides={"model": preset, "task": task, "seq_len": 512, "batch_size": 2,
+                                                     "gradient_checkpointing": "full"})) for task in TASKS}
+    assert all(result.peak_bytes > 0 for result in results.values())
     # the masked LM's vocabulary logits at every position weigh more than a classifier's few
-    assert peaks["masked-lm"] > peaks["sequence-classification"]
+    assert results["masked-lm"].details["logits_bytes"] > 1000 * results["sequence-classification"].details[
+        "logits_bytes"]
 
 
 def test_estimate_cli_on_an_encoder_preset(capsys):
