@@ -127,7 +127,7 @@ def _build_step(hf_config, train_config: TrainConfig, setup: StepSetup, fake: bo
     """The model, engine and step runner of a run shaped by `setup`, and one effective batch of samples."""
     import transformers
 
-    from memfit.prediction.encoders import traced_task
+    from memfit.prediction.encoders import is_encoder, traced_task
 
     task, head_config, make_sample = traced_task(train_config, hf_config)  # the --task's head, loss and batches
 
@@ -142,9 +142,13 @@ def _build_step(hf_config, train_config: TrainConfig, setup: StepSetup, fake: bo
         hf_config = copy.deepcopy(hf_config)
         for key, value in head_config.items():
             setattr(hf_config, key, value)
-        model = getattr(transformers, task.auto_class).from_config(
-            hf_config, dtype=setup.weight_dtype, attn_implementation=setup.attention
-        )
+        from transformers.initialization import no_init_weights
+
+        # fake weights need no values (ModernBERT's trunc_normal_ initialisation stalls on them)
+        with no_init_weights() if fake and is_encoder(hf_config) else contextlib.nullcontext():
+            model = getattr(transformers, task.auto_class).from_config(
+                hf_config, dtype=setup.weight_dtype, attn_implementation=setup.attention
+            )
         model.config.use_cache = False
         model.train()
         model, checkpointing = apply_model_techniques(config, model, task.peft_task_type)
