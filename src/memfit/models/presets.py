@@ -19,6 +19,7 @@ from typing import Any
 from memfit.config_loading import suggest
 from memfit.errors import UsageError
 from memfit.models.presets_encoders import ENCODER_PRESETS
+from memfit.models.presets_moe import MOE_AND_RECENT_PRESETS
 
 
 @dataclass(frozen=True)
@@ -97,10 +98,7 @@ MODEL_PRESETS: dict[str, ModelPreset] = {
 
 
 MODEL_PRESETS.update(ENCODER_PRESETS)  # DNA and protein encoders: models.presets_encoders
-# mixtures of experts and recent dense decoders: models.presets_moe (imported here, once ModelPreset exists)
-from memfit.models.presets_moe import MOE_AND_RECENT_PRESETS  # noqa: E402
-
-MODEL_PRESETS.update(MOE_AND_RECENT_PRESETS)
+MODEL_PRESETS.update({name: ModelPreset(*row) for name, row in MOE_AND_RECENT_PRESETS.items()})  # models.presets_moe
 
 
 def _preset_key(name: str) -> str:

@@ -9,8 +9,6 @@ it; gpt-oss ships its experts in MXFP4, and a preset (like `memfit train`) build
 
 from __future__ import annotations
 
-from memfit.models.presets import ModelPreset
-
 _QWEN3 = {"rope_theta": 1000000.0}
 # gpt-oss: attention sinks, alternating 128-token sliding and full attention, YaRN from 4096 positions
 _GPT_OSS = {
@@ -23,48 +21,48 @@ _LLAMA33_ROPE = {"rope_theta": 500000.0, "rope_scaling": {
     "original_max_position_embeddings": 8192}}
 
 MOE_PRESETS = (
-    ModelPreset("gpt-oss-20b", "openai/gpt-oss-20b", "gpt_oss", 2880, 24, 64, 8, 2880, 201088, 131072, False,
+    ("gpt-oss-20b", "openai/gpt-oss-20b", "gpt_oss", 2880, 24, 64, 8, 2880, 201088, 131072, False,
                 _GPT_OSS | {"num_local_experts": 32}),
-    ModelPreset("gpt-oss-120b", "openai/gpt-oss-120b", "gpt_oss", 2880, 36, 64, 8, 2880, 201088, 131072, False,
+    ("gpt-oss-120b", "openai/gpt-oss-120b", "gpt_oss", 2880, 36, 64, 8, 2880, 201088, 131072, False,
                 _GPT_OSS | {"num_local_experts": 128}),
-    ModelPreset("qwen3-30b-a3b", "Qwen/Qwen3-30B-A3B", "qwen3_moe", 2048, 48, 32, 4, 6144, 151936, 40960, False,
+    ("qwen3-30b-a3b", "Qwen/Qwen3-30B-A3B", "qwen3_moe", 2048, 48, 32, 4, 6144, 151936, 40960, False,
                 _QWEN3 | {"head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
                           "norm_topk_prob": True}),
-    ModelPreset("qwen3-235b-a22b", "Qwen/Qwen3-235B-A22B", "qwen3_moe", 4096, 94, 64, 4, 12288, 151936, 40960, False,
+    ("qwen3-235b-a22b", "Qwen/Qwen3-235B-A22B", "qwen3_moe", 4096, 94, 64, 4, 12288, 151936, 40960, False,
                 _QWEN3 | {"head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8,
                           "moe_intermediate_size": 1536, "norm_topk_prob": True}),
-    ModelPreset("mixtral-8x7b", "mistralai/Mixtral-8x7B-v0.1", "mixtral", 4096, 32, 32, 8, 14336, 32000, 32768, False,
+    ("mixtral-8x7b", "mistralai/Mixtral-8x7B-v0.1", "mixtral", 4096, 32, 32, 8, 14336, 32000, 32768, False,
                 {"rope_theta": 1000000.0, "num_local_experts": 8, "num_experts_per_tok": 2}),
-    ModelPreset("olmoe-1b-7b", "allenai/OLMoE-1B-7B-0924", "olmoe", 2048, 16, 16, 16, 1024, 50304, 4096, False,
+    ("olmoe-1b-7b", "allenai/OLMoE-1B-7B-0924", "olmoe", 2048, 16, 16, 16, 1024, 50304, 4096, False,
                 {"num_experts": 64, "num_experts_per_tok": 8}),
 )
 
 DENSE_PRESETS = (
-    ModelPreset("qwen3-0.6b", "Qwen/Qwen3-0.6B", "qwen3", 1024, 28, 16, 8, 3072, 151936, 40960, True,
+    ("qwen3-0.6b", "Qwen/Qwen3-0.6B", "qwen3", 1024, 28, 16, 8, 3072, 151936, 40960, True,
                 _QWEN3 | {"head_dim": 128}),
-    ModelPreset("qwen3-1.7b", "Qwen/Qwen3-1.7B", "qwen3", 2048, 28, 16, 8, 6144, 151936, 40960, True,
+    ("qwen3-1.7b", "Qwen/Qwen3-1.7B", "qwen3", 2048, 28, 16, 8, 6144, 151936, 40960, True,
                 _QWEN3 | {"head_dim": 128}),
-    ModelPreset("qwen3-4b", "Qwen/Qwen3-4B", "qwen3", 2560, 36, 32, 8, 9728, 151936, 40960, True,
+    ("qwen3-4b", "Qwen/Qwen3-4B", "qwen3", 2560, 36, 32, 8, 9728, 151936, 40960, True,
                 _QWEN3 | {"head_dim": 128}),
-    ModelPreset("qwen3-8b", "Qwen/Qwen3-8B", "qwen3", 4096, 36, 32, 8, 12288, 151936, 40960, False,
+    ("qwen3-8b", "Qwen/Qwen3-8B", "qwen3", 4096, 36, 32, 8, 12288, 151936, 40960, False,
                 _QWEN3 | {"head_dim": 128}),
-    ModelPreset("qwen3-14b", "Qwen/Qwen3-14B", "qwen3", 5120, 40, 40, 8, 17408, 151936, 40960, False,
+    ("qwen3-14b", "Qwen/Qwen3-14B", "qwen3", 5120, 40, 40, 8, 17408, 151936, 40960, False,
                 _QWEN3 | {"head_dim": 128}),
-    ModelPreset("qwen3-32b", "Qwen/Qwen3-32B", "qwen3", 5120, 64, 64, 8, 25600, 151936, 40960, False,
+    ("qwen3-32b", "Qwen/Qwen3-32B", "qwen3", 5120, 64, 64, 8, 25600, 151936, 40960, False,
                 _QWEN3 | {"head_dim": 128}),
-    ModelPreset("gemma-3-1b", "google/gemma-3-1b-pt", "gemma3_text", 1152, 26, 4, 1, 6912, 262144, 32768, True,
+    ("gemma-3-1b", "google/gemma-3-1b-pt", "gemma3_text", 1152, 26, 4, 1, 6912, 262144, 32768, True,
                 {"head_dim": 256, "sliding_window": 512}),
-    ModelPreset("gemma-3-4b", "google/gemma-3-4b-pt", "gemma3_text", 2560, 34, 8, 4, 10240, 262208, 131072, True,
+    ("gemma-3-4b", "google/gemma-3-4b-pt", "gemma3_text", 2560, 34, 8, 4, 10240, 262208, 131072, True,
                 {"head_dim": 256, "sliding_window": 1024}),
-    ModelPreset("gemma-3-12b", "google/gemma-3-12b-pt", "gemma3_text", 3840, 48, 16, 8, 15360, 262208, 131072, True,
+    ("gemma-3-12b", "google/gemma-3-12b-pt", "gemma3_text", 3840, 48, 16, 8, 15360, 262208, 131072, True,
                 {"head_dim": 256, "sliding_window": 1024}),
-    ModelPreset("gemma-3-27b", "google/gemma-3-27b-pt", "gemma3_text", 5376, 62, 32, 16, 21504, 262208, 131072, True,
+    ("gemma-3-27b", "google/gemma-3-27b-pt", "gemma3_text", 5376, 62, 32, 16, 21504, 262208, 131072, True,
                 {"head_dim": 128, "sliding_window": 1024, "query_pre_attn_scalar": 168}),
-    ModelPreset("llama-3.3-70b", "meta-llama/Llama-3.3-70B-Instruct", "llama", 8192, 80, 64, 8, 28672, 128256, 131072,
+    ("llama-3.3-70b", "meta-llama/Llama-3.3-70B-Instruct", "llama", 8192, 80, 64, 8, 28672, 128256, 131072,
                 False, _LLAMA33_ROPE),
-    ModelPreset("phi-4", "microsoft/phi-4", "phi3", 5120, 40, 40, 10, 17920, 100352, 16384, False,
+    ("phi-4", "microsoft/phi-4", "phi3", 5120, 40, 40, 10, 17920, 100352, 16384, False,
                 {"rope_theta": 250000.0}),
-    ModelPreset("smollm3-3b", "HuggingFaceTB/SmolLM3-3B", "smollm3", 2048, 36, 16, 4, 11008, 128256, 65536, True,
+    ("smollm3-3b", "HuggingFaceTB/SmolLM3-3B", "smollm3", 2048, 36, 16, 4, 11008, 128256, 65536, True,
                 {"rope_theta": 5000000.0}),
 )
 
@@ -79,4 +77,6 @@ PUBLISHED_PARAMETERS: dict[str, tuple[float, float | None]] = {
     "llama-3.3-70b": (70.6, None), "phi-4": (14.7, None), "smollm3-3b": (3.08, None),
 }
 
-MOE_AND_RECENT_PRESETS = {p.name: p for p in MOE_PRESETS + DENSE_PRESETS}
+MOE_AND_RECENT_PRESETS = {row[0]: row for row in MOE_PRESETS + DENSE_PRESETS}
+"""name -> the arguments of models.presets.ModelPreset (name, hf_id, model_type, hidden, layers, heads, kv heads,
+intermediate, vocabulary, positions, tied embeddings, extra fields), which registers them."""
