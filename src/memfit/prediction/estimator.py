@@ -25,7 +25,7 @@ activation terms from `activations.py`, the probe of families outside the closed
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 from memfit.config import TrainConfig
@@ -52,6 +52,12 @@ from memfit.prediction.activations import (
     norm_module_bytes_per_token,
 )
 from memfit.prediction.encoders import architecture_for, backward_working_bytes, head_logits_bytes, task_head
+from memfit.prediction.estimate_result import (  # noqa: F401  (re-exported: memfit.estimate's public names)
+    CUDA_CONTEXT_BYTES,
+    ERROR_BAND,
+    FRAGMENTATION,
+    Estimate,
+)
 from memfit.prediction.experts import balancing_loss_bytes, moe_details
 from memfit.prediction.in_backward import untied_edge_steps
 from memfit.prediction.run_shape import (
@@ -65,67 +71,8 @@ from memfit.prediction.run_shape import (
     state_parts,
 )
 from memfit.techniques.packed_attention import packed_mask_estimate
-from memfit.units import GIB
 
 BREAKDOWN_KEYS = CATEGORIES  # the one category set: estimate, traced estimate and profile report the same
-
-# Relative error measured against real CPU training steps (docs/accuracy.md).
-ERROR_BAND = {"analytical": 0.10, "traced": 0.03}
-
-CUDA_CONTEXT_BYTES = int(0.5 * GIB)
-"""CUDA context, cuBLAS workspace and kernels: taken from the GPU before the first tensor."""
-FRAGMENTATION = 0.05
-"""The caching allocator reserves more than it hands out; 5 % covers a steady training loop."""
-
-
-
-@dataclass
-class Estimate:
-    """A predicted peak and where its bytes go."""
-
-    model: str
-    method: str
-    peak_bytes: int
-    breakdown: dict[str, int]
-    budget_bytes: int | None = None
-    fits: bool | None = None
-    headroom_bytes: int | None = None
-    error_band: float = 0.0
-    """Relative error of this method measured against real steps: the truth lies within peak x (1 +- band)."""
-    per_layer_activation_bytes: int = 0
-    details: dict[str, Any] = field(default_factory=dict)
-    host_bytes: int = 0
-    """Host (CPU) memory the techniques put there: offloaded activations, offloaded or paged optimizer state."""
-    host_breakdown: dict[str, int] = field(default_factory=dict)
-    host_available_bytes: int | None = None
-    """Memory this machine has available now (/proc/meminfo's MemAvailable via psutil)."""
-
-    @property
-    def host_fits(self) -> bool | None:
-        if self.host_available_bytes is None:
-            return None
-        return self.host_bytes <= self.host_available_bytes
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "model": self.model,
-            "method": self.method,
-            "peak_bytes": self.peak_bytes,
-            "breakdown": dict(self.breakdown),
-            "budget_bytes": self.budget_bytes,
-            "fits": self.fits,
-            "headroom_bytes": self.headroom_bytes,
-            "error_band": self.error_band,
-            "per_layer_activation_bytes": self.per_layer_activation_bytes,
-            "parameters_total": self.details.get("parameters_total"),
-            "parameters_active": self.details.get("parameters_active"),
-            "host_bytes": self.host_bytes,
-            "host_breakdown": dict(self.host_breakdown),
-            "host_available_bytes": self.host_available_bytes,
-            "host_fits": self.host_fits,
-            "details": self.details,
-        }
-
 
 # ---------------------------------------------------------------------------
 # The estimate

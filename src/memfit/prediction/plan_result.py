@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from memfit.prediction.estimator import Estimate
+from memfit.prediction.estimate_result import Estimate
 
 
 @dataclass

@@ -13,7 +13,7 @@ from typing import Any
 
 from memfit.config import SMALL_STATE_OPTIMIZERS, TrainConfig
 from memfit.gpus import GpuSpec
-from memfit.prediction.estimator import Estimate
+from memfit.prediction.estimate_result import Estimate
 
 UTILISATION = 0.45
 """Fraction of the GPU's peak rate a well-fed training step reaches."""

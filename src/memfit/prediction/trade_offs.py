@@ -14,7 +14,7 @@ from memfit.config import TrainConfig
 from memfit.gpus import GpuSpec
 from memfit.models.optimizer_state import PLANNING
 from memfit.prediction.activations import architecture_of
-from memfit.prediction.estimator import CUDA_CONTEXT_BYTES, FRAGMENTATION, Estimate
+from memfit.prediction.estimate_result import CUDA_CONTEXT_BYTES, FRAGMENTATION, Estimate
 from memfit.prediction.plan_result import Candidate
 from memfit.units import GIB
 
