@@ -3,11 +3,12 @@
 The closed forms of `memfit.prediction.activations` describe the blocks of the families they
 were checked on (`CLOSED_FORM_FAMILIES`). Any other family the loader accepts is measured
 instead: a two-block copy of the architecture (full width, the real module code) runs
-one forward on fake tensors (no memory is allocated) at two short sequence lengths, and
+one forward on fake tensors (no memory is allocated) at three short sequence lengths, and
 every tensor autograd saves inside the second block is counted once per storage. The
-bytes per token at sequence length s are `a + b x s` (b is non-zero only where the
-attention keeps [heads, s, s] probabilities), so two lengths give the line and any
-length and layer count follow analytically. Extra norms (Gemma 3's four per block,
+bytes a block keeps at sequence length s are `c + a x s + b x s^2` (c: buffers whose size
+does not follow the tokens, such as an MoE's per-expert adapter copies; b is non-zero only
+where the attention keeps [heads, s, s] probabilities), so three lengths give the parabola
+and any length and layer count follow analytically. Extra norms (Gemma 3's four per block,
 Qwen 3's and OLMo 2's query/key norms), LayerNorm with biases, parallel attention and
 MLP, non-gated MLPs: whatever the block saves is counted, not assumed.
 
@@ -31,7 +32,7 @@ import copy
 from functools import lru_cache
 from typing import Any
 
-PROBE_SEQ_LENS = (64, 128)
+PROBE_SEQ_LENS = (64, 128, 256)
 
 
 def probed_layer_bytes_per_token(hf_config: Any, weight_bytes: int, autocast: bool, attention: str,
@@ -60,10 +61,21 @@ def probed_layer_parts(hf_config: Any, weight_bytes: int, autocast: bool, attent
     key = hf_config.to_json_string(use_diff=False)
     _CONFIGS.setdefault(key, copy.deepcopy(hf_config))
     attention = supported_attention(hf_config, attention)
-    short, long = (_measure(key, weight_bytes, autocast, attention, s, lora_r, efficient_norm, efficient_lora)
-                   for s in PROBE_SEQ_LENS)
-    span = PROBE_SEQ_LENS[1] - PROBE_SEQ_LENS[0]
-    return tuple(a + (b - a) / span * (seq_len - PROBE_SEQ_LENS[0]) for a, b in zip(short, long, strict=True))
+    per_token = [_measure(key, weight_bytes, autocast, attention, s, lora_r, efficient_norm, efficient_lora)
+                 for s in PROBE_SEQ_LENS]
+    # A block keeps c + a*s + b*s^2 bytes at s tokens: a constant part (an MoE's per-expert adapter
+    # buffers), a part per token, and eager attention's s x s scores. Three lengths fit all three
+    # exactly; extrapolating the bytes per token along a line, as two lengths would, turns the
+    # constant part's c/s into a slope that goes negative at long sequences.
+    return tuple(_quadratic_through(PROBE_SEQ_LENS, [p * s for p, s in zip(column, PROBE_SEQ_LENS, strict=True)],
+                                    seq_len) / seq_len for column in zip(*per_token, strict=True))
+
+
+def _quadratic_through(xs: tuple[int, ...], ys: list[float], x: int) -> float:
+    """The value at `x` of the parabola through the three points (xs, ys) (Lagrange's form)."""
+    (x0, x1, x2), (y0, y1, y2) = xs, ys
+    return (y0 * (x - x1) * (x - x2) / ((x0 - x1) * (x0 - x2)) + y1 * (x - x0) * (x - x2) / ((x1 - x0) * (x1 - x2))
+            + y2 * (x - x0) * (x - x1) / ((x2 - x0) * (x2 - x1)))
 
 
 _CONFIGS: dict[str, Any] = {}

@@ -149,6 +149,10 @@ def _build_step(hf_config, train_config: TrainConfig, setup: StepSetup, fake: bo
             model = getattr(transformers, task.auto_class).from_config(
                 hf_config, dtype=setup.weight_dtype, attn_implementation=setup.attention
             )
+        if fake and is_encoder(hf_config):
+            # skipping initialisation skips the tying too: an untied masked-LM decoder would count a second
+            # vocabulary matrix with its gradient and optimizer state
+            model.tie_weights()
         model.config.use_cache = False
         model.train()
         model, checkpointing = apply_model_techniques(config, model, task.peft_task_type)
