@@ -104,3 +104,18 @@ def oom_in_backward_of_linear(in_features: int, out_features: int, above_batch: 
         yield raised
     finally:
         handle.remove()
+
+
+def final_weights(result) -> dict[str, torch.Tensor]:
+    """The final model's weights of a `memfit.train` result, read back from its safetensors file."""
+    from safetensors.torch import load_file
+
+    return load_file(str(result.final_dir / "model.safetensors"))
+
+
+def assert_same_weights(reference: dict, weights: dict, atol: float = 1e-5) -> None:
+    """Every tensor of `weights` equals `reference`'s within `atol` (no relative slack: SGD twins move far beyond it)."""
+    assert reference.keys() == weights.keys()
+    for name, tensor in reference.items():
+        torch.testing.assert_close(weights[name], tensor, atol=atol, rtol=0, msg=name)
+

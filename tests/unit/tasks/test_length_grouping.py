@@ -12,10 +12,15 @@ import shutil
 
 import numpy as np
 import pytest
-import torch
 from safetensors.torch import load_file
 
-from fault_injection import SGD_NO_CLIPPING, largest_update, oom_in_backward_of_linear
+from fault_injection import (
+    SGD_NO_CLIPPING,
+    assert_same_weights,
+    final_weights,
+    largest_update,
+    oom_in_backward_of_linear,
+)
 from memfit.checkpoint_files import list_checkpoints
 from memfit.config_loading import load_config
 from memfit.data.length_groups import LengthGroupedSchedule, padded_positions
@@ -35,16 +40,6 @@ def _config(model_dir, data, out, **extra):
     values = dict(model=str(model_dir), dataset=str(data), task="sequence-classification", seq_len=64, batch_size=8,
                   max_steps=3, output_dir=str(out), lr=0.5, report=False, group_by_length=True, **SGD_NO_CLIPPING)
     return load_config(overrides=values | extra)
-
-
-def _weights(result) -> dict[str, torch.Tensor]:
-    return load_file(str(result.final_dir / "model.safetensors"))
-
-
-def _assert_same(reference: dict, weights: dict, atol: float = 1e-5) -> None:
-    assert reference.keys() == weights.keys()
-    for name, tensor in reference.items():
-        torch.testing.assert_close(weights[name], tensor, atol=atol, rtol=0, msg=name)
 
 
 # -- the order itself ------------------------------------------------------------------------------------------------
@@ -106,21 +101,21 @@ def test_group_by_length_pads_fewer_tokens_in_a_run(encoder_dirs, varied_csv, tm
 @pytest.fixture(scope="module")
 def reference(encoder_dirs, varied_csv, tmp_path_factory):
     """Grouped, one micro-batch of 8 a step."""
-    return _weights(train(_config(encoder_dirs["esm"], varied_csv, tmp_path_factory.mktemp("reference"))))
+    return final_weights(train(_config(encoder_dirs["esm"], varied_csv, tmp_path_factory.mktemp("reference"))))
 
 
 def test_accumulation_with_grouping_equals_one_micro_batch(reference, encoder_dirs, varied_csv, tmp_path):
     initial = load_file(str(encoder_dirs["esm"] / "model.safetensors"))
     assert largest_update({k: v for k, v in initial.items() if k in reference}, reference) > 1e-2
     result = train(_config(encoder_dirs["esm"], varied_csv, tmp_path, batch_size=2, gradient_accumulation_steps=4))
-    _assert_same(reference, _weights(result))
+    assert_same_weights(reference, final_weights(result))
 
 
 def test_oom_split_with_grouping_keeps_the_update_exact(reference, encoder_dirs, varied_csv, tmp_path):
     with oom_in_backward_of_linear(32, 64) as raised:
         result = train(_config(encoder_dirs["esm"], varied_csv, tmp_path))
     assert raised["n"] >= 2
-    _assert_same(reference, _weights(result))
+    assert_same_weights(reference, final_weights(result))
 
 
 def test_accumulation_check_fails_when_grouping_follows_the_micro_batch(reference, encoder_dirs, varied_csv, tmp_path,
@@ -136,7 +131,7 @@ def test_accumulation_check_fails_when_grouping_follows_the_micro_batch(referenc
     monkeypatch.setattr(session_setup, "build_schedule", micro_batch_grouping)
     result = train(_config(encoder_dirs["esm"], varied_csv, tmp_path, batch_size=2, gradient_accumulation_steps=4))
     with pytest.raises(AssertionError):
-        _assert_same(reference, _weights(result))
+        assert_same_weights(reference, final_weights(result))
 
 
 def test_resumed_grouped_run_sees_the_same_steps(encoder_dirs, varied_csv, tmp_path):
@@ -151,4 +146,4 @@ def test_resumed_grouped_run_sees_the_same_steps(encoder_dirs, varied_csv, tmp_p
     shutil.rmtree(killed / "final", ignore_errors=True)
     resumed = train(_config(encoder_dirs["bert"], varied_csv, killed, max_steps=4, momentum=0.9, batch_size=4,
                             gradient_accumulation_steps=2, resume="auto"))
-    _assert_same(load_file(str(straight / "final" / "model.safetensors")), _weights(resumed), atol=1e-6)
+    assert_same_weights(load_file(str(straight / "final" / "model.safetensors")), final_weights(resumed), atol=1e-6)

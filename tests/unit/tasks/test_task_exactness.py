@@ -13,11 +13,12 @@ import contextlib
 import shutil
 
 import pytest
-import torch
 from safetensors.torch import load_file
 
 from fault_injection import (
     SGD_NO_CLIPPING,
+    assert_same_weights,
+    final_weights,
     freezing_ignored,
     largest_update,
     oom_in_backward_of_linear,
@@ -41,21 +42,11 @@ def _config(model_dir, data, out, task, **extra):
     return load_config(overrides=values | extra)
 
 
-def _weights(result) -> dict[str, torch.Tensor]:
-    return load_file(str(result.final_dir / "model.safetensors"))
-
-
-def _assert_same(reference: dict, weights: dict, atol: float = 1e-5) -> None:
-    assert reference.keys() == weights.keys()
-    for name, tensor in reference.items():
-        torch.testing.assert_close(weights[name], tensor, atol=atol, rtol=0, msg=name)
-
-
 @pytest.fixture(scope="module")
 def references(encoder_dirs, dna_csv, tmp_path_factory):
     """The plain run of each case: 2 steps of one micro-batch of 8."""
     root = tmp_path_factory.mktemp("references")
-    return {case: _weights(train(_config(encoder_dirs[case[0]], dna_csv, root / "-".join(case), case[1])))
+    return {case: final_weights(train(_config(encoder_dirs[case[0]], dna_csv, root / "-".join(case), case[1])))
             for case in CASES}
 
 
@@ -65,7 +56,7 @@ def test_accumulation_equals_one_micro_batch(references, encoder_dirs, dna_csv, 
     initial = load_file(str(encoder_dirs[family] / "model.safetensors"))
     assert largest_update({k: v for k, v in initial.items() if k in reference}, reference) > 1e-2
     result = train(_config(encoder_dirs[family], dna_csv, tmp_path, task, batch_size=2, gradient_accumulation_steps=4))
-    _assert_same(reference, _weights(result))
+    assert_same_weights(reference, final_weights(result))
 
 
 @pytest.mark.parametrize(("family", "task"), [("bert", "sequence-classification"), ("esm", "token-classification")])
@@ -73,7 +64,7 @@ def test_accumulation_check_fails_on_a_2x_gradient_error(references, encoder_dir
     with scaled_gradients(2.0):
         result = train(_config(encoder_dirs[family], dna_csv, tmp_path, task, batch_size=2, gradient_accumulation_steps=4))
     with pytest.raises(AssertionError):
-        _assert_same(references[(family, task)], _weights(result))
+        assert_same_weights(references[(family, task)], final_weights(result))
 
 
 def _oom_in_backward_above_two_samples():
@@ -89,7 +80,7 @@ def test_oom_in_backward_keeps_the_update_exact(references, encoder_dirs, dna_cs
     with _oom_in_backward_above_two_samples() as raised:
         result = train(_config(encoder_dirs[family], dna_csv, tmp_path, task))
     assert raised["n"] >= 2  # 8 failed, then 4
-    _assert_same(references[(family, task)], _weights(result))
+    assert_same_weights(references[(family, task)], final_weights(result))
 
 
 @pytest.mark.parametrize(("family", "task"), [("esm", "regression"), ("bert", "token-classification")])
@@ -98,7 +89,7 @@ def test_oom_check_fails_when_recovery_counts_gradients_twice(references, encode
         result = train(_config(encoder_dirs[family], dna_csv, tmp_path, task))
     assert raised["n"] >= 2
     with pytest.raises(AssertionError):
-        _assert_same(references[(family, task)], _weights(result))
+        assert_same_weights(references[(family, task)], final_weights(result))
 
 
 def _resumed(model_dir, data, root, task, scale: float | None = None) -> dict:
@@ -114,16 +105,16 @@ def _resumed(model_dir, data, root, task, scale: float | None = None) -> dict:
     context = scaled_gradients(scale) if scale else contextlib.nullcontext()
     with context:
         resumed = train(_config(model_dir, data, killed, task, max_steps=4, momentum=0.9, resume="auto"))
-    return {"straight": load_file(str(straight / "final" / "model.safetensors")), "resumed": _weights(resumed)}
+    return {"straight": load_file(str(straight / "final" / "model.safetensors")), "resumed": final_weights(resumed)}
 
 
 @pytest.mark.parametrize(("family", "task"), CASES)
 def test_resume_equals_the_uninterrupted_run(encoder_dirs, dna_csv, tmp_path, family, task):
     runs = _resumed(encoder_dirs[family], dna_csv, tmp_path, task)
-    _assert_same(runs["straight"], runs["resumed"], atol=1e-6)
+    assert_same_weights(runs["straight"], runs["resumed"], atol=1e-6)
 
 
 def test_resume_check_fails_on_a_2x_gradient_error(encoder_dirs, dna_csv, tmp_path):
     runs = _resumed(encoder_dirs["bert"], dna_csv, tmp_path, "regression", scale=2.0)
     with pytest.raises(AssertionError):
-        _assert_same(runs["straight"], runs["resumed"], atol=1e-6)
+        assert_same_weights(runs["straight"], runs["resumed"], atol=1e-6)
