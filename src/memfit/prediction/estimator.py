@@ -51,7 +51,13 @@ from memfit.prediction.activations import (
     layer_bytes_per_token,
     norm_module_bytes_per_token,
 )
-from memfit.prediction.encoders import architecture_for, backward_working_bytes, head_logits_bytes, task_head
+from memfit.prediction.encoders import (
+    architecture_for,
+    backward_working_bytes,
+    head_logits_bytes,
+    is_encoder,
+    task_head,
+)
 from memfit.prediction.estimate_result import (  # noqa: F401  (re-exported: memfit.estimate's public names)
     CUDA_CONTEXT_BYTES,
     ERROR_BAND,
@@ -120,6 +126,9 @@ def estimate(
     sharding = sharding_of(config, sharding)
     if hf_config is None:
         hf_config = resolve_model_config(config.model.model, config.model.trust_remote_code)
+    if config.task.task == "causal-lm" and is_encoder(hf_config):
+        raise UsageError(f"--model {config.model.model} is an encoder ({hf_config.model_type}) with no causal-LM head:"
+                         " give --task masked-lm, sequence-classification, token-classification or regression")
     if config.model.rope_scale is not None:
         from memfit.models.rope import scaled_positions
 

@@ -177,3 +177,13 @@ def test_estimate_cli_on_an_encoder_preset(capsys):
 
     result = json.loads(capsys.readouterr().out)
     assert result["peak_bytes"] > 650e6 * 16  # weights, gradients and two AdamW moments in fp32
+
+
+def test_an_encoder_under_the_causal_lm_task_is_refused_in_one_line():
+    from memfit import TrainConfig, estimate
+    from memfit.errors import UsageError
+
+    config = TrainConfig()
+    config.model.model = "esm2-8m"  # task left at causal-lm: an encoder has no causal-LM head
+    with pytest.raises(UsageError, match="encoder .*--task masked-lm"):
+        estimate(config)

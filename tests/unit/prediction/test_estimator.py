@@ -37,7 +37,8 @@ def test_state_bytes_of_every_preset_equal_closed_forms(name):
     hf_config = preset_config(name)
     params = parameter_count(hf_config)  # from the config numbers alone
     tensors = len(list(build_meta_model(hf_config).parameters()))
-    full = estimate(load_config(overrides={"model": name}), hf_config=hf_config).details["full_bytes"]
+    task = "masked-lm" if hf_config.model_type in ("esm", "bert", "modernbert") else "causal-lm"  # encoders: no causal LM
+    full = estimate(load_config(overrides={"model": name, "task": task}), hf_config=hf_config).details["full_bytes"]
     assert full["parameters"] == 4 * params
     assert full["gradients"] == 4 * params
     assert full["optimizer_states"] == 8 * params + 4 * tensors  # two fp32 moments + the fused step counter
