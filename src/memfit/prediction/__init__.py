@@ -2,7 +2,8 @@
 
 `estimator` (the analytical and traced estimates of a run's peak; what one says is
 `estimate_result`), `run_shape` (the run's resolved shape, its state bytes, sharding),
-`activations` (closed forms per block), `encoders` and `experts` (the terms of encoder tasks
+`activations` (closed forms per block), `in_backward` (what is live while the optimizer steps in
+backward), `encoders` and `experts` (the terms of encoder tasks
 and of mixtures of experts), `layer_probe` (one block measured on fake tensors where the
 closed forms do not reach), `traced` and `fake_ops` (what the traced estimate asks and
 answers; the step itself runs in memfit.train.traced), `speed_model` and `calibration`
