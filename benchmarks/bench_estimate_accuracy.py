@@ -69,6 +69,38 @@ def measured_peak(hf_config, config, device: str = "cpu") -> int:
     return measure_step_with_tracker(hf_config, config, setup)
 
 
+class AccuracyTable:
+    """The markdown table of measured peaks against both estimates, row by row, with each method's error summary."""
+
+    def __init__(self) -> None:
+        self.rows: list[str] = []
+        self.errors: dict[str, list[float]] = {"analytical": [], "traced": []}
+        self.started = time.time()
+
+    def add(self, name: str, variant: str, seq_len: int, truth: int, analytical: int, traced: int) -> None:
+        a_err, t_err = analytical / truth - 1, traced / truth - 1
+        self.errors["analytical"].append(a_err)
+        self.errors["traced"].append(t_err)
+        self.rows.append(f"| {name} | {variant} | {seq_len} | {truth / 2**20:.1f} | {analytical / 2**20:.1f} | "
+                         f"{100 * a_err:+.1f}% | {traced / 2**20:.1f} | {100 * t_err:+.1f}% |")
+        print(self.rows[-1], file=sys.stderr, flush=True)
+
+    def text(self, device_name: str, batch_size: int) -> str:
+        header = [
+            f"Measured {time.strftime('%Y-%m-%d')} on {device_name} ({torch.get_num_threads()} threads), torch"
+            f" {torch.__version__}, batch {batch_size}; {time.time() - self.started:.0f} s.",
+            "",
+            "| model | variant | seq | measured MiB | analytical MiB | error | traced MiB | error |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        summary = [""]
+        for method, values in self.errors.items():
+            worst = max(abs(v) for v in values)
+            mean = sum(abs(v) for v in values) / len(values)
+            summary.append(f"- {method}: mean |error| {100 * mean:.1f}%, worst {100 * worst:.1f}% over {len(values)} runs")
+        return "\n".join(header + self.rows + summary) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="write the markdown table here as well as to stdout")
@@ -79,35 +111,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--archs", default=None, help="comma-separated subset of: llama, qwen2, mistral, phi3, gpt2, starcoder2, gemma3_text, gpt_neox, qwen3, olmo2")
     args = parser.parse_args(argv)
     seq_lens = [int(s) for s in args.seq_lens.split(",")]
-    rows, errors = [], {"analytical": [], "traced": []}
-    started = time.time()
+    table = AccuracyTable()
     chosen = {name: hf for name, hf in architectures().items() if args.archs is None or name in args.archs.split(",")}
     for (arch_name, hf_config), (variant, changes), seq_len in itertools.product(chosen.items(), VARIANTS.items(), seq_lens):
         config = load_config(overrides={"seq_len": seq_len, "batch_size": args.batch_size, **changes})
         truth = measured_peak(hf_config, config, args.device)
         analytical = estimate(config, hf_config=hf_config).peak_bytes
         traced = estimate(config, hf_config=hf_config, method="traced").peak_bytes
-        a_err, t_err = analytical / truth - 1, traced / truth - 1
-        errors["analytical"].append(a_err)
-        errors["traced"].append(t_err)
-        rows.append(f"| {arch_name} | {variant} | {seq_len} | {truth / 2**20:.1f} | {analytical / 2**20:.1f} | {100 * a_err:+.1f}% "
-                    f"| {traced / 2**20:.1f} | {100 * t_err:+.1f}% |")
-        print(rows[-1], file=sys.stderr)
-    header = [
-        f"Measured {time.strftime('%Y-%m-%d')} on "
-        f"{torch.cuda.get_device_name(0) if args.device == 'cuda' else platform.processor() or platform.machine()} "
-        f"({torch.get_num_threads()} threads), torch {torch.__version__}, batch {args.batch_size}; "
-        f"{time.time() - started:.0f} s.",
-        "",
-        "| model | variant | seq | measured MiB | analytical MiB | error | traced MiB | error |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    summary = [""]
-    for method, values in errors.items():
-        worst = max(abs(v) for v in values)
-        mean = sum(abs(v) for v in values) / len(values)
-        summary.append(f"- {method}: mean |error| {100 * mean:.1f}%, worst {100 * worst:.1f}% over {len(values)} runs")
-    text = "\n".join(header + rows + summary) + "\n"
+        table.add(arch_name, variant, seq_len, truth, analytical, traced)
+    device_name = torch.cuda.get_device_name(0) if args.device == "cuda" else platform.processor() or platform.machine()
+    text = table.text(device_name, args.batch_size)
     print(text)
     if args.out:
         with open(args.out, "w") as handle:

@@ -14,14 +14,11 @@ import argparse
 import itertools
 import platform
 import sys
-import time
 from pathlib import Path
-
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_estimate_accuracy import VARIANTS, measured_peak  # noqa: E402
+from bench_estimate_accuracy import VARIANTS, AccuracyTable, measured_peak  # noqa: E402
 
 from memfit.config_loading import load_config  # noqa: E402
 from memfit.prediction.estimator import estimate  # noqa: E402
@@ -70,30 +67,12 @@ def main(argv: list[str] | None = None) -> int:
     seq_lens = [int(s) for s in args.seq_lens.split(",")]
     chosen = {n: c for n, c in architectures().items() if args.archs is None or n in args.archs.split(",")}
     variants = {n: v for n, v in VARIANTS.items() if args.variants is None or n in args.variants.split(",")}
-    rows, errors = [], {"analytical": [], "traced": []}
-    started = time.time()
+    table = AccuracyTable()
     for (name, hf_config), (variant, changes), seq_len in itertools.product(chosen.items(), variants.items(), seq_lens):
         config = load_config(overrides={"seq_len": seq_len, "batch_size": args.batch_size, **changes})
         truth, analytical, traced = compare(hf_config, config)
-        a_err, t_err = analytical / truth - 1, traced / truth - 1
-        errors["analytical"].append(a_err)
-        errors["traced"].append(t_err)
-        rows.append(f"| {name} | {variant} | {seq_len} | {truth / 2**20:.1f} | {analytical / 2**20:.1f} | "
-                    f"{100 * a_err:+.1f}% | {traced / 2**20:.1f} | {100 * t_err:+.1f}% |")
-        print(rows[-1], file=sys.stderr, flush=True)
-    header = [
-        f"Measured {time.strftime('%Y-%m-%d')} on {platform.processor() or platform.machine()} "
-        f"({torch.get_num_threads()} threads), torch {torch.__version__}, batch {args.batch_size}; "
-        f"{time.time() - started:.0f} s.",
-        "",
-        "| model | variant | seq | measured MiB | analytical MiB | error | traced MiB | error |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    summary = [""]
-    for method, values in errors.items():
-        summary.append(f"- {method}: mean |error| {100 * sum(abs(v) for v in values) / len(values):.1f}%, "
-                       f"worst {100 * max(abs(v) for v in values):.1f}% over {len(values)} runs")
-    text = "\n".join(header + rows + summary) + "\n"
+        table.add(name, variant, seq_len, truth, analytical, traced)
+    text = table.text(platform.processor() or platform.machine(), args.batch_size)
     print(text)
     if args.out:
         Path(args.out).write_text(text)
