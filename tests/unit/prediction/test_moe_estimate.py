@@ -87,3 +87,15 @@ def test_expert_adapters_count_when_lora_targets_the_experts():
     # auto adds (besides k and o) per layer: gate_up 4 experts x rank 4 x (128 + 32), down 4 x 4 x (32 + 64)
     experts = 2 * (4 * 4 * (128 + 32) + 4 * 4 * (32 + 64))
     assert auto.details["trainable_parameter_count"] - plain.details["trainable_parameter_count"] >= experts
+
+
+def test_expert_adapter_buffers_do_not_turn_the_probed_bytes_negative_at_long_sequences():
+    """Split LoRA keeps per-expert buffers whose size does not follow the tokens: a constant per block. The probe
+    fits c + a*s + b*s^2, so adapters add bytes at 8K tokens; a per-token line through two lengths went negative."""
+    from memfit.models.presets import preset_config
+    from memfit.prediction.layer_probe import probed_layer_bytes_per_token
+
+    hf_config = preset_config("qwen3-30b-a3b")
+    plain = probed_layer_bytes_per_token(hf_config, 2, False, "sdpa", 8192)
+    adapted = probed_layer_bytes_per_token(hf_config, 2, False, "sdpa", 8192, lora_r=16)
+    assert plain > 0 and adapted >= plain
