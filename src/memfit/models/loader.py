@@ -120,7 +120,10 @@ def load_model_and_tokenizer(
             raise UsageError(f"unknown preset {preset!r}; memfit presets models lists them")
         hf_config = preset_config(preset)
         rope = apply_rope_scale(hf_config, scale, kind)
-        model = model_class.from_config(hf_config, dtype=dtype, attn_implementation=attention.hf_name)
+        # Random weights are made where they train: an 8B preset initialised on the host costs a minute of CPU
+        # and a host copy of the whole model. A quantized run is built on the host, saved and reloaded quantized.
+        with torch.device(device if quantization_config is None else "cpu"):
+            model = model_class.from_config(hf_config, dtype=dtype, attn_implementation=attention.hf_name)
         source = f"preset {preset} (random init)"
     else:
         if _looks_like_path(name) and not Path(name).expanduser().exists():
