@@ -7,6 +7,8 @@
   process, so that one run's peak memory never hides inside another's.
 - `PeakWatch`: the peak memory of a process (CPU: VmHWM; CUDA: max allocated) across
   the per-step peak resets that memfit's loop does.
+- `timed_steps`: a built session's optimizer steps as its loop runs them, each timed to the
+  end of its device work, with the allocator's and the process's peaks over them.
 - `machine_description`, `markdown_table`, `write_section`: the report.
 """
 
@@ -132,6 +134,57 @@ def synchronize(device_type: str) -> None:
         import torch
 
         torch.cuda.synchronize()
+
+
+def timed_steps(session, steps: int, context: Any = None) -> dict[str, Any]:
+    """Train `steps` optimizer steps of a built memfit session as its loop does, timing each one.
+
+    The samples of each step come from the session's schedule through its task, and the next
+    step's are handed over so the input pipeline runs ahead (memfit.train.loop). Each step is
+    timed from the end of the previous one to the end of its own queued device work, so a
+    step's seconds hold everything it costs. `context` (e.g. an activation-offload context)
+    is entered around all the steps. Returns the seconds, the `StepResult`s and the sample
+    indices of every step, the CUDA allocator's peak over the steps (None on a CPU) and the
+    process's peak RSS over them.
+    """
+    import contextlib
+    import time
+
+    import torch
+
+    from memfit.memory.stats import process_peak_rss_bytes, reset_process_peak
+    from memfit.train.step import StepRunner
+
+    def samples_of(step: int) -> tuple[list[int], list[dict]]:
+        indices = [int(i) for i in session.schedule.batch_indices(step)]
+        return indices, session.task.prepare([session.dataset[i] for i in indices], indices, step)
+
+    device = session.device
+    runner = StepRunner.from_session(session)
+    seconds, results, indices = [], [], []
+    synchronize(device.type)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    reset_process_peak()  # model loading stays out of the host peak
+    upcoming = samples_of(0)
+    try:
+        with context if context is not None else contextlib.nullcontext():
+            last = time.perf_counter()
+            for step in range(steps):
+                (chosen, samples), upcoming = upcoming, (samples_of(step + 1) if step + 1 < steps else (None, None))
+                results.append(runner.run(samples, next_samples=upcoming[1]))
+                synchronize(device.type)
+                now = time.perf_counter()
+                seconds.append(now - last)
+                last = now
+                indices.append(chosen)
+    finally:
+        runner.close()
+    return {
+        "seconds": seconds, "results": results, "indices": indices,
+        "max_allocated_bytes": int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None,
+        "host_peak_bytes": int(process_peak_rss_bytes() or 0),
+    }
 
 
 def emit_result(result: dict[str, Any]) -> None:
