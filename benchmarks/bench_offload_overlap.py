@@ -24,7 +24,7 @@ estimate's `pcie_bytes_per_micro_batch` (out in forward + back in backward), and
 times: the planner's (`memfit.prediction.speed_model.estimated_step_seconds` with this GPU's
 preset, the figure `memfit plan` ranks by: it adds the offload's bytes in full at the preset's host
 link rate, an upper bound) and the run's own (`predicted_step_seconds` of the metrics, the
-planner's model at this device's peak, as `memfit train` logs it). "Link keeps up" is the
+planner's model at this device's peak, as `memfit train` logs it; GPU only). "Link keeps up" is the
 estimate's verdict: each direction's half of the bytes crosses the link (at the preset's rate) in
 less time than the pass it overlaps, the forward (a quarter of a fully checkpointed step's
 predicted compute: forward, recomputed forward, backward at twice the forward).
@@ -126,7 +126,8 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
         context = ActivationOffload(session.model, device=session.device, prefetch=False)
     gpu = local_gpu() if session.device.type == "cuda" else None
     prediction = _predicted(config, session, gpu)
-    run_prediction = SpeedMeter.from_session(session).predicted_step_seconds
+    # On a CPU the run's peak comes from a matmul probe that takes longer than the whole smoke run
+    run_prediction = SpeedMeter.from_session(session).predicted_step_seconds if gpu is not None else None
     timed = timed_steps(session, spec["steps"], context)
     warm = timed["seconds"][spec["warmup"]:]
     tokens = [result.input_tokens for result in timed["results"]][spec["warmup"]:]
