@@ -46,9 +46,11 @@ class WarmMemfit:
         self.import_stdout: str = ready["import_stdout"]
         self.import_stderr: str = ready["import_stderr"]
 
-    def run(self, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    def run(self, *args: str, timeout: int = 300, cwd: str | os.PathLike | None = None) -> subprocess.CompletedProcess:
+        """`memfit ARGS` in a forked child; `cwd`: its working directory (the repository's by default)."""
         command = ["memfit", *map(str, args)]
-        request = {"args": command[1:], "timeout": timeout, "env": dict(os.environ)}  # the caller's environment now
+        request = {"args": command[1:], "timeout": timeout, "env": dict(os.environ),  # the caller's environment now
+                   "cwd": str(cwd or REPO)}
         self._server.stdin.write(json.dumps(request) + "\n")
         self._server.stdin.flush()
         answer = json.loads(self._server.stdout.readline() or "null")
@@ -63,7 +65,7 @@ class WarmMemfit:
         self._server.wait(timeout=30)
 
 
-def _child(args: list[str], stdout_path: str, stderr_path: str, env: dict | None = None) -> None:
+def _child(args: list[str], stdout_path: str, stderr_path: str, env: dict | None = None, cwd: str | None = None) -> None:
     """In the forked child: `python -m memfit ARGS`, exit as the interpreter would."""
     import atexit
     import runpy
@@ -72,6 +74,8 @@ def _child(args: list[str], stdout_path: str, stderr_path: str, env: dict | None
     if env is not None:
         os.environ.clear()
         os.environ.update(env)
+    if cwd is not None:  # relative paths of the command resolve where the caller's would
+        os.chdir(cwd)
 
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
@@ -178,7 +182,7 @@ def _serve() -> None:
         out, err = os.path.join(scratch, "stdout"), os.path.join(scratch, "stderr")
         pid = os.fork()
         if pid == 0:
-            _child(request["args"], out, err, request.get("env"))
+            _child(request["args"], out, err, request.get("env"), request.get("cwd"))
         deadline, status, timed_out = time.monotonic() + request["timeout"], None, False
         while status is None:
             done, raw = os.waitpid(pid, os.WNOHANG)

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -41,12 +39,12 @@ def test_a_trainer_setting_memfit_cannot_honour_is_refused(tmp_path):
     assert "did you mean learning_rate?" in str(error.value)
 
 
-def test_the_generated_file_trains_unchanged(encoder_dirs, dna_csv, tmp_path):
+def test_the_generated_file_trains_unchanged(encoder_dirs, dna_csv, tmp_path, warm_memfit):
     eval_csv = write_csv(tmp_path / "eval.csv", dna_rows(8, seed=7))
-    run = subprocess.run([sys.executable, "-m", "memfit", "train", "--config", str(CONFIG), "--model",
-                          str(encoder_dirs["bert"]), "--dataset", str(dna_csv), "--eval-dataset", str(eval_csv),
-                          "--output-dir", str(tmp_path / "out"), "--no-report"],
-                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    # forked from the warm server (tests/memfit_cli.py) in tmp_path: the real command, without a fresh import
+    run = warm_memfit.run("train", "--config", str(CONFIG), "--model", str(encoder_dirs["bert"]), "--dataset",
+                          str(dna_csv), "--eval-dataset", str(eval_csv), "--output-dir", str(tmp_path / "out"),
+                          "--no-report", cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "section 'inference' ignored" in run.stderr
     records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]

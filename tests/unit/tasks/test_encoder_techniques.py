@@ -9,9 +9,6 @@ compared under SGD without clipping (1e-5); inexact ones (bf16, 8-bit state, 4-b
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -145,12 +142,13 @@ def test_qlora_quantizes_the_base_and_trains_the_new_head_in_full(wide_dirs, dna
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_tiled_mlp_is_refused_where_the_blocks_have_no_mlp_module(encoder_dirs, dna_csv, tmp_path, family):
+def test_tiled_mlp_is_refused_where_the_blocks_have_no_mlp_module(encoder_dirs, dna_csv, tmp_path, family,
+                                                                   warm_memfit):
     """BERT and ESM compute their feed-forward in the layer's own method, not a child module: nothing to tile."""
-    run = subprocess.run([sys.executable, "-m", "memfit", "train", "--model", str(encoder_dirs[family]), "--task",
-                          "sequence-classification", "--dataset", str(dna_csv), "--max-steps", "1", "--seq-len", "64",
-                          "--tiled-mlp", "4", "--no-report", "--output-dir", str(tmp_path / "out")],
-                         capture_output=True, text=True, timeout=300)
+    # forked from the warm server (tests/memfit_cli.py): the refusal is the real command's, without a fresh import
+    run = warm_memfit.run("train", "--model", str(encoder_dirs[family]), "--task", "sequence-classification",
+                          "--dataset", str(dna_csv), "--max-steps", "1", "--seq-len", "64", "--tiled-mlp", "4",
+                          "--no-report", "--output-dir", str(tmp_path / "out"))
     assert run.returncode == 2, run.stderr[-2000:]
     assert "--tiled-mlp 4: the blocks of" in run.stderr and "have no MLP module" in run.stderr
     assert "Traceback" not in run.stderr

@@ -3,9 +3,6 @@ and every bad table refused in one line naming its row."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -81,23 +78,24 @@ def test_a_label_that_does_not_fit_is_named_by_its_row_in_the_side_table(tmp_pat
         _load(fasta, "number", ("value",), str(labels))
 
 
-def _train(tmp_path, *args):
-    return subprocess.run([sys.executable, "-m", "memfit", "train", "--batch-size", "4", "--max-steps", "1",
-                           "--seq-len", "64", "--no-report", "--output-dir", str(tmp_path / "out"), *args],
-                          capture_output=True, text=True, timeout=300)
+def _train(warm_memfit, tmp_path, *args):
+    # `memfit train` forked from the session's warm server (tests/memfit_cli.py): a fresh interpreter would import
+    # torch and transformers again for each of these short runs
+    return warm_memfit.run("train", "--batch-size", "4", "--max-steps", "1", "--seq-len", "64", "--no-report",
+                           "--output-dir", str(tmp_path / "out"), *args)
 
 
-def test_cli_trains_from_fasta_and_side_table(encoder_dirs, tmp_path):
+def test_cli_trains_from_fasta_and_side_table(encoder_dirs, tmp_path, warm_memfit):
     rows = dna_rows(8)
     fasta = _fasta(tmp_path / "t.fa", rows)
-    run = _train(tmp_path, "--model", str(encoder_dirs["bert"]), "--task", "sequence-classification", "--dataset",
+    run = _train(warm_memfit, tmp_path, "--model", str(encoder_dirs["bert"]), "--task", "sequence-classification", "--dataset",
                  str(fasta), "--label-table", str(_side_table(tmp_path / "labels.csv", rows)))
     assert run.returncode == 0, run.stderr[-2000:]
     assert (tmp_path / "out" / "final" / "config.json").exists()
 
 
 @pytest.mark.parametrize("case", ["bad side table", "side table for a csv", "side table for masked-lm"])
-def test_cli_refuses_in_one_line_and_writes_nothing(encoder_dirs, dna_csv, tmp_path, case):
+def test_cli_refuses_in_one_line_and_writes_nothing(encoder_dirs, dna_csv, tmp_path, case, warm_memfit):
     task = "sequence-classification"
     if case == "bad side table":
         dataset, labels, expected = _bad(tmp_path, "id given twice")
@@ -107,7 +105,7 @@ def test_cli_refuses_in_one_line_and_writes_nothing(encoder_dirs, dna_csv, tmp_p
     else:
         dataset, labels = _fasta(tmp_path / "t.fa", dna_rows(8)), _side_table(tmp_path / "labels.csv", dna_rows(8))
         task, expected = "masked-lm", "--label-table labels FASTA records for a task with labels; --task masked-lm"
-    run = _train(tmp_path, "--model", str(encoder_dirs["esm"]), "--task", task, "--dataset", str(dataset),
+    run = _train(warm_memfit, tmp_path, "--model", str(encoder_dirs["esm"]), "--task", task, "--dataset", str(dataset),
                  "--label-table", str(labels))
     assert run.returncode == 2, run.stderr[-2000:]
     assert expected in run.stderr and "Traceback" not in run.stderr

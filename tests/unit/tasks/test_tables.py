@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
@@ -77,13 +76,15 @@ def test_bad_labels_name_the_row(tmp_path, rows, kind, message):
         load_table(str(path), spec, dna_tokenizer(), sequence_field="sequence", seq_len=16, truncate=False)
 
 
-def _train(args, tmp_path):
-    return subprocess.run([*MEMFIT, "train", "--batch-size", "4", "--max-steps", "2", "--seq-len", "64", "--no-report",
-                           "--output-dir", str(tmp_path / "out"), *args], capture_output=True, text=True, timeout=300)
+def _train(warm_memfit, args, tmp_path):
+    # `memfit train` forked from the session's warm server (tests/memfit_cli.py): a fresh interpreter would import
+    # torch and transformers again for each of these short runs
+    return warm_memfit.run("train", "--batch-size", "4", "--max-steps", "2", "--seq-len", "64", "--no-report",
+                           "--output-dir", str(tmp_path / "out"), *args)
 
 
-def test_class_names_are_saved_with_the_model(encoder_dirs, dna_csv, tmp_path):
-    run = _train(["--model", str(encoder_dirs["bert"]), "--task", "sequence-classification", "--dataset", str(dna_csv)],
+def test_class_names_are_saved_with_the_model(encoder_dirs, dna_csv, tmp_path, warm_memfit):
+    run = _train(warm_memfit, ["--model", str(encoder_dirs["bert"]), "--task", "sequence-classification", "--dataset", str(dna_csv)],
                  tmp_path)
     assert run.returncode == 0, run.stderr[-2000:]
     config = json.loads((tmp_path / "out" / "final" / "config.json").read_text())
@@ -92,7 +93,7 @@ def test_class_names_are_saved_with_the_model(encoder_dirs, dna_csv, tmp_path):
 
 
 @pytest.mark.parametrize("case", ["eval-only class", "string in regression", "missing label"])
-def test_bad_labels_exit_2_and_write_nothing(encoder_dirs, dna_csv, tmp_path, case):
+def test_bad_labels_exit_2_and_write_nothing(encoder_dirs, dna_csv, tmp_path, case, warm_memfit):
     rows = dna_rows(8)
     args = ["--model", str(encoder_dirs["esm"]), "--task", "sequence-classification", "--dataset", str(dna_csv)]
     if case == "eval-only class":
@@ -108,7 +109,7 @@ def test_bad_labels_exit_2_and_write_nothing(encoder_dirs, dna_csv, tmp_path, ca
         rows[2]["label"] = ""
         args[-1] = str(write_csv(tmp_path / "bad.csv", rows))
         expected = "row 3: the label in column 'label' is missing"
-    run = _train(args, tmp_path)
+    run = _train(warm_memfit, args, tmp_path)
     assert run.returncode == 2, run.stderr[-2000:]
     assert expected in run.stderr
     assert "Traceback" not in run.stderr

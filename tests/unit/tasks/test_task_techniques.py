@@ -3,9 +3,6 @@ the new head in full, and what cannot apply to a task is refused in one line."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -63,10 +60,11 @@ def test_lora_trains_the_new_head_in_full_and_freezes_the_base(encoder_dirs, dna
     (["--packing", "samples"], "--packing samples puts several samples in one row"),
     (["--num-labels", "2"], "--num-labels 2 is fewer than the 3 classes"),
 ])
-def test_what_cannot_apply_is_refused_in_one_line(encoder_dirs, dna_csv, tmp_path, flags, message):
-    run = subprocess.run([sys.executable, "-m", "memfit", "train", "--model", str(encoder_dirs["bert"]), "--task",
-                          "sequence-classification", "--dataset", str(dna_csv), "--max-steps", "1", "--no-report",
-                          "--output-dir", str(tmp_path / "out"), *flags], capture_output=True, text=True, timeout=300)
+def test_what_cannot_apply_is_refused_in_one_line(encoder_dirs, dna_csv, tmp_path, flags, message, warm_memfit):
+    # forked from the warm server (tests/memfit_cli.py): the refusal is the real command's, without a fresh import
+    run = warm_memfit.run("train", "--model", str(encoder_dirs["bert"]), "--task", "sequence-classification",
+                          "--dataset", str(dna_csv), "--max-steps", "1", "--no-report", "--output-dir",
+                          str(tmp_path / "out"), *flags)
     assert run.returncode == 2
     assert message in run.stderr and "Traceback" not in run.stderr
     assert not (tmp_path / "out").exists()
