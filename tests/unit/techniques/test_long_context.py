@@ -16,7 +16,11 @@ from memfit.errors import DoesNotFitError
 from memfit.train.loop import train
 from memfit.train.metrics import read_metrics
 
-SEQ_LEN = 16384
+# 8K tokens with a 512-token loss chunk: every tensor the cap weighs (block inputs, MLP tiles, the loss chunk's
+# logits) is half its size at 16K with a 1024-token chunk, so the same three runs fit or not against the same
+# cap, while attention, quadratic in the length, costs a quarter (16K took 40 s of the suite's time).
+SEQ_LEN = 8192
+LOSS_CHUNK = 512
 HIDDEN = 16
 LAYERS = 4
 TILES = 8
@@ -24,7 +28,7 @@ TILES = 8
 
 @pytest.fixture(scope="module")
 def long_run_inputs(tmp_path_factory):
-    """A 4-block Llama with a wide MLP (8 x hidden), saved to disk, and one 16K-token window of text."""
+    """A 4-block Llama with a wide MLP (8 x hidden), saved to disk, and one SEQ_LEN-token window of text."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from memfit.models.tiny import byte_tokenizer
@@ -60,7 +64,7 @@ def run(root, name: str, cap: int | None = None, **techniques):
             batch_size=1,
             max_steps=1,
             gradient_checkpointing="full",
-            loss_chunk_size=1024,
+            loss_chunk_size=LOSS_CHUNK,
             optimizer="sgd",
             lr=0.1,
             max_grad_norm=0.0,
@@ -74,12 +78,12 @@ def run(root, name: str, cap: int | None = None, **techniques):
 
 
 @pytest.mark.slow
-def test_16k_tokens_fit_the_cap_only_with_offloaded_checkpoints_and_tiled_mlp(long_run_inputs):
+def test_a_long_window_fits_the_cap_only_with_offloaded_checkpoints_and_tiled_mlp(long_run_inputs):
     root = long_run_inputs
     both = dict(activation_offload=True, tiled_mlp=TILES)
     uncapped = run(root, "uncapped", **both)
     # Between the run with both and the run without offload, which keeps all four block inputs
-    # (one [16384 x 16] fp32 tensor each) where offload keeps two.
+    # (one [SEQ_LEN x 16] fp32 tensor each) where offload keeps two.
     block_input = SEQ_LEN * HIDDEN * 4
     cap = uncapped.tracked_peak_bytes + block_input
 
@@ -91,7 +95,7 @@ def test_16k_tokens_fit_the_cap_only_with_offloaded_checkpoints_and_tiled_mlp(lo
     host_peak = max(step.host_peak_bytes for step in capped.memory_steps)
     assert host_peak >= LAYERS * block_input  # the block inputs waited in host memory
     print(
-        f"16K tokens: tracked device peak {capped.tracked_peak_bytes} B under a cap of {cap} B, host peak {host_peak} B"
+        f"{SEQ_LEN} tokens: tracked device peak {capped.tracked_peak_bytes} B under a cap of {cap} B, host peak {host_peak} B"
     )
 
     for name, techniques in (("tiled-only", dict(tiled_mlp=TILES)), ("neither", dict(tiled_mlp=0))):
