@@ -12,7 +12,7 @@ import pytest
 
 from memfit.config_loading import load_config
 from memfit.train.metrics import build_loggers, step_scalars
-from memfit_cli import REPO, run_memfit
+from memfit_cli import REPO
 
 RECORDS = [
     {"event": "start", "model": "tiny", "precision": "fp32", "fallbacks": {}},
@@ -145,12 +145,13 @@ def test_missing_tracker_is_one_line_exit_2_nothing_written(flags, hidden, expec
 
 
 @pytest.mark.slow
-def test_train_reports_to_every_tracker_offline(llama_dir, text_file, tmp_path):
+def test_train_reports_to_every_tracker_offline(llama_dir, text_file, tmp_path, warm_memfit):
     names = [name for name in READERS if _installed(PACKAGES[name])]
     if not names:
         pytest.skip("no tracker package installed")
     out = tmp_path / "run"
-    result = run_memfit(
+    # forked from the session's warm server (tests/memfit_cli.py): the real command without importing torch again
+    result = warm_memfit.run(
         "train", "--model", llama_dir, "--dataset", text_file, "--seq-len", "64", "--batch-size", "4", "--max-steps", "3",
         "--report-to", ",".join(names), "--output-dir", out, "--no-report",
     )

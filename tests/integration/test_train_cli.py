@@ -17,10 +17,12 @@ STEP_FIELDS = {
 
 
 @pytest.mark.parametrize("model_fixture", ["llama_dir", "gpt2_dir"])
-def test_train_cli_end_to_end(model_fixture, request, text_file, tmp_path):
+def test_train_cli_end_to_end(model_fixture, request, text_file, tmp_path, warm_memfit):
     model_dir = request.getfixturevalue(model_fixture)
     out = tmp_path / "run"
-    result = run_memfit(
+    # forked from the session's warm server (tests/memfit_cli.py): `python -m memfit` as a fresh interpreter runs it,
+    # without importing torch and transformers again
+    result = warm_memfit.run(
         "train", "--model", model_dir, "--dataset", text_file, "--seq-len", "64", "--batch-size", "4",
         "--gradient-accumulation-steps", "2", "--max-steps", "8", "--lr", "3e-3", "--output-dir", out,
     )
