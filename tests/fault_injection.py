@@ -52,6 +52,47 @@ def scaled_gradients(scale: float):
 
 
 @contextlib.contextmanager
+def half_applied_step_after_sigterm():
+    """In this process: once the run's SIGTERM handler has been called, the next optimizer step updates only every
+    other parameter (the step in flight half applied when the checkpoint is written).
+
+    MEMFIT_FAULT_PREEMPT_PARTIAL does the same to a subprocess (fault_shim/sitecustomize.py); this one lets a
+    worker that runs several trainings in one launch put the fault into one of them only. The seams are the
+    `signal.signal` that installs the handler (looked up at call time) and torch's global optimizer hook.
+    """
+    import signal
+
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    state = {"signalled": False, "done": False}
+    install = signal.signal
+
+    def noting_signal(number, handler):
+        if number == signal.SIGTERM and callable(handler):
+            def noted(signum, frame, _handler=handler):
+                state["signalled"] = True
+                return _handler(signum, frame)
+
+            return install(number, noted)
+        return install(number, handler)
+
+    def half_step(optimizer, args, kwargs):
+        if state["signalled"] and not state["done"]:
+            state["done"] = True
+            parameters = [p for group in optimizer.param_groups for p in group["params"]]
+            for parameter in parameters[1::2]:
+                parameter.grad = None
+
+    signal.signal = noting_signal
+    handle = register_optimizer_step_pre_hook(half_step)
+    try:
+        yield state
+    finally:
+        handle.remove()
+        signal.signal = install
+
+
+@contextlib.contextmanager
 def freezing_ignored():
     """Parameters cannot be frozen: OOM recovery that redoes a micro-batch counts gradients twice."""
     original = torch.nn.Parameter.__dict__.get("requires_grad_")

@@ -10,11 +10,10 @@ checkpoint), one for DeepSpeed. Each run keeps its own flags and output director
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
-from torchrun_helpers import deepspeed_available, run_many
+from torchrun_helpers import checkpoint_copy, deepspeed_available, run_many
 
 from fault_injection import SGD_FLAGS
 from memfit.distributed.parallel import CAP_RANK_ENV
@@ -48,14 +47,21 @@ def sgd_args(run_args) -> list[str]:
 
 
 @pytest.fixture(scope="session")
-def references(run_args, sgd_args, tmp_path_factory) -> dict[str, Path]:
-    """The references, both in one plain process: micro-batch 4 x 2 accumulation, AdamW and SGD."""
+def reshard_args(sgd_args) -> list[str]:
+    """The runs of test_reshard_resume.py: SGD, 4 steps, a checkpoint every 2."""
+    return [*sgd_args, "--max-steps", "4", "--save-every", "2", "--batch-size", "4"]
+
+
+@pytest.fixture(scope="session")
+def references(run_args, sgd_args, reshard_args, tmp_path_factory) -> dict[str, Path]:
+    """The references, all in one plain process: micro-batch 4 x 2 accumulation, AdamW and SGD; and reshard-one,
+    the one-process run that test_reshard_resume.py resumes on 2 ranks (in later_runs)."""
     root = tmp_path_factory.mktemp("single")
     runs = [{"name": name, "args": [*args, "--batch-size", "4", "--gradient-accumulation-steps", "2",
                                      "--output-dir", str(root / name)]}
-            for name, args in (("adamw", run_args), ("sgd", sgd_args))]
+            for name, args in (("adamw", run_args), ("sgd", sgd_args), ("reshard-one", reshard_args))]
     run_many(runs, root, nproc=1)
-    return {name: root / name for name in ("adamw", "sgd")}
+    return {name: root / name for name in ("adamw", "sgd", "reshard-one")}
 
 
 @pytest.fixture(scope="session")
@@ -74,8 +80,9 @@ ENGINES = {"ddp": ["--sharding", "ddp"], "fsdp": ["--sharding", "fsdp"]}
 
 
 @pytest.fixture(scope="session")
-def engine_runs(run_args, sgd_args, tmp_path_factory) -> dict[str, Path]:
-    """One torchrun launch: per engine an SGD run and its twin with the fault; the AdamW runs of test_torchrun.py."""
+def engine_runs(run_args, sgd_args, reshard_args, tmp_path_factory) -> dict[str, Path]:
+    """One torchrun launch: per engine an SGD run and its twin with the fault; the AdamW runs of test_torchrun.py;
+    reshard-two, the 2-rank run that test_reshard_resume.py resumes in one process."""
     root = tmp_path_factory.mktemp("engines")
     runs = []
     for engine, flags in ENGINES.items():
@@ -89,6 +96,7 @@ def engine_runs(run_args, sgd_args, tmp_path_factory) -> dict[str, Path]:
         {"name": "adamw-fsdp", "args": [*run_args, "--batch-size", "4", "--sharding", "fsdp", "--save-every", "2"]},
         {"name": "adamw-ddp", "args": [*run_args, "--batch-size", "4", "--sharding", "ddp", "--track-memory"]},
         {"name": "adamw-fsdp-chunked", "args": [*chunked, "--batch-size", "4", "--sharding", "fsdp"]},
+        {"name": "reshard-two", "args": [*reshard_args, "--sharding", "fsdp"]},
     ]
     for run in runs:
         run["args"] += ["--output-dir", str(root / run["name"])]
@@ -113,16 +121,17 @@ def rank1_split_cap(tracked_run: Path) -> int:
 
 
 @pytest.fixture(scope="session")
-def later_runs(engine_runs, run_args, sgd_args, tmp_path_factory) -> dict:
+def later_runs(engine_runs, references, run_args, sgd_args, reshard_args, tmp_path_factory) -> dict:
     """One launch with a memory cap on rank 1 only (MEMFIT_MEMORY_CAP_RANK=1), for the runs that need engine_runs.
 
     capped / capped-fault: SGD under DDP, rank 1 splits its micro-batch of 4 (the fault: gradients 2x);
     adamw-capped: the same under AdamW; adamw-fsdp-resumed: the step-2 checkpoint of adamw-fsdp resumed
-    in a copy of its output directory (no --memory-cap: the cap rank does not apply).
+    in a copy of its output directory; reshard-one-to-two: the step-2 checkpoint of the one-process reshard-one
+    resumed on 2 FSDP2 ranks (these two have no --memory-cap: the cap rank does not apply).
     """
     root = tmp_path_factory.mktemp("later")
-    resumed = root / "adamw-fsdp-resumed"
-    shutil.copytree(engine_runs["adamw-fsdp"], resumed, ignore=shutil.ignore_patterns("final", "step-3", "metrics.jsonl"))
+    resumed = checkpoint_copy(engine_runs["adamw-fsdp"], root / "adamw-fsdp-resumed", 3)
+    one_to_two = checkpoint_copy(references["reshard-one"], root / "reshard-one-to-two", 4)
     sgd_cap, adamw_cap = rank1_split_cap(engine_runs["ddp"]), rank1_split_cap(engine_runs["adamw-ddp"])
     runs = [
         {"name": "capped", "args": [*sgd_args, "--memory-cap", str(sgd_cap)]},
@@ -133,8 +142,10 @@ def later_runs(engine_runs, run_args, sgd_args, tmp_path_factory) -> dict:
         run["args"] += ["--batch-size", "4", "--sharding", "ddp", "--output-dir", str(root / run["name"])]
     runs.append({"name": "adamw-fsdp-resumed", "args": [*run_args, "--batch-size", "4", "--sharding", "fsdp",
                                                         "--resume", "auto", "--output-dir", str(resumed)]})
+    runs.append({"name": "reshard-one-to-two", "args": [*reshard_args, "--sharding", "fsdp", "--resume", "auto",
+                                                        "--output-dir", str(one_to_two)]})
     logs = run_many(runs, root, env={CAP_RANK_ENV: "1"})
-    return {**{run["name"]: root / run["name"] for run in runs}, "adamw-fsdp-resumed": resumed, "logs": logs}
+    return {**{run["name"]: root / run["name"] for run in runs}, "logs": logs}
 
 
 @pytest.fixture(scope="session")

@@ -2,18 +2,23 @@
 
     torchrun --nproc_per_node 2 preemption_worker.py RUNS.json
 
-RUNS.json: [{"name": NAME, "args": [train flags...], "env": {VAR: VALUE}}, ...]. Unlike exactness_worker.py, a run
-that exits non-zero (a preempted run exits 75) does not stop the later ones; NAME.rankR.code holds its code.
+RUNS.json: [{"name": NAME, "args": [train flags...], "env": {VAR: VALUE}, "half_step": bool}, ...]. Unlike
+exactness_worker.py, a run that exits non-zero (a preempted run exits 75) does not stop the later ones;
+NAME.rankR.code holds its code. "half_step": the run trains under fault_injection.half_applied_step_after_sigterm
+(its fault twin shares the launch of the good runs).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
 from pathlib import Path
 
 from exactness_worker import _run_logged
+
+from fault_injection import half_applied_step_after_sigterm
 
 
 def run_all() -> int:
@@ -22,8 +27,10 @@ def run_all() -> int:
     for run in json.loads(spec.read_text()):
         saved = {name: os.environ.get(name) for name in run.get("env", {})}
         os.environ.update(run.get("env", {}))
+        fault = half_applied_step_after_sigterm() if run.get("half_step") else contextlib.nullcontext()
         try:
-            code = _run_logged(["train", *run["args"]], spec.with_name(f"{run['name']}.rank{rank}.log"))
+            with fault:
+                code = _run_logged(["train", *run["args"]], spec.with_name(f"{run['name']}.rank{rank}.log"))
         finally:
             for name, value in saved.items():
                 if value is None:

@@ -5,35 +5,27 @@ between engines: the ranks sum in another order)."""
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
-from torchrun_helpers import assert_same_weights, final_weights, run_many
+from torchrun_helpers import assert_same_weights, checkpoint_copy, final_weights, run_many
 
 pytestmark = pytest.mark.distributed
 
 
-def _checkpoint_copy(source, target):
-    """What a run killed after its step-2 checkpoint leaves."""
-    shutil.copytree(source, target, ignore=shutil.ignore_patterns("final", "step-4", "metrics.jsonl"))
-    return target
-
-
 @pytest.fixture(scope="module")
-def resharded(sgd_args, tmp_path_factory):
+def resharded(references, engine_runs, later_runs, reshard_args, tmp_path_factory):
+    """Starting ranks costs more than these 4-step runs, so three of the four share the session's launches
+    (conftest.py): the one-process run `one` with the references, the 2-rank run `two` with engine_runs, `one`'s
+    step-2 checkpoint resumed on 2 ranks (`one-to-two`) with later_runs. Only `two`'s checkpoint resumed in one
+    process (`two-to-one`) needs a launch of its own."""
     root = tmp_path_factory.mktemp("reshard")
-    args = [*sgd_args, "--max-steps", "4", "--save-every", "2", "--batch-size", "4"]
-    run_many([{"name": "one", "args": [*args, "--gradient-accumulation-steps", "2", "--output-dir", str(root / "one")]}],
-             root / "l1", nproc=1)
-    one_to_two = _checkpoint_copy(root / "one", root / "one-to-two")
-    logs = run_many([
-        {"name": "two", "args": [*args, "--sharding", "fsdp", "--output-dir", str(root / "two")]},
-        {"name": "one-to-two", "args": [*args, "--sharding", "fsdp", "--resume", "auto", "--output-dir", str(one_to_two)]},
-    ], root / "l2")
-    two_to_one = _checkpoint_copy(root / "two", root / "two-to-one")
-    logs |= run_many([{"name": "two-to-one", "args": [*args, "--gradient-accumulation-steps", "2", "--resume", "auto",
-                                                     "--output-dir", str(two_to_one)]}], root / "l3", nproc=1)
-    return root, logs
+    for name, source in (("one", references["reshard-one"]), ("two", engine_runs["reshard-two"]),
+                         ("one-to-two", later_runs["reshard-one-to-two"])):
+        (root / name).symlink_to(source, target_is_directory=True)
+    two_to_one = checkpoint_copy(root / "two", root / "two-to-one", 4)
+    logs = run_many([{"name": "two-to-one", "args": [*reshard_args, "--gradient-accumulation-steps", "2", "--resume",
+                                                    "auto", "--output-dir", str(two_to_one)]}], root / "l3", nproc=1)
+    return root, {**logs, "one-to-two": later_runs["logs"]["reshard-one-to-two"]}
 
 
 def test_two_ranks_to_one(resharded):

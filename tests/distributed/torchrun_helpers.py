@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -55,6 +56,13 @@ def single(*args: str) -> subprocess.CompletedProcess:
     )
     assert result.returncode == 0, result.stderr[-4000:]
     return result
+
+
+def checkpoint_copy(source: Path, target: Path, last_step: int) -> Path:
+    """What a run killed after its checkpoint before `last_step` leaves: `source` without its final model, its last
+    checkpoint and its metrics."""
+    shutil.copytree(source, target, ignore=shutil.ignore_patterns("final", f"step-{last_step}", "metrics.jsonl"))
+    return target
 
 
 def final_weights(output_dir: Path) -> dict:
