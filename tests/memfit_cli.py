@@ -46,11 +46,13 @@ class WarmMemfit:
         self.import_stdout: str = ready["import_stdout"]
         self.import_stderr: str = ready["import_stderr"]
 
-    def run(self, *args: str, timeout: int = 300, cwd: str | os.PathLike | None = None) -> subprocess.CompletedProcess:
-        """`memfit ARGS` in a forked child; `cwd`: its working directory (the repository's by default)."""
+    def run(self, *args: str, timeout: int = 300, cwd: str | os.PathLike | None = None,
+            file_size_limit: int | None = None) -> subprocess.CompletedProcess:
+        """`memfit ARGS` in a forked child; `cwd`: its working directory (the repository's by default);
+        `file_size_limit`: bytes, the child's RLIMIT_FSIZE (`ulimit -f`), none by default."""
         command = ["memfit", *map(str, args)]
         request = {"args": command[1:], "timeout": timeout, "env": dict(os.environ),  # the caller's environment now
-                   "cwd": str(cwd or REPO)}
+                   "cwd": str(cwd or REPO), "file_size_limit": file_size_limit}
         self._server.stdin.write(json.dumps(request) + "\n")
         self._server.stdin.flush()
         answer = json.loads(self._server.stdout.readline() or "null")
@@ -65,7 +67,8 @@ class WarmMemfit:
         self._server.wait(timeout=30)
 
 
-def _child(args: list[str], stdout_path: str, stderr_path: str, env: dict | None = None, cwd: str | None = None) -> None:
+def _child(args: list[str], stdout_path: str, stderr_path: str, env: dict | None = None, cwd: str | None = None,
+           file_size_limit: int | None = None) -> None:
     """In the forked child: `python -m memfit ARGS`, exit as the interpreter would."""
     import atexit
     import runpy
@@ -85,6 +88,12 @@ def _child(args: list[str], stdout_path: str, stderr_path: str, env: dict | None
     sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115
     sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115
     sys.argv = [str(REPO / "src" / "memfit" / "__main__.py"), *args]
+    if file_size_limit is not None:
+        # Set once the output files above are open. Python ignores SIGXFSZ (the server, so this child, too), so a
+        # write past the limit fails with EFBIG, as in a fresh interpreter.
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, file_size_limit))
     try:
         runpy.run_module("memfit", run_name="__main__", alter_sys=True)
         code = 0
@@ -182,7 +191,7 @@ def _serve() -> None:
         out, err = os.path.join(scratch, "stdout"), os.path.join(scratch, "stderr")
         pid = os.fork()
         if pid == 0:
-            _child(request["args"], out, err, request.get("env"), request.get("cwd"))
+            _child(request["args"], out, err, request.get("env"), request.get("cwd"), request.get("file_size_limit"))
         deadline, status, timed_out = time.monotonic() + request["timeout"], None, False
         while status is None:
             done, raw = os.waitpid(pid, os.WNOHANG)

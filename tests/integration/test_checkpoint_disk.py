@@ -2,22 +2,18 @@
 keeps the previous checkpoint, leaves nothing half-written and exits 74 with one line.
 
 The small disk is a tmpfs of its own (mounting needs root: skipped otherwise) or a file-size limit
-(RLIMIT_FSIZE, `ulimit -f`) in a subprocess.
+(RLIMIT_FSIZE, `ulimit -f`) in the run's process.
 """
 
 from __future__ import annotations
 
-import resource
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from fault_injection import SGD_FLAGS
 from memfit.checkpoint_files import checkpoint_problem, list_checkpoints
 
-REPO = Path(__file__).resolve().parents[2]
 WRITE_FAILED = 74
 
 
@@ -71,21 +67,15 @@ def test_save_out_of_space_keeps_the_previous_checkpoint_and_exits_74(small_disk
     assert not list((out / "checkpoints").glob(".tmp-*"))  # nothing half-written left behind
 
 
-def _limited(command: list[str], limit: int) -> subprocess.CompletedProcess:
-    def apply_limit():  # Python ignores SIGXFSZ, so a write past the limit fails with EFBIG
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
-
-    return subprocess.run([sys.executable, "-m", "memfit", *command], capture_output=True, text=True, timeout=600,
-                          cwd=REPO, preexec_fn=apply_limit)
-
-
 def test_file_size_limit_is_refused_at_start_and_a_failed_write_exits_74(args, tmp_path, warm_memfit):
     limit = 300 * 1024  # under the weights file (about 430 KiB), over the metrics and the token cache
     # Warm the token cache first, unlimited: the limit then applies only to what the run writes.
     assert warm_memfit.run(*args(tmp_path / "warm", "--max-steps", "1")).returncode == 0
-    refused = _limited(args(tmp_path / "refused"), limit)
+    # The limited runs fork from the warm server too (the limit set in the child only): a fresh interpreter each
+    # would import torch and transformers again
+    refused = warm_memfit.run(*args(tmp_path / "refused"), file_size_limit=limit)
     assert refused.returncode == 2 and "file-size limit" in _one_error_line(refused.stderr)
-    failed = _limited(args(tmp_path / "failed", "--no-disk-check"), limit)
+    failed = warm_memfit.run(*args(tmp_path / "failed", "--no-disk-check"), file_size_limit=limit)
     assert failed.returncode == WRITE_FAILED, failed.stderr[-3000:]
     assert "could not write checkpoint step-1" in _one_error_line(failed.stderr)
     assert not list_checkpoints(tmp_path / "failed") and not list((tmp_path / "failed" / "checkpoints").glob(".tmp-*"))
