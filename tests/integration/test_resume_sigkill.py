@@ -49,12 +49,6 @@ def _command(model: Path, text_file: Path, out: Path, *extra: str) -> list[str]:
             "--loss-chunk-size", "0", "--no-report", *SGD_FLAGS, "--momentum", "0.9", "--lr", "0.3", "--output-dir", str(out), *extra]
 
 
-def _run(command: list[str], env: dict | None = None) -> None:
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=REPO, env={**os.environ, **(env or {})})
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "Traceback" not in done.stderr
-
-
 def _losses_after_last_start(path: Path) -> dict[int, float]:
     records = read_metrics(path)
     last_start = max(i for i, r in enumerate(records) if r.get("event") == "start")
@@ -89,25 +83,40 @@ def runs(dropout_model, text_file, tmp_path_factory):
     return {"straight": straight, "killed": killed, "kill_after": kill_after, "root": root}
 
 
-def test_killed_run_with_dropout_resumes_to_the_uninterrupted_run(runs, dropout_model, text_file):
-    resumed = runs["root"] / "resumed"
-    shutil.copytree(runs["killed"], resumed)
-    _run(_command(dropout_model, text_file, resumed, "--save-every", "1", "--resume", "auto"))
+@pytest.fixture(scope="module")
+def resumed(runs, dropout_model, text_file) -> dict[str, Path]:
+    """The killed run resumed twice, in copies of its directory: as it is, and with the RNG restore disabled
+    (fault_shim). The two start together, as the runs above do: one thread each, two cores."""
+    started = {}
+    for name, extra, env in (("resumed", ["--save-every", "1"], {}),
+                             ("resumed-without-rng", [], fault_env(keep_rng=True))):
+        out = runs["root"] / name
+        shutil.copytree(runs["killed"], out)
+        stderr = open(runs["root"] / f"{name}.stderr", "w")  # noqa: SIM115 - a file: nobody reads a pipe meanwhile
+        started[name] = (subprocess.Popen(_command(dropout_model, text_file, out, *extra, "--resume", "auto"), cwd=REPO,
+                                          stdout=subprocess.DEVNULL, stderr=stderr, env={**os.environ, **env}), stderr)
+    for name, (process, stderr) in started.items():
+        process.wait(timeout=600)
+        stderr.close()
+        text = (runs["root"] / f"{name}.stderr").read_text()
+        assert process.returncode == 0, text[-3000:]
+        assert "Traceback" not in text
+    return {name: runs["root"] / name for name in started}
+
+
+def test_killed_run_with_dropout_resumes_to_the_uninterrupted_run(runs, resumed):
     expected = _losses_after_last_start(runs["straight"] / "metrics.jsonl")
-    losses = _losses_after_last_start(resumed / "metrics.jsonl")
+    losses = _losses_after_last_start(resumed["resumed"] / "metrics.jsonl")
     context = f"killed after step {runs['kill_after']}"
     assert max(losses) == STEPS and min(losses) > runs["kill_after"], context
     assert losses == pytest.approx({step: expected[step] for step in losses}, abs=1e-6), context
     a = load_file(str(runs["straight"] / "final" / "model.safetensors"))
-    b = load_file(str(resumed / "final" / "model.safetensors"))
+    b = load_file(str(resumed["resumed"] / "final" / "model.safetensors"))
     for name, tensor in a.items():
         torch.testing.assert_close(b[name], tensor, atol=1e-6, rtol=0, msg=f"{name} ({context})")
 
 
-def test_resume_check_fails_when_the_rng_state_is_not_restored(runs, dropout_model, text_file):
-    resumed = runs["root"] / "resumed-without-rng"
-    shutil.copytree(runs["killed"], resumed)
-    _run(_command(dropout_model, text_file, resumed, "--resume", "auto"), env=fault_env(keep_rng=True))
+def test_resume_check_fails_when_the_rng_state_is_not_restored(runs, resumed):
     expected = _losses_after_last_start(runs["straight"] / "metrics.jsonl")
-    losses = _losses_after_last_start(resumed / "metrics.jsonl")
+    losses = _losses_after_last_start(resumed["resumed-without-rng"] / "metrics.jsonl")
     assert losses != pytest.approx({step: expected[step] for step in losses}, abs=1e-6)
