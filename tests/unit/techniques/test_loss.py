@@ -390,12 +390,11 @@ def test_every_preset_estimates_with_both_methods(preset):
 
 
 @pytest.mark.slow
-def test_traced_estimate_cli_on_llama_3_2_1b_at_2048_tokens():
+def test_traced_estimate_cli_on_llama_3_2_1b_at_2048_tokens(warm_memfit):
     import json
 
-    from memfit_cli import run_memfit
-
-    result = run_memfit(
+    # forked from the session's warm server (tests/memfit_cli.py): the real command without a fresh import
+    result = warm_memfit.run(
         "estimate", "--model", "llama-3.2-1b", "--seq-len", "2048", "--batch-size", "1", "--method", "traced", "--json"
     )
     assert result.returncode == 0, result.stderr[-2000:]
