@@ -58,7 +58,10 @@ def _recipe(runner: StepRunner) -> dict:
 
 def test_loop_and_batch_size_finder_build_the_same_step(built_runners, llama_dir, text_file, tmp_path):
     """Both make their runner with StepRunner.from_session, and get the same step from the same flags."""
-    common = dict(memory_cap=64 * 1024**2, max_grad_norm=0.5, track_memory=True)
+    # 6 MiB: twice what the loop's micro-batch of 2 holds (about 3 MiB), so the finder's doubling stops after a few
+    # small probes; 64 MiB let it probe every power of two up to 128 samples under the tracker (8 probes, 255
+    # samples) for the same recipe check
+    common = dict(memory_cap=6 * 1024**2, max_grad_norm=0.5, track_memory=True)
     train(_config(llama_dir, text_file, tmp_path / "train", **common))
     trained = list(built_runners)
     find_batch_size(_config(llama_dir, text_file, tmp_path / "find", **common), margin=0.1)
