@@ -117,12 +117,13 @@ def test_bf16_and_fp16_together_are_refused():
 
 
 @pytest.mark.slow
-def test_fp16_file_on_a_cpu_is_checked_before_deepspeed_starts(tmp_path, llama_dir, text_file):
+def test_fp16_file_on_a_cpu_is_checked_before_deepspeed_starts(tmp_path, llama_dir, text_file, warm_memfit,
+                                                                monkeypatch):
     """Through the CLI: no traceback, the switch in the log and the metrics, or (without the
     deepspeed package) one line that names the package: the precision never reaches DeepSpeed."""
     import json
 
-    from torchrun_helpers import deepspeed_available, single
+    from torchrun_helpers import EXTENSIONS_CACHE, deepspeed_available
 
     from memfit.train.metrics import read_metrics
     from memfit_cli import run_memfit
@@ -140,7 +141,11 @@ def test_fp16_file_on_a_cpu_is_checked_before_deepspeed_starts(tmp_path, llama_d
         result = run_memfit("train", *args)
         assert result.returncode == 2 and "pip install deepspeed" in result.stderr and "Traceback" not in result.stderr
         return
-    result = single(*args)  # asserts exit 0; DeepSpeed's CPU op build is kept between runs
+    # Forked from the session's warm server (tests/memfit_cli.py), with the caller's environment: DeepSpeed's CPU
+    # op build is kept between runs, and torch and transformers are not imported again
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(EXTENSIONS_CACHE))
+    result = warm_memfit.run("train", *args)
+    assert result.returncode == 0, result.stderr[-4000:]
     assert "Traceback" not in result.stderr and "not supported on your device" not in result.stderr
     assert "fp16, which memfit does not run on a CPU" in result.stderr and "ran fp32 instead" in result.stderr
     summary = read_metrics(out / "metrics.jsonl")[-1]

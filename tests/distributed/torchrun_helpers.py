@@ -44,20 +44,6 @@ def run_many(runs: list[dict], root: Path, nproc: int = 2, env: dict | None = No
     return {run["name"]: (root / f"{run['name']}.rank0.log").read_text() for run in runs}
 
 
-def single(*args: str) -> subprocess.CompletedProcess:
-    """The same command in one plain process."""
-    result = subprocess.run(
-        [sys.executable, "-m", "memfit", "train", *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        cwd=REPO,
-        env={**os.environ, "TORCH_EXTENSIONS_DIR": str(EXTENSIONS_CACHE)},
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    return result
-
-
 def checkpoint_copy(source: Path, target: Path, last_step: int) -> Path:
     """What a run killed after its checkpoint before `last_step` leaves: `source` without its final model, its last
     checkpoint and its metrics."""
