@@ -47,12 +47,13 @@ class WarmMemfit:
         self.import_stderr: str = ready["import_stderr"]
 
     def run(self, *args: str, timeout: int = 300, cwd: str | os.PathLike | None = None,
-            file_size_limit: int | None = None) -> subprocess.CompletedProcess:
+            file_size_limit: int | None = None, hidden: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
         """`memfit ARGS` in a forked child; `cwd`: its working directory (the repository's by default);
-        `file_size_limit`: bytes, the child's RLIMIT_FSIZE (`ulimit -f`), none by default."""
+        `file_size_limit`: bytes, the child's RLIMIT_FSIZE (`ulimit -f`), none by default; `hidden`: packages the
+        child cannot import (their `sys.modules` entries set to None, as for a missing package)."""
         command = ["memfit", *map(str, args)]
         request = {"args": command[1:], "timeout": timeout, "env": dict(os.environ),  # the caller's environment now
-                   "cwd": str(cwd or REPO), "file_size_limit": file_size_limit}
+                   "cwd": str(cwd or REPO), "file_size_limit": file_size_limit, "hidden": list(hidden)}
         self._server.stdin.write(json.dumps(request) + "\n")
         self._server.stdin.flush()
         answer = json.loads(self._server.stdout.readline() or "null")
@@ -68,7 +69,7 @@ class WarmMemfit:
 
 
 def _child(args: list[str], stdout_path: str, stderr_path: str, env: dict | None = None, cwd: str | None = None,
-           file_size_limit: int | None = None) -> None:
+           file_size_limit: int | None = None, hidden: list[str] | None = None) -> None:
     """In the forked child: `python -m memfit ARGS`, exit as the interpreter would."""
     import atexit
     import runpy
@@ -88,6 +89,8 @@ def _child(args: list[str], stdout_path: str, stderr_path: str, env: dict | None
     sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115
     sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115
     sys.argv = [str(REPO / "src" / "memfit" / "__main__.py"), *args]
+    for name in hidden or ():  # `import NAME` (and of its submodules) now raises ImportError, even if the server had it
+        sys.modules[name] = None
     if file_size_limit is not None:
         # Set once the output files above are open. Python ignores SIGXFSZ (the server, so this child, too), so a
         # write past the limit fails with EFBIG, as in a fresh interpreter.
@@ -191,7 +194,8 @@ def _serve() -> None:
         out, err = os.path.join(scratch, "stdout"), os.path.join(scratch, "stderr")
         pid = os.fork()
         if pid == 0:
-            _child(request["args"], out, err, request.get("env"), request.get("cwd"), request.get("file_size_limit"))
+            _child(request["args"], out, err, request.get("env"), request.get("cwd"), request.get("file_size_limit"),
+                   request.get("hidden"))
         deadline, status, timed_out = time.monotonic() + request["timeout"], None, False
         while status is None:
             done, raw = os.waitpid(pid, os.WNOHANG)

@@ -151,17 +151,13 @@ def test_browser_check_catches_errors_and_remote_loads(tmp_path):
     assert remote_references(page.read_text()) != []
 
 
-def test_train_without_plotly_skips_the_report_in_one_line(llama_dir, text_file, tmp_path):
-    import subprocess
-    import sys
-
-    from memfit_cli import REPO
-
+def test_train_without_plotly_skips_the_report_in_one_line(llama_dir, text_file, tmp_path, warm_memfit):
     out = tmp_path / "run"
-    hide = "import sys; sys.modules['plotly'] = None; from memfit.cli.main import main; sys.exit(main(sys.argv[1:]))"
     args = ["train", "--model", str(llama_dir), "--dataset", str(text_file), "--seq-len", "64", "--max-steps", "1",
             "--output-dir", str(out)]
-    result = subprocess.run([sys.executable, "-c", hide, *args], capture_output=True, text=True, cwd=REPO, timeout=300)
+    # forked from the session's warm server (tests/memfit_cli.py) with plotly hidden in the child: memfit imports it
+    # only when it draws, so this is a fresh interpreter without plotly, less the import of torch
+    result = warm_memfit.run(*args, hidden=("plotly",))
     assert result.returncode == 0, result.stderr
     assert [line for line in result.stderr.splitlines() if "HTML report" in line] == [
         "memfit: no HTML report: it needs plotly (pip install 'memfit[report]'); --no-report silences this line"
