@@ -32,7 +32,16 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import default_label, machine_description, markdown_table, resolve_device, today, write_section  # noqa: E402
+from _common import (  # noqa: E402
+    default_label,
+    emit_result,
+    machine_description,
+    markdown_table,
+    resolve_device,
+    run_worker,
+    today,
+    write_section,
+)
 
 GIB = 1024**3
 MIB = 1024**2
@@ -106,23 +115,31 @@ def _paged_beside(model: str, full, cap: int, gpu) -> Any:
 
 
 def _measure(model: str, result, cap: int, steps: int, workdir: Path, device: str) -> dict[str, Any]:
+    """Train the plan's steps in a fresh process (a run's model and allocator state never meet the next run's)."""
+    from memfit.prediction.planner import plan_to_overrides
+
+    spec = {"model": model, "changes": plan_to_overrides(result), "cap": cap, "steps": steps, "workdir": str(workdir),
+            "device": device, "name": result.command}
+    row = run_worker(__file__, spec, timeout=3600)
+    row.update(estimated_peak_bytes=result.estimated_peak_bytes, estimated_host_bytes=result.host_bytes,
+               command=result.command, trades=result.trades)
+    return row
+
+
+def worker(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     from memfit.config_loading import load_config
-    from memfit.prediction.planner import plan_to_overrides
     from memfit.train.profiling import profile_run
 
-    changes = plan_to_overrides(result)
+    changes, steps, workdir = spec["changes"], spec["steps"], Path(spec["workdir"])
     seq = changes["seq_len"]
     corpus = _corpus(workdir, seq * changes["batch_size"] * (steps + 2))
-    out = workdir / f"run-{seq}-{changes['batch_size']}"
+    out = workdir / f"run-{seq}-{changes['batch_size']}-{changes.get('optimizer', '')}"
     config = load_config(overrides={
-        "model": model, "dataset": corpus, "max_steps": steps, "memory_cap": cap, "output_dir": str(out),
+        "model": spec["model"], "dataset": corpus, "max_steps": steps, "memory_cap": spec["cap"], "output_dir": str(out),
         "report": False, "log_every": 1, "cache_dir": str(workdir / "cache"), **changes,
     })
-    if device == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
     started = time.perf_counter()
     report, extra = profile_run(config)
     wall = time.perf_counter() - started
@@ -130,13 +147,10 @@ def _measure(model: str, result, cap: int, steps: int, workdir: Path, device: st
     tokens_per_second = _last_tokens_per_second(out)
     if tokens_per_second is None:  # no metrics file: whole-run rate, setup included (a lower bound)
         tokens_per_second = steps * seq * changes["batch_size"] / wall
-    row = {
-        "plan": changes, "estimated_peak_bytes": result.estimated_peak_bytes, "estimated_host_bytes": result.host_bytes,
-        "tracked_peak_bytes": data["peak_bytes"], "tracked_host_peak_bytes": data.get("host_peak_bytes", 0),
-        "tokens_per_second": tokens_per_second, "wall_seconds": wall, "losses": extra.get("losses"),
-        "command": result.command, "trades": result.trades,
-    }
-    if device == "cuda":
+    row = {"plan": changes, "tracked_peak_bytes": data["peak_bytes"],
+           "tracked_host_peak_bytes": data.get("host_peak_bytes", 0), "tokens_per_second": tokens_per_second,
+           "wall_seconds": wall, "losses": extra.get("losses"), "ran": extra.get("run")}
+    if spec["device"] == "cuda":
         row["cuda_max_allocated_bytes"] = torch.cuda.max_memory_allocated()
         row["cuda_max_reserved_bytes"] = torch.cuda.max_memory_reserved()
     return row
@@ -180,10 +194,16 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
     parser.add_argument("--memory-cap", default=None, help="device memory to plan and train within (GPU: 24GiB; CPU: 256MiB)")
     parser.add_argument("--host-memory", default=None, help="host memory the plans may use (default: this machine's)")
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--runs", default="qlora,full", help="which runs: qlora (the longest context), full (the full"
+                        " fine-tune, and on a GPU the paged 8-bit plan beside it), comma-separated")
     parser.add_argument("--out", default=None, help="write the table into this markdown file (section 'Frontier runs')")
     parser.add_argument("--json", default=None, help="also write every figure to this JSON file")
     parser.add_argument("--quick", action="store_true", help="CPU smoke run: a toy shape under a 24 MiB cap")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.worker:
+        emit_result(worker(json.loads(args.worker)))
+        return {}
     device = resolve_device(args.device)
     if args.quick and device == "cuda":
         parser.error("--quick is the CPU smoke run; drop it on a GPU")
@@ -196,7 +216,9 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
         model = "preset:llama-3.1-8b" if device == "cuda" else _cpu_model(workdir / "model", shape)
         full_seq = 2048 if device == "cuda" else (128 if args.quick else 512)
         plans = _plans(model, cap, _gpu_spec(cap, device), full_seq, host_memory)
-        if device == "cuda":  # bitsandbytes pages state through CUDA unified memory: no CPU equivalent
+        runs = {r.strip() for r in args.runs.split(",")}
+        plans = {name: result for name, result in plans.items() if ("qlora" if name.startswith("QLoRA") else "full") in runs}
+        if device == "cuda" and "full" in runs:  # bitsandbytes pages state through CUDA unified memory: no CPU equivalent
             full_name = next(name for name in plans if name.startswith("full"))
             plans[f"{full_name}, paged 8-bit AdamW"] = _paged_beside(model, plans[full_name], cap,
                                                                           _gpu_spec(cap, device))

@@ -56,6 +56,13 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "optimizer in backward": {**CHECKPOINTED, "optimizer_in_backward": True},
     "8-bit AdamW": {**CHECKPOINTED, "optimizer": "adamw-8bit"},
 }
+# The long-context QLoRA frontier as `memfit plan --maximize seq-len` configures it for a 24 GiB GPU, with liger's
+# fused loss (what `--kernels auto` picks where liger-kernel is installed) and with memfit's chunked loss instead.
+FRONTIER = {**CHECKPOINTED, "lora_r": 32, "lora_targets": "all-linear", "quantize": "4bit", "optimizer": "adamw-8bit",
+            "activation_offload": True, "tiled_mlp": 32}
+VARIANTS["frontier QLoRA + liger"] = {**FRONTIER, "kernels": "liger", "loss_chunk_size": 0}
+VARIANTS["frontier QLoRA + chunked loss"] = {**FRONTIER, "kernels": "none", "loss_chunk_size": 1024}
+DEFAULT_VARIANTS = [name for name in VARIANTS if not name.startswith("frontier")]
 
 
 def _corpus(directory: Path, tokens: int) -> str:
@@ -68,7 +75,7 @@ def _corpus(directory: Path, tokens: int) -> str:
 def _config(spec: dict[str, Any]):
     from memfit.config_loading import load_config
 
-    model = spec["model"] if spec["model"] == "tiny" else f"preset:{spec['model']}"
+    model = spec.get("model_dir") or (spec["model"] if spec["model"] == "tiny" else f"preset:{spec['model']}")
     return load_config(overrides={
         "model": model, "dataset": spec["dataset"], "seq_len": spec["seq_len"], "batch_size": spec["batch_size"],
         "max_steps": spec["steps"], "output_dir": spec["output_dir"], "report": False, "log_every": 1,
@@ -129,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="llama-3.2-1b,llama-3.2-3b", help="presets, comma-separated ('tiny' too)")
     parser.add_argument("--variants", default=None, help=f"subset of: {', '.join(VARIANTS)} (comma-separated)")
+    parser.add_argument("--layers", type=int, default=None, help="keep only the first N blocks of each preset (same"
+                        " width and vocabulary): the per-block figures of a long context in minutes")
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--steps", type=int, default=3)
@@ -142,23 +151,29 @@ def main(argv: list[str] | None = None) -> int:
         emit_result(worker(json.loads(args.worker)))
         return 0
     device = resolve_device(args.device)
-    variants = list(VARIANTS) if args.variants is None else [v.strip() for v in args.variants.split(",")]
+    variants = DEFAULT_VARIANTS if args.variants is None else [v.strip() for v in args.variants.split(",")]
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
         parser.error(f"unknown variant {unknown[0]!r}; choose from: {', '.join(VARIANTS)}")
     command = "python benchmarks/bench_gpu_estimates.py " + " ".join(argv if argv is not None else sys.argv[1:])
     everything: dict[str, list[dict[str, Any]]] = {}
-    headers = ["model", "variant", "estimated allocated MiB", "max allocated MiB", "error", "estimated device MiB",
-               "reserved + context MiB", "margin", "verdict"]
     with tempfile.TemporaryDirectory(prefix="memfit-gpu-estimates-") as tmp:
         workdir = Path(tmp)
         dataset = _corpus(workdir, args.seq_len * args.batch_size * (args.steps + 2))
         for model in [m.strip() for m in args.models.split(",")]:
             rows, raw = [], []
+            model_dir, label = None, model
+            if args.layers:
+                from bench_peers import save_preset_model
+
+                model_dir = str(workdir / f"{model}-{args.layers}-blocks")
+                save_preset_model(Path(model_dir), model, args.layers)
+                label = f"{model}, first {args.layers} blocks"
             for variant in variants:
                 spec = {"model": model, "variant": variant, "dataset": dataset, "seq_len": args.seq_len,
                         "batch_size": args.batch_size, "steps": args.steps, "device": device,
-                        "output_dir": str(workdir / f"{model}-{len(raw)}"), "name": f"{model} {variant}"}
+                        "output_dir": str(workdir / f"{model}-{len(raw)}"), "name": f"{model} {variant}",
+                        "model_dir": model_dir}
                 est = _estimate(spec)
                 measured, why = None, ""
                 if device == "cuda" and est[2] is False:
@@ -168,19 +183,27 @@ def main(argv: list[str] | None = None) -> int:
                         measured = run_worker(__file__, spec, timeout=args.row_timeout)
                     except Exception as error:  # noqa: BLE001 - a failed row is a finding: recorded, the rest runs
                         why = f"FAILED: {str(error).strip().splitlines()[-1][:160]}"
-                rows.append(_row(model, variant, spec, est, measured, why))
+                rows.append(_row(label, variant, spec, est, measured, why))
                 raw.append({"variant": variant, "estimate": est, "measured": measured, "why": why})
                 print(" | ".join(rows[-1]), file=sys.stderr, flush=True)
-            everything[model] = raw
-            body = (f"{model} preset shape, random weights, bf16, seq {args.seq_len} x batch {args.batch_size},"
-                    f" {args.steps} steps, each row a fresh process. Command: `{command.strip()}`."
-                    f" Machine: {machine_description(device)}. Date: {today()}.\n\n" + markdown_table(headers, rows))
+                everything[label] = raw
+                body = _write(args, label, command, device, rows, everything)
             print(body)
-            if args.out:
-                write_section(args.out, "Estimator against the CUDA allocator", body, subheading=model)
-            if args.json:
-                Path(args.json).write_text(json.dumps(everything, indent=1, default=str))
     return 0
+
+
+def _write(args, label: str, command: str, device: str, rows: list[list[str]], everything: dict) -> str:
+    """The table so far (rewritten after every row: a run cut short keeps what it measured)."""
+    headers = ["model", "variant", "estimated allocated MiB", "max allocated MiB", "error", "estimated device MiB",
+               "reserved + context MiB", "margin", "verdict"]
+    body = (f"{label} preset shape, random weights, bf16, seq {args.seq_len} x batch {args.batch_size},"
+            f" {args.steps} steps, each row a fresh process. Command: `{command.strip()}`."
+            f" Machine: {machine_description(device)}. Date: {today()}.\n\n" + markdown_table(headers, rows))
+    if args.out:
+        write_section(args.out, "Estimator against the CUDA allocator", body, subheading=label)
+    if args.json:
+        Path(args.json).write_text(json.dumps(everything, indent=1, default=str))
+    return body
 
 
 if __name__ == "__main__":

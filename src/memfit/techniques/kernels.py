@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from memfit.techniques.loss import IGNORE_INDEX, unwrap_causal_lm
+from memfit.techniques.tiled_mlp import retile_replaced_forwards
 
 log = logging.getLogger("memfit")
 
@@ -106,6 +107,8 @@ def _apply_kernels(model: torch.nn.Module, requested: str, device: torch.device)
     _apply_liger_kernel_to_instance(
         model=unwrap_causal_lm(model), rms_norm=True, swiglu=True, rope=True, cross_entropy=False, fused_linear_cross_entropy=False
     )
+    # liger's SwiGLU replaces each MLP's forward, and with it a tiling applied before (--tiled-mlp): tile again.
+    retile_replaced_forwards(model)
     kernels = BLOCK_KERNELS
     head_problem = fused_loss_problem(model)
     if head_problem:

@@ -43,6 +43,7 @@ AUTO_TILE_TOKENS = 8192
 MLP_NAMES = ("mlp", "feed_forward", "ffn")
 _ORIGINAL_FORWARD = "_memfit_untiled_forward"
 _TILES = "_memfit_tiles"
+_TILED_MARK = "_memfit_tiled_forward"
 
 
 def tiles_for(seq_len: int, tiles: int | None) -> int:
@@ -112,6 +113,27 @@ def compile_each_tile(mlp: nn.Module, compile_fn: Callable[[Callable], Callable]
     mlp.forward = types.MethodType(_make_tiled_forward(compile_fn(untiled), mlp.__dict__[_TILES]), mlp)
 
 
+def retile_replaced_forwards(model: nn.Module) -> int:
+    """Tile again the tiled MLPs whose forward was replaced after tiling; return how many.
+
+    liger-kernel's SwiGLU patches each MLP instance's `forward` (its fused SiLU-times-up kernel),
+    which drops the tiling put there before: at 131,072 tokens of Llama-3.1-8B the whole MLP's
+    intermediates (10 GiB) came back. The replacement becomes the untiled forward each tile runs,
+    so the run keeps both the fused kernel and the tiling the plan counted on.
+    """
+    count = 0
+    for mlp in find_mlps(model):
+        current = mlp.__dict__.get("forward")
+        if _TILES not in mlp.__dict__ or current is None or getattr(current, "__func__", None) is None:
+            continue
+        if getattr(current.__func__, _TILED_MARK, False):
+            continue  # still memfit's tiled forward
+        mlp.__dict__[_ORIGINAL_FORWARD] = current
+        mlp.forward = types.MethodType(_make_tiled_forward(current, mlp.__dict__[_TILES]), mlp)
+        count += 1
+    return count
+
+
 def _make_tiled_forward(untiled: Callable, tiles: int | None) -> Callable:
     def forward(self, hidden: torch.Tensor, *args, **kwargs):
         count = tiles_for(hidden.shape[-2], tiles) if hidden.dim() >= 2 else 1
@@ -122,6 +144,7 @@ def _make_tiled_forward(untiled: Callable, tiles: int | None) -> Callable:
         trainable = [p for p in self.parameters() if p.requires_grad]
         return TiledMLPFunction.apply(untiled, count, hidden, _draws_random_numbers(self), *trainable)
 
+    setattr(forward, _TILED_MARK, True)
     return forward
 
 

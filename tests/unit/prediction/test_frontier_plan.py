@@ -11,6 +11,7 @@ import pytest
 from memfit.config_loading import load_config
 from memfit.errors import DoesNotFitError
 from memfit.gpus import GpuSpec
+from memfit.prediction.estimate_result import CUDA_CONTEXT_BYTES
 from memfit.prediction.estimator import estimate
 from memfit.prediction.planner import plan
 from memfit.units import GIB, MIB
@@ -41,7 +42,8 @@ def test_the_frontier_plan_pages_nothing_and_allocates_less_than_torchtune(front
     # head's step in backward, with every checkpoint offloaded
     head = 128256 * 4096 * 2
     assert est.details["allocated_peak_bytes"] < est.breakdown["parameters"] + 3 * head + 0.2 * GIB
-    assert frontier.estimated_peak_bytes < 19.5 * GIB
+    # + the CUDA context measured on an H100 (0.85 GiB) and 5 % slack
+    assert frontier.estimated_peak_bytes < 20 * GIB
     compared = [line for line in frontier.trades if line.startswith("nothing paged to the host")]
     assert compared and float(compared[0].split("expected ")[1].split("x")[0]) > 1.1
 
@@ -95,7 +97,8 @@ def test_the_frontier_estimate_follows_the_tracker_at_1_1024_scale(tmp_path):
 def test_a_plan_stopped_by_host_memory_says_so_and_names_the_flag():
     """The device fits only with offloaded activations, which need more host memory than --host-memory allows."""
     config = load_config(overrides={"model": "tiny", "seq_len": 16384, "batch_size": 1})
-    gpu = GpuSpec("small-test", 735 * MIB, True, 100.0, 100.0, 32.0)
+    # the CUDA context and 223 MiB: the tiny model's 16K-token step fits only with its checkpoints offloaded
+    gpu = GpuSpec("small-test", CUDA_CONTEXT_BYTES + 223 * MIB, True, 100.0, 100.0, 32.0)
     assert plan(config, gpu=gpu, allow="full", host_memory=4 * GIB, explain=False).host_bytes > 0
     with pytest.raises(DoesNotFitError, match=r"^host memory stopped it: .* need at least \d+\.\d GiB of host memory"
                        r" .* over the \d+\.\d GiB planned .*--host-memory") as error:

@@ -172,3 +172,33 @@ def test_real_liger_kernels_keep_the_numbers_on_cuda():
     torch.testing.assert_close(loss, expected, rtol=1e-4, atol=1e-4)
     for (name, a), (_, b) in zip(plain.named_parameters(), fused.named_parameters(), strict=True):
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-3, atol=1e-4, msg=name)
+
+
+def test_a_tiled_mlp_stays_tiled_when_liger_replaces_its_forward(fake_liger, monkeypatch):
+    """liger's SwiGLU sets each MLP instance's forward: the tiling put there before must survive, with liger's
+    forward running tile by tile (on the GPU the untiled MLP cost 10 GiB more at 131,072 tokens)."""
+    from memfit.techniques.tiled_mlp import apply_tiled_mlp, find_mlps
+
+    calls = []
+
+    def liger_like_swiglu(self, x):  # liger's LigerSwiGLUMLP.forward, computed by PyTorch
+        calls.append(x.shape[-2])
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    def patch_like_liger(model, **options):
+        for mlp in find_mlps(model):
+            mlp.forward = types.MethodType(liger_like_swiglu, mlp)
+
+    monkeypatch.setattr(sys.modules["liger_kernel.transformers.monkey_patch"], "_apply_liger_kernel_to_instance",
+                        patch_like_liger)
+    reference = _model()
+    model = _model()
+    apply_tiled_mlp(model, 4)
+    apply_kernels(model, "liger", torch.device("cuda"))
+    input_ids, labels = _batch()
+    out = model(input_ids=input_ids).logits
+    assert calls and set(calls) == {4}, f"the MLP ran over {sorted(set(calls))} tokens at a time, not 16 / 4 tiles"
+    torch.testing.assert_close(out, reference(input_ids=input_ids).logits, rtol=1e-5, atol=1e-5)
+    calls.clear()
+    out.float().square().sum().backward()  # the recompute in backward also runs liger's forward per tile
+    assert calls and set(calls) == {4}
