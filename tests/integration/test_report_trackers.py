@@ -4,15 +4,12 @@ inside the output directory, without network; a missing package is one line, exi
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from memfit.config_loading import load_config
 from memfit.train.metrics import build_loggers, step_scalars
-from memfit_cli import REPO
 
 RECORDS = [
     {"event": "start", "model": "tiny", "precision": "fp32", "fallbacks": {}},
@@ -120,10 +117,6 @@ def test_tracker_gets_the_step_metrics_events_and_config(tracker, tmp_path):
     assert (tmp_path / "metrics.jsonl").is_file()  # the JSON lines are still written
 
 
-def _hiding(module: str) -> list[str]:
-    return [sys.executable, "-c", f"import sys; sys.modules[{module!r}] = None; from memfit.cli.main import main; sys.exit(main(sys.argv[1:]))"]
-
-
 @pytest.mark.parametrize(
     "flags, hidden, expected",
     [
@@ -133,11 +126,12 @@ def _hiding(module: str) -> list[str]:
         (["--report-to", "wandbb"], None, "--report-to wandbb: unknown tracker (did you mean wandb?)"),
     ],
 )
-def test_missing_tracker_is_one_line_exit_2_nothing_written(flags, hidden, expected, llama_dir, tmp_path):
+def test_missing_tracker_is_one_line_exit_2_nothing_written(flags, hidden, expected, llama_dir, tmp_path,
+                                                            warm_memfit):
     out = tmp_path / "out"
     args = ["train", "--model", str(llama_dir), "--max-steps", "1", "--output-dir", str(out), *flags]
-    command = _hiding(hidden) + args if hidden else [sys.executable, "-m", "memfit", *args]
-    result = subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=300)
+    # forked from the warm server with the tracker's package hidden in the child (its sys.modules entry None)
+    result = warm_memfit.run(*args, hidden=(hidden,) if hidden else ())
     assert result.returncode == 2, result.stderr
     errors = [line for line in result.stderr.splitlines() if "error:" in line]
     assert len(errors) == 1 and expected in errors[0], result.stderr
