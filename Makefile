@@ -15,7 +15,7 @@ EXTRAS ?= all,dev,deepspeed,tensorboard,wandb,mlflow,lowmem-optim,tasks
 # ~/.cache/memfit/torch-extensions/<environment>, so later runs reuse it.
 export DS_ACCELERATOR ?= cpu
 
-.PHONY: demo test setup lint bench bench-gpu bench-frontier clean
+.PHONY: demo test setup lint bench bench-gpu bench-frontier gpu-truth clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv --system-site-packages $(VENV)
@@ -50,6 +50,10 @@ bench-gpu: setup
 # 24 GiB cap on a GPU; reduced shapes on a CPU.
 bench-frontier: setup
 	$(BIN)/python benchmarks/bench_frontier_gpu.py --out docs/benchmarks.md
+
+# On a CUDA machine, from the checkout on that machine's own torch: make gpu-truth PARTS="tests allocator"
+gpu-truth:
+	benchmarks/gpu_truth.sh $(PARTS)
 
 clean:
 	rm -rf $(VENV) runs
