@@ -247,6 +247,38 @@ def model_edge_bytes_per_token(arch: Architecture, precision: Precision) -> floa
     return precision.compute * arch.hidden + dropout + 16
 
 
+def offloaded_head_bytes(arch: Architecture, precision: Precision, tokens: int, unchunked_loss: bool) -> float:
+    """What activation offload copies to host memory outside the blocks: the final norm, the head and the loss.
+
+    Counted from the tensors `memfit.techniques.offload.ActivationOffload` copies (torch 2.13, CPU; bf16, fp32
+    and bf16 autocast over fp32 weights, with LoRA and without; tests/unit/prediction/test_offload_bytes.py):
+    the final norm's input (memfit's efficient RMSNorm; Hugging Face's RMSNorm keeps its fp32 upcast and, when
+    its weight trains, the normalised tensor instead) and the head's input. The chunked loss keeps the
+    normalised hidden states (in the residual dtype) as its chunks' inputs. The unchunked loss keeps the head's
+    input in the compute dtype (a frozen LoRA head keeps none), under autocast the head weight's 16-bit cast,
+    and the fp32 log-softmax for backward: 4 bytes per token and vocabulary entry whatever the compute dtype
+    (counted at the compute dtype's 2 bytes, a Llama-3.2-1B step at 4,096 tokens moved 1,002 MiB each way
+    more than the estimate on an H100).
+    """
+    r, c, h = precision.residual, precision.compute, arch.hidden
+    if arch.rms_norm and precision.efficient_norm:
+        norm = r * h
+    elif arch.rms_norm:
+        norm = 4 * h + (0 if precision.lora_rank else r * h)
+    else:
+        norm = 2 * r * h
+    if not unchunked_loss:
+        return (norm + r * h) * tokens
+    head_input = 0 if precision.lora_rank else c * h
+    return (norm + head_input) * tokens + offloaded_loss_bytes(arch, precision, tokens)
+
+
+def offloaded_loss_bytes(arch: Architecture, precision: Precision, tokens: int) -> float:
+    """What the unchunked loss saves for backward: the fp32 log-softmax and, under autocast, the head weight's cast."""
+    weight_cast = precision.compute * arch.vocab * arch.hidden if precision.compute == 2 and precision.residual == 4 else 0
+    return 4.0 * arch.vocab * tokens + weight_cast
+
+
 def logits_bytes(arch: Architecture, tokens: int, chunk_tokens: int, compute_bytes: int = 4,
                  fused: bool = False) -> float:
     """Peak bytes of the output projection + cross-entropy.
@@ -308,7 +340,8 @@ def activation_bytes(
             memory; the device holds the block being worked on and the one being copied:
             two blocks' inputs. Without checkpointing every saved tensor goes to host; the
             device holds the two largest in flight, and in backward one block's worth.
-        unchunked_loss: the plain loss runs (its saved logits go to host memory under offload).
+        unchunked_loss: the plain loss runs (under offload its fp32 log-softmax goes to host memory:
+            `offloaded_head_bytes`).
         layer_per_token: bytes one uncheckpointed block keeps per token, when measured
             from the model itself (`memfit.prediction.layer_probe`) instead of the closed form.
     """
@@ -343,16 +376,14 @@ def activation_bytes(
     host = blocks_kept + edges - ids_and_labels
     if checkpointed_blocks:
         # Offloaded checkpoints: one input per checkpointed block (the residual stream), the
-        # tensors of blocks left uncheckpointed, and outside the blocks the final norm's input,
-        # its normalised output and the head's input (measured on CPU with the tracker); an
-        # unchunked loss also saves its logits. memfit's efficient RMSNorm keeps no normalised
-        # output: its input and the head's input (measured the same way).
+        # tensors of blocks left uncheckpointed, and what the final norm, the head and the loss
+        # save outside the blocks (`offloaded_head_bytes`).
         block_input = precision.residual * arch.hidden * tokens
         uncheckpointed = blocks_kept - checkpointed_blocks * kept_one
-        outside = 2 if precision.efficient_norm and arch.rms_norm else 3
-        host = (checkpointed_blocks + outside) * block_input + uncheckpointed
-        if unchunked_loss:
-            host += precision.compute * arch.vocab * tokens
+        host = (checkpointed_blocks * block_input + uncheckpointed
+                + offloaded_head_bytes(arch, precision, tokens, unchunked_loss))
+    elif unchunked_loss:  # the head's input is among the edges; what the loss saves is not
+        host += offloaded_loss_bytes(arch, precision, tokens)
     if checkpointing == "off":
         largest = precision.compute * max(arch.intermediate / max(1, mlp_tiles), arch.q_width) * tokens
         # In backward the saved tensors come back one operation ahead of use: the peak is the

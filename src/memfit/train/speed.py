@@ -55,12 +55,15 @@ class SpeedMeter:
         world_size = session.dist.world_size
         return cls.for_run(
             hf_config, config, session.device, compute_dtype, checkpointing, loss_chunk > 0 and not fused_loss,
-            int(getattr(session, "accumulation_steps", 1)), world_size,
+            int(getattr(session, "accumulation_steps", 1)), world_size, techniques=techniques_that_run(session),
         )
 
     @classmethod
     def for_run(cls, hf_config: Any, config: Any, device: torch.device, compute_dtype: torch.dtype | None,
-                checkpointing: str, chunked_loss: bool, accumulation_steps: int = 1, world_size: int = 1) -> SpeedMeter:
+                checkpointing: str, chunked_loss: bool, accumulation_steps: int = 1, world_size: int = 1,
+                techniques: dict[str, Any] | None = None) -> SpeedMeter:
+        """`techniques`: what the run really does beyond the arguments (`techniques_that_run`); default: what
+        `config` asks for."""
         try:
             flops = flops_per_token(hf_config, config.data.seq_len, lora_rank=config.lora.lora_r,
                                     checkpointing=checkpointing, chunked_loss=chunked_loss)
@@ -70,7 +73,8 @@ class SpeedMeter:
         meter = cls(flops, peak, world_size)
         try:
             meter.predicted_step_seconds = _planner_step_seconds(
-                hf_config, config, peak, checkpointing, chunked_loss, accumulation_steps, device.type
+                hf_config, config, peak, checkpointing, chunked_loss, accumulation_steps, device.type,
+                techniques if techniques is not None else techniques_that_run(None, config),
             )
         except Exception as error:  # the speed model is a check, never a reason to stop training
             meter.note = f"no predicted step time: {type(error).__name__}: {str(error)[:120]}"
@@ -137,17 +141,50 @@ RAISED = " (raised to a measured step)"
 """Appended to a probed peak's source once a step ran faster than the probe measured."""
 
 
+def techniques_that_run(session: Any, config: Any = None) -> dict[str, Any]:
+    """The speed model's settings that a run's techniques decide, as the run really applies them.
+
+    Activation offload (its host-link traffic), the tiled MLP (one more MLP forward), `--compile` (what compiled,
+    not what was asked) and optimizer offload (not where it fell back: on a CPU it does nothing). Without a
+    session (`session=None`), what `config` asks for.
+    """
+    from memfit.techniques.tiled_mlp import tiles_for
+
+    config = session.config if session is not None else config
+    fallbacks = getattr(session, "fallbacks", {}) if session is not None else {}
+    compiled = str(getattr(session, "compiled", "off")) if session is not None else (
+        "on" if config.memory.compile else "off")
+    tiles = tiles_for(config.data.seq_len, config.memory.tiled_mlp)
+    return {
+        "activation_offload": bool(config.memory.activation_offload),
+        "tiled_mlp": tiles if tiles > 1 else 0,
+        "compile": not compiled.startswith("off"),
+        "optimizer_offload": bool(config.memory.optimizer_offload) and "optimizer_offload" not in fallbacks,
+    }
+
+
 def _planner_step_seconds(hf_config, config, peak: DevicePeak, checkpointing: str, chunked_loss: bool,
-                          accumulation_steps: int, device_type: str) -> float:
+                          accumulation_steps: int, device_type: str, techniques: dict[str, Any] | None = None,
+                          host_link_gbps: float | None = None) -> float:
     """The planner's step time for this run's settings, on a device of this run's peak and type
-    (the planner's CPU and GPU terms differ: feeding, 8-bit AdamW, the chunked loss)."""
-    from memfit.gpus import GpuSpec
+    (the planner's CPU and GPU terms differ: feeding, 8-bit AdamW, the chunked loss).
+
+    `techniques` (`techniques_that_run`; default: what `config` asks for) carries activation offload, the
+    tiled MLP, compile and optimizer offload, whose costs the planner adds; without them every offloaded run
+    was predicted at the plain run's time. `host_link_gbps`: the host link's rate, by default this GPU's
+    preset's (16 GB/s, the planner's figure without a preset, on a CPU or an unknown card).
+    """
+    from memfit.gpus import GpuSpec, local_gpu
     from memfit.prediction.estimator import estimate
     from memfit.prediction.speed_model import estimated_step_seconds
 
+    techniques = techniques if techniques is not None else techniques_that_run(None, config)
+    if host_link_gbps is None:
+        spec = local_gpu() if device_type == "cuda" else None
+        host_link_gbps = spec.host_link_gbps if spec is not None else 16.0
     tflops = peak.flops_per_second / 1e12
     # The planner rates a GPU by its 16-bit peak; give it this device's peak in the dtype that runs.
-    device_spec = GpuSpec("this device", 0, True, tflops, tflops, 16.0, tflops)
+    device_spec = GpuSpec("this device", 0, True, tflops, tflops, host_link_gbps, tflops)
     mode = next((m for m in ("full", "selective") if checkpointing.startswith(m)), "off")
     changes = {
         "batch_size": config.training.batch_size,
@@ -157,7 +194,7 @@ def _planner_step_seconds(hf_config, config, peak: DevicePeak, checkpointing: st
         "lora_r": config.lora.lora_r,
         "quantize": config.lora.quantize,
         "optimizer": config.optimizer.optimizer,
-        "optimizer_offload": config.memory.optimizer_offload,
+        **techniques,
     }
     est = estimate(config, hf_config=hf_config)
     return float(estimated_step_seconds(changes, config, est, device_spec, hf_config, device=device_type))
