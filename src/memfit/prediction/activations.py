@@ -395,3 +395,22 @@ def activation_bytes(
         return ActivationTerms(in_flight + ids_and_labels, max(0.0, working + tile_backward - in_flight), full_layer,
                                0.0, host)
     return ActivationTerms(2 * kept_one + ids_and_labels, recompute, full_layer, 0.0, host)
+
+
+def flash_backward_workspace_bytes(arch: Architecture, precision: Precision, tokens: int, attention: str,
+                                   device_type: str) -> float:
+    """What the flash kernel's backward allocates for itself while one block's attention backward runs (CUDA).
+
+    FlashAttention-2's backward (PyTorch's SDPA flash path and the flash-attn package) accumulates dQ in fp32,
+    4 bytes per query element, and under grouped-query attention it computes dK and dV at the query heads'
+    width before summing them to the key-value heads. At 2,048 tokens this is noise; at 131,072 tokens of
+    Llama-3.1-8B it is 4 GiB, what an H100 run of four blocks measured above the estimate (docs/benchmarks.md,
+    "Estimator against the CUDA allocator"). CPU kernels and 32-bit attention (the memory-efficient kernel)
+    allocate no such buffers.
+    """
+    a = precision.attention or precision.compute
+    if device_type != "cuda" or attention not in ("sdpa", "flash_attention_2") or a != 2:
+        return 0.0
+    dq_accumulator = 4 * arch.q_width
+    expanded_dk_dv = 2 * a * arch.q_width if arch.kv_heads < arch.heads else 0
+    return float((dq_accumulator + expanded_dk_dv) * tokens)

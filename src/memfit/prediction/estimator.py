@@ -48,6 +48,7 @@ from memfit.prediction.activations import (
     ActivationTerms,
     Precision,
     activation_bytes,
+    flash_backward_workspace_bytes,
     layer_bytes_per_token,
     norm_module_bytes_per_token,
 )
@@ -281,6 +282,7 @@ def _analytical_peak(config, run: RunShape, hf_config, inventory, parts) -> tupl
     if device_run is not run:
         terms = terms._replace(host=_host_activations(config, run, hf_config))
     activations, recompute, per_layer = terms.kept, terms.recompute, terms.per_layer
+    recompute += flash_backward_workspace_bytes(arch, precision, b * s, run.attention, run.device_type)
     logits = head_logits_bytes(head_shape, arch, b, s, run.loss_chunk_size, precision.compute, run.fused_loss)
     # Backward frees a block's activations while its gradients appear: the peak is at the
     # first block (everything kept + the head's and one block's gradients) or the last
