@@ -163,6 +163,10 @@ def flops_per_token(
 _PROBED: dict[tuple[str, torch.dtype], float] = {}
 PROBE_SIZE = 1024
 PROBE_REPEATS = 5
+SMALL_PROBE_SIZE = 256
+"""The CPU probe's size when the full one would be slow (a dtype the CPU has no instructions for)."""
+PROBE_SECONDS = 1.0
+"""The longest the full-size CPU probe may be expected to take before the small one is used."""
 
 
 def probe_matmul_flops(device: torch.device, dtype: torch.dtype = torch.float32, size: int = PROBE_SIZE,
@@ -178,6 +182,8 @@ def probe_matmul_flops(device: torch.device, dtype: torch.dtype = torch.float32,
         return _PROBED[key]
     # A generator of its own: drawing from the global one would shift a resumed run's dropout masks.
     generator = torch.Generator(device=device).manual_seed(0)
+    if device.type == "cpu" and size > SMALL_PROBE_SIZE:
+        size = _affordable_size(device, dtype, size, repeats, generator)
     a = torch.randn(size, size, device=device, dtype=torch.float32, generator=generator).to(dtype)
     b = torch.randn(size, size, device=device, dtype=torch.float32, generator=generator).to(dtype)
     torch.matmul(a, b)  # warm-up: thread pool, kernel selection
@@ -192,6 +198,20 @@ def probe_matmul_flops(device: torch.device, dtype: torch.dtype = torch.float32,
         best = min(best, time.perf_counter() - started)
     _PROBED[key] = 2 * size**3 / max(best, 1e-9)
     return _PROBED[key]
+
+
+def _affordable_size(device: torch.device, dtype: torch.dtype, size: int, repeats: int, generator) -> int:
+    """`size`, or the small probe's when the full one would take over `PROBE_SECONDS`.
+
+    A CPU without native bf16 (AVX2) multiplies bf16 at under 1 GFLOP/s: the 1024 probe took 24 s
+    there, paid by every bf16 run's first step. The rate hardly depends on the size (0.68 GFLOP/s
+    at 256, 0.76 at 1024), so the small probe measures the same thing in 0.3 s.
+    """
+    small = torch.randn(SMALL_PROBE_SIZE, SMALL_PROBE_SIZE, generator=generator).to(dtype)
+    started = time.perf_counter()
+    torch.matmul(small, small)
+    expected = (time.perf_counter() - started) * (size / SMALL_PROBE_SIZE) ** 3 * (repeats + 1)
+    return size if expected <= PROBE_SECONDS else SMALL_PROBE_SIZE
 
 
 @dataclass(frozen=True)
