@@ -230,12 +230,22 @@ def machine_description(device_type: str = "cpu") -> str:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     parts = [f"{cpu}, {cores} cores"]
     if device_type == "cuda":
-        parts.append(torch.cuda.get_device_name(0))
+        parts.append(f"{torch.cuda.get_device_name(0)}, driver {_cuda_driver_version()}, CUDA {torch.version.cuda}")
     parts.append(f"{platform.system()} {platform.release()}")
     parts.append(
         f"Python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}"
     )
     return "; ".join(parts)
+
+
+def _cuda_driver_version() -> str:
+    """The NVIDIA driver's version as nvidia-smi reports it ('unknown' without nvidia-smi)."""
+    try:
+        completed = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                   capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    return completed.stdout.strip().splitlines()[0] if completed.returncode == 0 and completed.stdout.strip() else "unknown"
 
 
 def resolve_device(choice: str) -> str:
