@@ -160,6 +160,7 @@ def timed_steps(session, steps: int, context: Any = None) -> dict[str, Any]:
         return indices, session.task.prepare([session.dataset[i] for i in indices], indices, step)
 
     device = session.device
+    session.model.train()  # as the loop does: a model loaded from a directory comes up in eval mode (no checkpointing)
     runner = StepRunner.from_session(session)
     seconds, results, indices = [], [], []
     synchronize(device.type)
