@@ -188,6 +188,14 @@ def timed_steps(session, steps: int, context: Any = None) -> dict[str, Any]:
     }
 
 
+def byte_corpus(directory: str | Path, tokens: int) -> str:
+    """A text file of at least `tokens` characters (one byte token each): every window a run of that many tokens reads."""
+    words = "memory gradient batch token model layer training fits device loss step context offload tile "
+    path = Path(directory) / "corpus.txt"
+    path.write_text(words * (tokens // len(words) + 1))
+    return str(path)
+
+
 def emit_result(result: dict[str, Any]) -> None:
     """Hand a worker's result to the parent process (one marked JSON line on stdout)."""
     print(RESULT_PREFIX + json.dumps(result), flush=True)

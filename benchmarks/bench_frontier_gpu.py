@@ -33,6 +33,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import (  # noqa: E402
+    byte_corpus,
     default_label,
     emit_result,
     machine_description,
@@ -64,14 +65,6 @@ def _cpu_model(directory: Path, shape: dict) -> str:
     AutoModelForCausalLM.from_config(config).save_pretrained(directory)
     byte_tokenizer().save_pretrained(directory)
     return str(directory)
-
-
-def _corpus(directory: Path, tokens: int) -> str:
-    """Byte-tokenized text: one token per character, enough for every window of the runs."""
-    words = "memory gradient batch token model layer training fits device loss step context offload tile "
-    path = directory / "corpus.txt"
-    path.write_text(words * (tokens // len(words) + 1))
-    return str(path)
 
 
 def _gpu_spec(cap: int, device: str):
@@ -134,7 +127,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
 
     changes, steps, workdir = spec["changes"], spec["steps"], Path(spec["workdir"])
     seq = changes["seq_len"]
-    corpus = _corpus(workdir, seq * changes["batch_size"] * (steps + 2))
+    corpus = byte_corpus(workdir, seq * changes["batch_size"] * (steps + 2))
     out = workdir / f"run-{seq}-{changes['batch_size']}-{changes.get('optimizer', '')}"
     config = load_config(overrides={
         "model": spec["model"], "dataset": corpus, "max_steps": steps, "memory_cap": spec["cap"], "output_dir": str(out),

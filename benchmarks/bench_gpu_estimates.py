@@ -30,6 +30,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import (  # noqa: E402
+    byte_corpus,
     emit_result,
     machine_description,
     markdown_table,
@@ -63,13 +64,6 @@ FRONTIER = {**CHECKPOINTED, "lora_r": 32, "lora_targets": "all-linear", "quantiz
 VARIANTS["frontier QLoRA + liger"] = {**FRONTIER, "kernels": "liger", "loss_chunk_size": 0}
 VARIANTS["frontier QLoRA + chunked loss"] = {**FRONTIER, "kernels": "none", "loss_chunk_size": 1024}
 DEFAULT_VARIANTS = [name for name in VARIANTS if not name.startswith("frontier")]
-
-
-def _corpus(directory: Path, tokens: int) -> str:
-    words = "memory gradient batch token model layer training fits device loss step context offload tile "
-    path = directory / "corpus.txt"
-    path.write_text(words * (tokens // len(words) + 1))
-    return str(path)
 
 
 def _config(spec: dict[str, Any]):
@@ -159,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     everything: dict[str, list[dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory(prefix="memfit-gpu-estimates-") as tmp:
         workdir = Path(tmp)
-        dataset = _corpus(workdir, args.seq_len * args.batch_size * (args.steps + 2))
+        dataset = byte_corpus(workdir, args.seq_len * args.batch_size * (args.steps + 2))
         for model in [m.strip() for m in args.models.split(",")]:
             rows, raw = [], []
             model_dir, label = None, model

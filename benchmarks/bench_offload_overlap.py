@@ -45,6 +45,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import (  # noqa: E402
+    byte_corpus,
     default_label,
     emit_result,
     machine_description,
@@ -56,7 +57,7 @@ from _common import (  # noqa: E402
     today,
     write_section,
 )
-from bench_gpu_estimates import VARIANTS, _corpus  # noqa: E402
+from bench_gpu_estimates import VARIANTS  # noqa: E402
 
 SECTION = "Offload overlap on a GPU"
 MIB, GIB = 1024**2, 1024**3
@@ -209,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     table, raw = [], []
     with tempfile.TemporaryDirectory(prefix="memfit-offload-overlap-") as tmp:
         workdir = Path(tmp)
-        dataset = _corpus(workdir, args.seq_len * max(batches) * (args.steps + 2))
+        dataset = byte_corpus(workdir, args.seq_len * max(batches) * (args.steps + 2))
         for model in [m.strip() for m in args.models.split(",")]:
             for batch in batches:
                 base = None

@@ -12,18 +12,17 @@ REPO = Path(__file__).resolve().parents[2]
 def test_offload_row_moves_at_least_the_estimated_bytes_and_fetches_ahead(tmp_path):
     sys.path.insert(0, str(REPO / "benchmarks"))
     try:
-        import bench_gpu_estimates
         import bench_offload_overlap
+        from _common import byte_corpus
     finally:
         sys.path.pop(0)
     row = "+ --activation-offload"
-    spec = {"model": "tiny", "row": row, "dataset": bench_gpu_estimates._corpus(tmp_path, 256 * 3), "seq_len": 256,
+    spec = {"model": "tiny", "row": row, "dataset": byte_corpus(tmp_path, 256 * 3), "seq_len": 256,
             "batch_size": 1, "steps": 1, "warmup": 0, "output_dir": str(tmp_path / "run"),
             "cache_dir": str(tmp_path / "cache")}
     result = bench_offload_overlap.worker(spec)
     assert result["step_seconds"] > 0 and result["tokens_per_second"] > 0 and result["oom_events"] == 0
-    # Out in forward and back in backward: every block input the estimate counts crosses (what the head saves
-    # for the loss crosses too, which the estimate leaves out).
+    # Out in forward and back in backward: every block input and what the head saves for the loss cross.
     assert result["offloaded_bytes_per_micro_batch"] >= result["estimated_pcie_bytes"] > 0
     assert result["fetched_ahead"] > 0  # backward brought block inputs back ahead of their use
     cells = bench_offload_overlap._row("tiny", 1, row, result, result, "")
