@@ -25,7 +25,9 @@ The bench model is Llama-shaped: 8 blocks of width 256 (4 heads, MLP 688), the b
   trials, in sample) and leave-one-out (each candidate predicted from the others' measurements),
   for each `--isa` (`AVX2`: ONEDNN_MAX_CPU_ISA=AVX2; `aten-default`: ATEN_CPU_CAPABILITY=default).
 
-Each run is a fresh process (a worker of this script or of bench_peers.py).
+Each run is a fresh process (a worker of this script or of bench_peers.py). `--quick` runs them in two
+processes instead (the plain run with the Trainer's grid, then memfit's two runs with the Trainer's repeat),
+each run still its own call of the same worker: it checks that every step runs, not how fast.
 """
 
 from __future__ import annotations
@@ -99,12 +101,7 @@ def spearman(a: list[float], b: list[float]) -> float | None:
 
 
 def memfit_worker(spec: dict[str, Any]) -> dict[str, Any]:
-    from memfit.config_loading import load_config
-    from memfit.prediction import calibration
-    from memfit.prediction.speed_model import compute_dtype
     from memfit.train import trials
-    from memfit.train.loop import train
-    from memfit.train.planned import apply_plan_if_asked
 
     trials.TRIAL_SHARE = spec["trial_share"]
     shown: dict[str, Any] = {}
@@ -116,6 +113,20 @@ def memfit_worker(spec: dict[str, Any]) -> dict[str, Any]:
         return out
 
     trials.with_trials = keep
+    try:
+        return _memfit_run(spec, shown)
+    finally:  # --quick runs several workers in one process: the next one wraps the original again
+        trials.with_trials = original
+
+
+def _memfit_run(spec: dict[str, Any], shown: dict[str, Any]) -> dict[str, Any]:
+    from memfit.config_loading import load_config
+    from memfit.prediction import calibration
+    from memfit.prediction.speed_model import compute_dtype
+    from memfit.train import trials
+    from memfit.train.loop import train
+    from memfit.train.planned import apply_plan_if_asked
+
     config = load_config(overrides={k: str(v) for k, v in {
         "model": spec["model_dir"], "cache_dir": spec["cache_dir"], "seq_len": spec["seq_len"],
         "batch_size": spec["effective_batch"], "max_steps": spec["steps"], "memory_budget": spec["budget"],
@@ -182,6 +193,20 @@ def memfit_worker(spec: dict[str, Any]) -> dict[str, Any]:
 # ---------------------------------------------------------------------------
 
 
+def _worker(spec: dict[str, Any]) -> dict[str, Any]:
+    if spec["kind"] == "memfit-planned":
+        return memfit_worker(spec)
+    import bench_peers
+
+    return bench_peers.hf_worker(spec)
+
+
+def _timed_worker(spec: dict[str, Any]) -> dict[str, Any]:
+    started = time.perf_counter()
+    result = _worker(spec)
+    return {**result, "seconds": time.perf_counter() - started}
+
+
 def _trainer_settings(effective: int, bf16: bool) -> list[tuple[str, dict[str, Any]]]:
     settings = []
     for micro in (m for m in (8, 4, 2, 1) if effective % m == 0 and m <= effective):
@@ -206,12 +231,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.worker:
         spec = json.loads(args.worker)
-        if spec["kind"] == "memfit-planned":
-            emit_result(memfit_worker(spec))
+        if spec["kind"] == "batch":  # --quick: several runs, one after another, in this one process
+            emit_result({"results": [_timed_worker(one) for one in spec["specs"]]})
         else:
-            import bench_peers
-
-            emit_result(bench_peers.hf_worker(spec))
+            emit_result(_worker(spec))
         return 0
     shape = "quick" if args.quick else "bench"
     steps = 4 if args.quick else args.steps
@@ -229,13 +252,7 @@ def main(argv: list[str] | None = None) -> int:
                     "output_dir": str(work / f"run-{count[0]}"), "steps": 3 if args.quick else 4, "warmup": 1,
                     "seq_len": seq_len, "effective_batch": effective, "device": "cpu", "overrides": knobs,
                     "track": True}
-            started = time.perf_counter()
-            result = run_worker(__file__, spec, timeout=1800, env={"CUDA_VISIBLE_DEVICES": ""})
-            result.update(label=label, kind="hf", seconds=time.perf_counter() - started)
-            raw.append(result)
-            print(f"[{count[0]}] {label}: {result['tokens_per_second']:.0f} tokens/s, tracked"
-                  f" {result['tracked_peak_bytes'] / MIB:.0f} MiB", file=sys.stderr)
-            return result
+            return {"label": label, "number": count[0], "spec": spec, "env": {"CUDA_VISIBLE_DEVICES": ""}}
 
         def planned(label: str, budget: int, cache: Path, isa: str, cold: bool, share: float) -> dict[str, Any]:
             count[0] += 1
@@ -243,32 +260,69 @@ def main(argv: list[str] | None = None) -> int:
                     "seq_len": seq_len, "effective_batch": effective, "steps": steps, "budget": budget,
                     "output_dir": str(work / f"run-{count[0]}"), "trial_share": share, "cold": cold}
             env = {"CUDA_VISIBLE_DEVICES": "", "MEMFIT_CACHE_DIR": str(cache), **ISA_ENV[isa]}
-            result = run_worker(__file__, spec, timeout=1800, env=env)
-            result.update(label=label, kind="memfit", isa=isa)
+            return {"label": label, "number": count[0], "spec": spec, "env": env, "isa": isa}
+
+        def record(job: dict[str, Any], result: dict[str, Any]) -> dict[str, Any]:
+            label = job["label"]
+            if job["spec"]["kind"] == "hf":
+                result.update(label=label, kind="hf")
+                raw.append(result)
+                print(f"[{job['number']}] {label}: {result['tokens_per_second']:.0f} tokens/s, tracked"
+                      f" {result['tracked_peak_bytes'] / MIB:.0f} MiB", file=sys.stderr)
+                return result
+            result.update(label=label, kind="memfit", isa=job["isa"])
             raw.append(result)
-            print(f"[{count[0]}] {label}: {result['step_seconds']:.3f} s/step, whole run"
+            print(f"[{job['number']}] {label}: {result['step_seconds']:.3f} s/step, whole run"
                   f" {result['whole_run_seconds']:.1f} s ({result['chosen_by']}: {result['why']})", file=sys.stderr)
             if args.json:
                 Path(args.json).write_text(json.dumps(raw, indent=1, default=str))
             return result
 
-        plain = hf(f"Trainer plain (bs {effective} x 1, fp32)", {"batch_size": effective, "bf16": False,
-                                                                 "optim": "adamw_torch_fused"})
+        def run(*jobs: dict[str, Any]) -> list[dict[str, Any]]:
+            """Each job in a fresh process; with --quick, all of them in one (same env: one ISA)."""
+            if args.quick:
+                env = {k: v for job in jobs for k, v in job["env"].items()}
+                batch = {"kind": "batch", "specs": [job["spec"] for job in jobs]}
+                results = run_worker(__file__, batch, timeout=1800, env=env)["results"]
+                return [record(job, result) for job, result in zip(jobs, results, strict=True)]
+            out = []
+            for job in jobs:
+                started = time.perf_counter()
+                result = run_worker(__file__, job["spec"], timeout=1800, env=job["env"])
+                if job["spec"]["kind"] == "hf":
+                    result["seconds"] = time.perf_counter() - started
+                out.append(record(job, result))
+            return out
+
+        plain_job = hf(f"Trainer plain (bs {effective} x 1, fp32)", {"batch_size": effective, "bf16": False,
+                                                                     "optim": "adamw_torch_fused"})
+        grid = _trainer_settings(effective, not args.no_bf16)
+        if args.quick:  # the plain run and the grid in one process: the budget needs only the plain run's peak
+            grid = grid[-2:]
+            plain, *tried = run(plain_job, *(hf(label, knobs) for label, knobs in grid))
+        else:
+            (plain,) = run(plain_job)
         budget = int(plain["tracked_peak_bytes"] * 0.5)
-        runs = {}  # memfit first: a broken run shows before the Trainer's grid has taken its time
+        memfit_jobs: list[tuple[str, dict[str, Any]]] = []  # memfit first: a broken run shows before the grid's time
         for isa in isas:
             cache = work / f"cache-{isa}"
-            runs[isa] = planned(f"memfit planned, {isa} ISA, empty cache (trials run)", budget, cache, isa, True, 1e6)
+            memfit_jobs.append((isa, planned(f"memfit planned, {isa} ISA, empty cache (trials run)", budget, cache,
+                                             isa, True, 1e6)))
             if isa == isas[0]:
-                runs["warm"] = planned(f"memfit planned, {isa} ISA, cache from the run before", budget, cache, isa,
-                                       False, 1e6)
-        grid = _trainer_settings(effective, not args.no_bf16)
-        if args.quick:
-            grid = grid[-2:]
-        tried = [hf(label, knobs) for label, knobs in grid]
+                memfit_jobs.append(("warm", planned(f"memfit planned, {isa} ISA, cache from the run before", budget,
+                                                    cache, isa, False, 1e6)))
+        if not args.quick:
+            runs = dict(zip([key for key, _ in memfit_jobs], run(*(job for _, job in memfit_jobs)), strict=True))
+            tried = run(*(hf(label, knobs) for label, knobs in grid))
         fitting = [r for r in tried if r["tracked_peak_bytes"] <= budget]
         best = max(fitting, key=lambda r: r["tokens_per_second"]) if fitting else None
-        again = hf(f"{best['label']} (again, after memfit)", best["ran"]) if best else None
+        again_job = [hf(f"{best['label']} (again, after memfit)", best["ran"])] if best else []
+        if args.quick:  # memfit's two runs and the Trainer's repeat in the second process
+            results = run(*(job for _, job in memfit_jobs), *again_job)
+            runs = dict(zip([key for key, _ in memfit_jobs], results[:len(memfit_jobs)], strict=True))
+            again = results[len(memfit_jobs)] if best else None
+        else:
+            again = run(*again_job)[0] if best else None
     cold, warm = runs[isas[0]], runs["warm"]
     rows = []
     for r in [plain, *tried, *([again] if again else [])]:
