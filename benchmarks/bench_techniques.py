@@ -22,6 +22,9 @@ Every row runs twice, each time in a fresh process started from the command line
   the tracker and split into parameters, gradients, optimizer state, activations and
   other. Two steps, because the optimizer state only exists from the end of the first.
 
+`--quick` runs every command in one warm process instead (`--serve`: the commands one after another, through
+memfit's own `main`), so torch is imported once; its "process peak RSS" is then the highest so far.
+
 What ran instead of what was asked (no bitsandbytes, offload on a CPU, ...) is read from
 the `fallbacks` field of the metrics' summary line and shown in the table.
 """
@@ -152,6 +155,76 @@ def run_measured(command: list[str], log_path: Path, env: dict[str, str], timeou
         return process.returncode, usage.ru_maxrss * 1024, stdout.read()  # ru_maxrss is in KiB on Linux
 
 
+class Server:
+    """One warm process (this script with --serve) that runs `memfit ARGS` commands one after another.
+
+    Stands in for run_measured with --quick: the same exit code and stdout, the process's peak RSS so far.
+    """
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, __file__, "--serve"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, **env},
+        )
+
+    def run(self, command: list[str], log_path: Path, env: dict[str, str], timeout: float) -> tuple[int, int, str]:
+        assert command[1:3] == ["-m", "memfit"], command
+        out_path = log_path.with_suffix(".stdout")
+        request = {"args": command[3:], "stderr": str(log_path), "stdout": str(out_path)}
+        self.process.stdin.write(json.dumps(request) + "\n")
+        self.process.stdin.flush()
+        reply = self.process.stdout.readline()
+        if not reply:
+            raise RuntimeError(
+                f"the --serve process died (exit {self.process.wait()}); its last command's log: {log_path}"
+            )
+        answer = json.loads(reply)
+        return answer["code"], answer["peak_bytes"], out_path.read_text()
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        self.process.wait(timeout=60)
+
+
+def serve() -> None:
+    """The --serve loop: one JSON request a line on stdin, its memfit command run with fds 1 and 2 in files."""
+    import resource
+
+    from memfit.cli.main import main as memfit_main
+
+    replies = os.fdopen(os.dup(1), "w")
+    for line in sys.stdin:
+        request = json.loads(line)
+        with open(request["stdout"], "w") as out, open(request["stderr"], "w") as err:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            saved = os.dup(1), os.dup(2)
+            os.dup2(out.fileno(), 1)
+            os.dup2(err.fileno(), 2)
+            try:
+                code = memfit_main(list(request["args"]))
+            except SystemExit as exit_:
+                code = exit_.code if isinstance(exit_.code, int) else 1
+            except BaseException:  # reported through the log, as a failed process would
+                import traceback
+
+                traceback.print_exc()
+                code = 1
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os.dup2(saved[0], 1)
+                os.dup2(saved[1], 2)
+                os.close(saved[0])
+                os.close(saved[1])
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+        replies.write(json.dumps({"code": code or 0, "peak_bytes": peak}) + "\n")
+        replies.flush()
+
+
 def failure(what: str, code: int, log_path: Path) -> RuntimeError:
     tail = "\n".join(log_path.read_text().strip().splitlines()[-15:])
     return RuntimeError(f"{what} failed (exit {code}):\n{tail}")
@@ -166,7 +239,12 @@ def read_metrics(path: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
 
 
 def run_row(
-    args: argparse.Namespace, name: str, row_flags: dict[str, Any], workdir: Path, env: dict[str, str]
+    args: argparse.Namespace,
+    name: str,
+    row_flags: dict[str, Any],
+    workdir: Path,
+    env: dict[str, str],
+    run_measured=run_measured,
 ) -> dict[str, Any]:
     flags = memfit_flags(args, workdir / "model", workdir / "cache", row_flags)
     output_dir = workdir / f"run-{name}"
@@ -326,7 +404,8 @@ def report(
         f" {args.batch_size} samples per optimizer step (rows with accumulation: micro-batch"
         f" {max(1, args.batch_size // 2)} x 2). Train runs: {args.steps} steps, tokens/s the median of memfit's"
         f" per-step figure after {args.warmup} warm-up step(s). Tracked runs: `memfit profile --json --steps"
-        f" {args.profile_steps}` with the same flags.",
+        f" {args.profile_steps}` with the same flags."
+        + (" --quick: every command in one process, its process peak RSS the highest so far." if args.quick else ""),
         "",
         speed,
         "",
@@ -344,6 +423,9 @@ def report(
 
 
 def main(argv: list[str] | None = None) -> int:
+    if (sys.argv[1:] if argv is None else argv) == ["--serve"]:
+        serve()
+        return 0
     args = parse_args(argv)
     device = resolve_device(args.device)
     env = {"CUDA_VISIBLE_DEVICES": ""} if device == "cpu" else {}
@@ -361,17 +443,22 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="memfit-bench-techniques-") as name:
         workdir = Path(name)
         parameters = save_model(workdir / "model", "quick" if args.quick else "20m", SEED)
-        for number, (row, _, flags) in enumerate(rows, 1):
-            row_started = time.perf_counter()
-            results[row] = result = run_row(args, row, flags, workdir, env)
-            if args.json:  # kept up to date, so an interrupted run leaves what it measured
-                Path(args.json).write_text(json.dumps(results, indent=1))
-            print(
-                f"[{number}/{len(rows)}] {row}: {result['tokens_per_second'] or 0:.0f} tokens/s, peak"
-                f" {mib(result['peak_bytes'])} MiB, tracked {mib(result['tracked_peak_bytes'])} MiB"
-                f" ({time.perf_counter() - row_started:.0f} s)",
-                file=sys.stderr,
-            )
+        server = Server(env) if args.quick else None
+        try:
+            for number, (row, _, flags) in enumerate(rows, 1):
+                row_started = time.perf_counter()
+                results[row] = result = run_row(args, row, flags, workdir, env, server.run if server else run_measured)
+                if args.json:  # kept up to date, so an interrupted run leaves what it measured
+                    Path(args.json).write_text(json.dumps(results, indent=1))
+                print(
+                    f"[{number}/{len(rows)}] {row}: {result['tokens_per_second'] or 0:.0f} tokens/s, peak"
+                    f" {mib(result['peak_bytes'])} MiB, tracked {mib(result['tracked_peak_bytes'])} MiB"
+                    f" ({time.perf_counter() - row_started:.0f} s)",
+                    file=sys.stderr,
+                )
+        finally:
+            if server:
+                server.close()
     loads.append(f"{os.getloadavg()[0]:.1f}")
     command = "python benchmarks/bench_techniques.py " + " ".join(sys.argv[1:] if argv is None else argv)
     body = report(args, device, results, parameters, command.strip(), loads)
