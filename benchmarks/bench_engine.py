@@ -95,7 +95,6 @@ def _step_rates(stamps: list[float], tokens: list[int], warmup: int) -> list[flo
 
 def memfit_worker(spec: dict[str, Any]) -> dict[str, Any]:
     import memfit.train.loop as loop
-    from memfit.config_loading import load_config
 
     watch = PeakWatch(spec["device"])
     import_rss = current_rss_bytes()
@@ -132,6 +131,15 @@ def memfit_worker(spec: dict[str, Any]) -> dict[str, Any]:
 
     loop.reset_peaks = reset_peaks
     loop.make_logger = lambda session: StampingLogger(original_make_logger(session))
+    try:
+        return _memfit_run(spec, loop, watch, import_rss, stamps, tokens, metric_rates, peak_through_steps)
+    finally:  # --quick runs both workers in one process: the next run gets the loop as it was
+        loop.reset_peaks, loop.make_logger = original_reset, original_make_logger
+
+
+def _memfit_run(spec, loop, watch, import_rss, stamps, tokens, metric_rates, peak_through_steps) -> dict[str, Any]:
+    from memfit.config_loading import load_config
+
     overrides = {
         "model": spec["model_dir"],
         "seq_len": spec["seq_len"],
@@ -308,22 +316,28 @@ def run_all(args: argparse.Namespace, device: str, workdir: Path) -> tuple[dict[
     plan = list(pair) + others + [c for _ in range(args.repeats - 1) for c in pair]
     env = {"CUDA_VISIBLE_DEVICES": ""} if device == "cpu" else {}
     results: dict[str, list[dict]] = {c[0]: [] for c in configurations}
-    for number, (name, label, kind, overrides) in enumerate(plan, 1):
-        spec = {
-            "name": name,
-            "kind": kind,
-            "model_dir": str(model_dir),
-            "cache_dir": str(workdir / "cache"),
-            "output_dir": str(workdir / f"run-{number}-{name}"),
-            "steps": args.steps,
-            "warmup": args.warmup,
-            "batch_size": args.batch_size,
-            "seq_len": args.seq_len,
-            "device": device,
-            "overrides": overrides,
-        }
+    specs = []
+    for number, (name, _, kind, overrides) in enumerate(plan, 1):
+        specs.append(
+            {
+                "name": name,
+                "kind": kind,
+                "model_dir": str(model_dir),
+                "cache_dir": str(workdir / "cache"),
+                "output_dir": str(workdir / f"run-{number}-{name}"),
+                "steps": args.steps,
+                "warmup": args.warmup,
+                "batch_size": args.batch_size,
+                "seq_len": args.seq_len,
+                "device": device,
+                "overrides": overrides,
+            }
+        )
+    # --quick: every run in one worker process, one after another (torch imported once; a smoke run)
+    batch = run_worker(__file__, {"kind": "batch", "specs": specs}, env=env)["results"] if args.quick else None
+    for number, (name, label, _, _) in enumerate(plan, 1):
         started = time.perf_counter()
-        result = run_worker(__file__, spec, env=env)
+        result = batch[number - 1] if batch else run_worker(__file__, specs[number - 1], env=env)
         # The 1-minute load average as the run ends: timings on a shared machine are read beside it.
         result["load_average"] = os.getloadavg()[0]
         results[name].append(result)
@@ -406,7 +420,11 @@ def report(
         f"Both trainers: {precision}, fused AdamW (lr {LR:g}, betas {BETAS}, no weight decay), gradient clipping at"
         f" {MAX_GRAD_NORM:g}, cosine schedule, SDPA attention, the same samples in the same order. The Trainer runs"
         " with `optim=adamw_torch_fused`, no logging, evaluation or saving, `report_to=[]`. Each row is a fresh"
-        " process; the reference and the baseline alternate and their figures are medians.",
+        + (
+            " process; the reference and the baseline alternate and their figures are medians."
+            if not args.quick
+            else " --quick: every row in one process, one after another, so a row's peak is the highest so far."
+        ),
         "",
         "tokens/s: median over the steps after warm-up of the step's tokens divided by the time from the end of"
         " the previous step to the end of this one (start-up and the end-of-run save excluded). load: the"
@@ -435,7 +453,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker:
         spec = json.loads(args.worker)
-        emit_result((memfit_worker if spec["kind"] == "memfit" else hf_worker)(spec))
+        if spec["kind"] == "batch":
+            emit_result(
+                {"results": [(memfit_worker if s["kind"] == "memfit" else hf_worker)(s) for s in spec["specs"]]}
+            )
+        else:
+            emit_result((memfit_worker if spec["kind"] == "memfit" else hf_worker)(spec))
         return 0
     device = resolve_device(args.device)
     started = time.perf_counter()
