@@ -49,3 +49,21 @@ def test_the_workspace_is_the_fp32_dq_and_the_expanded_dk_dv_of_grouped_query_at
     # without grouped-query attention dK and dV are computed at their own width
     mha = replace(arch, kv_heads=arch.heads)
     assert flash_backward_workspace_bytes(mha, bf16, tokens, "sdpa", "cuda") == 4 * 4096 * tokens
+
+
+def test_fp32_sdpa_with_grouped_query_attention_on_cuda_is_estimated_as_the_math_kernel(tmp_path):
+    """No fp32 flash kernel and no GQA in the memory-efficient one: PyTorch's math kernel keeps the probabilities."""
+    from tiny_llama import tiny_llama_config
+
+    def activations(kv_heads: int, attention: str, precision: str = "fp32", gpu=H100) -> int:
+        directory = tmp_path / f"kv{kv_heads}"
+        hf_config = tiny_llama_config(hidden=128)
+        hf_config.num_key_value_heads = kv_heads
+        hf_config.save_pretrained(directory)
+        config = load_config(overrides={"model": str(directory), "seq_len": 2048, "batch_size": 1,
+                                        "precision": precision, "attention": attention})
+        return estimate(config, gpu=gpu).breakdown["activations"]
+
+    assert activations(2, "sdpa") == activations(2, "eager")  # GQA in fp32: the math kernel, as eager
+    assert activations(4, "sdpa") < activations(4, "eager") / 2  # no GQA: the memory-efficient kernel
+    assert activations(2, "sdpa", "bf16") < activations(2, "eager", "bf16") / 2  # bf16: the flash kernel
