@@ -1,16 +1,15 @@
 """8-bit AdamW's fallback chain, link by link: bitsandbytes -> torchao -> torch AdamW.
 
-Each link runs the real `memfit train` (its `main`) in a fresh interpreter where the
-packages ahead of it in the chain cannot be imported (their `sys.modules` entries set to
-None, which makes `import` raise ImportError as for a missing package). Each link must
-train, write numeric metrics, checkpoint, and resume to the uninterrupted weights.
+Each link runs the real `memfit train` in a child forked from the warm server (tests/memfit_cli.py) where the
+packages ahead of it in the chain cannot be imported (their `sys.modules` entries set to None, which makes
+`import` raise ImportError as for a missing package). Each link must train, write numeric metrics, checkpoint,
+and resume to the uninterrupted weights.
 """
 
 from __future__ import annotations
 
-import json
+import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,22 +19,6 @@ from safetensors.torch import load_file
 from memfit.train.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
-
-# Runs memfit's main twice in one interpreter with some packages hidden:
-# the whole run, then a resume of its step-2 checkpoint into a copy of the output directory.
-RUNNER = """
-import json, shutil, sys
-hidden, first, second, resume_dir = json.loads(sys.argv[1])
-for name in hidden:
-    sys.modules[name] = None
-from memfit.cli.main import main
-if main(first) != 0:
-    sys.exit(10)
-shutil.copytree(first[first.index("--output-dir") + 1], resume_dir,
-                ignore=shutil.ignore_patterns("final", "step-3", "metrics.jsonl"))
-sys.exit(main(second))
-"""
-
 
 def _installed(name: str) -> bool:
     try:
@@ -58,31 +41,25 @@ def _common(llama_dir, text_file) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def link_runs(llama_dir, text_file, tmp_path_factory) -> dict:
-    """Every installed link's interpreter, started together (each mostly imports and waits on one core)."""
-    started = {}
+def link_runs(llama_dir, text_file, warm_memfit, tmp_path_factory) -> dict:
+    """Every installed link: the whole run, then a resume of its step-2 checkpoint into a copy of its output."""
+    finished = {}
     for link in LINKS:
         hidden, _, needs = link.values
         if needs is not None and not _installed(needs):
             continue
         root = tmp_path_factory.mktemp(link.id)
         straight, resumed = root / "straight", root / "resumed"
-        first = [*_common(llama_dir, text_file), "--save-every", "1", "--output-dir", str(straight)]
-        second = [*_common(llama_dir, text_file), "--resume", "auto", "--output-dir", str(resumed)]
-        log = root / "stderr.txt"
-        with open(log, "w") as stderr:  # a file, not a pipe: no run waits on a reader busy with another
-            process = subprocess.Popen([sys.executable, "-c", RUNNER, json.dumps([hidden, first, second, str(resumed)])],
-                                       stdout=subprocess.DEVNULL, stderr=stderr, cwd=REPO)
-        started[link.id] = (process, log, straight, resumed)
-    finished = {}
-    for name, (process, log, straight, resumed) in started.items():
-        try:
-            process.wait(timeout=600)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        finished[name] = (subprocess.CompletedProcess(process.args, process.returncode, "", log.read_text()), straight,
-                          resumed)
+        first = warm_memfit.run(*_common(llama_dir, text_file), "--save-every", "1", "--output-dir", str(straight),
+                                timeout=600, hidden=tuple(hidden))
+        result = first
+        if first.returncode == 0:
+            shutil.copytree(straight, resumed, ignore=shutil.ignore_patterns("final", "step-3", "metrics.jsonl"))
+            second = warm_memfit.run(*_common(llama_dir, text_file), "--resume", "auto", "--output-dir", str(resumed),
+                                     timeout=600, hidden=tuple(hidden))
+            result = subprocess.CompletedProcess(second.args, second.returncode, first.stdout + second.stdout,
+                                                 first.stderr + second.stderr)
+        finished[link.id] = (result, straight, resumed)
     return finished
 
 
