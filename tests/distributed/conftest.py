@@ -4,7 +4,8 @@ Starting two ranks (interpreters importing torch and transformers, a process gro
 more than a 3-step run of the tiny model, so the runs of test_exactness.py and
 test_torchrun.py share launches: one for the DDP and FSDP2 runs, one for the runs that
 need an earlier run's output (OOM recovery calibrated on a tracked run, resuming a
-checkpoint), one for DeepSpeed. Each run keeps its own flags and output directory.
+checkpoint), one for DeepSpeed. Each run keeps its own flags and output directory. The
+launches also carry a tiny BERT-like sequence classifier's runs (test_encoder_torchrun.py).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from torchrun_helpers import checkpoint_copy, deepspeed_available, run_many
 from fault_injection import SGD_FLAGS
 from memfit.distributed.parallel import CAP_RANK_ENV
 from memfit.train.metrics import read_metrics
+from tiny_encoders import dna_rows, save_encoder, write_csv
 
 FAULT = 0.5  # gradients half their size: the loss normalizer not divided by the world size
 
@@ -53,15 +55,32 @@ def reshard_args(sgd_args) -> list[str]:
 
 
 @pytest.fixture(scope="session")
-def references(run_args, sgd_args, reshard_args, tmp_path_factory) -> dict[str, Path]:
-    """The references, all in one plain process: micro-batch 4 x 2 accumulation, AdamW and SGD; and reshard-one,
-    the one-process run that test_reshard_resume.py resumes on 2 ranks (in later_runs)."""
+def bert_dir(tmp_path_factory) -> Path:
+    """The tiny BERT-like encoder (2 layers, hidden 32) with the DNA tokenizer that tests/unit/tasks trains."""
+    return save_encoder(tmp_path_factory.mktemp("encoder") / "bert", "bert")
+
+
+@pytest.fixture(scope="session")
+def encoder_sgd_args(bert_dir, tmp_path_factory) -> list[str]:
+    """3 SGD steps of sequence classification on 24 DNA rows of 8 to 40 bases: a global batch of 8 rows, each
+    micro-batch padded to its own longest row, so only a per-sample loss over the global batch is exact."""
+    table = write_csv(tmp_path_factory.mktemp("dna") / "train.csv", dna_rows(24))
+    return ["--model", str(bert_dir), "--dataset", str(table), "--task", "sequence-classification", "--seq-len", "64",
+            "--max-steps", "3", "--no-report", *SGD_FLAGS, "--lr", "0.5"]
+
+
+@pytest.fixture(scope="session")
+def references(run_args, sgd_args, reshard_args, encoder_sgd_args, tmp_path_factory) -> dict[str, Path]:
+    """The references, all in one plain process: micro-batch 4 x 2 accumulation, AdamW and SGD; reshard-one,
+    the one-process run that test_reshard_resume.py resumes on 2 ranks (in later_runs); encoder-sgd, the
+    sequence classifier under SGD."""
     root = tmp_path_factory.mktemp("single")
+    named = (("adamw", run_args), ("sgd", sgd_args), ("reshard-one", reshard_args), ("encoder-sgd", encoder_sgd_args))
     runs = [{"name": name, "args": [*args, "--batch-size", "4", "--gradient-accumulation-steps", "2",
                                      "--output-dir", str(root / name)]}
-            for name, args in (("adamw", run_args), ("sgd", sgd_args), ("reshard-one", reshard_args))]
+            for name, args in named]
     run_many(runs, root, nproc=1)
-    return {name: root / name for name in ("adamw", "sgd", "reshard-one")}
+    return {name: root / name for name, _ in named}
 
 
 @pytest.fixture(scope="session")
@@ -80,9 +99,10 @@ ENGINES = {"ddp": ["--sharding", "ddp"], "fsdp": ["--sharding", "fsdp"]}
 
 
 @pytest.fixture(scope="session")
-def engine_runs(run_args, sgd_args, reshard_args, tmp_path_factory) -> dict[str, Path]:
+def engine_runs(run_args, sgd_args, reshard_args, encoder_sgd_args, tmp_path_factory) -> dict[str, Path]:
     """One torchrun launch: per engine an SGD run and its twin with the fault; the AdamW runs of test_torchrun.py;
-    reshard-two, the 2-rank run that test_reshard_resume.py resumes in one process."""
+    reshard-two, the 2-rank run that test_reshard_resume.py resumes in one process; encoder-fsdp and its twin,
+    the sequence classifier under FSDP2."""
     root = tmp_path_factory.mktemp("engines")
     runs = []
     for engine, flags in ENGINES.items():
@@ -98,6 +118,8 @@ def engine_runs(run_args, sgd_args, reshard_args, tmp_path_factory) -> dict[str,
         {"name": "adamw-fsdp-chunked", "args": [*chunked, "--batch-size", "4", "--sharding", "fsdp"]},
         {"name": "reshard-two", "args": [*reshard_args, "--sharding", "fsdp"]},
     ]
+    runs += [{"name": "encoder-fsdp" if scale is None else "encoder-fsdp-fault", "grad_scale": scale,
+              "args": [*encoder_sgd_args, "--batch-size", "4", "--sharding", "fsdp"]} for scale in (None, FAULT)]
     for run in runs:
         run["args"] += ["--output-dir", str(root / run["name"])]
     run_many(runs, root)
@@ -149,8 +171,9 @@ def later_runs(engine_runs, references, run_args, sgd_args, reshard_args, tmp_pa
 
 
 @pytest.fixture(scope="session")
-def zero_runs(run_args, sgd_args, tmp_path_factory) -> dict[str, Path]:
-    """One launch: ZeRO-2 and ZeRO-3 + CPU offload under SGD, each with its faulty twin; then under AdamW.
+def zero_runs(run_args, sgd_args, encoder_sgd_args, tmp_path_factory) -> dict[str, Path]:
+    """One launch: ZeRO-2 and ZeRO-3 + CPU offload under SGD, each with its faulty twin; then under AdamW;
+    encoder-zero2 and its twin, the sequence classifier under ZeRO-2.
 
     The ZeRO-2 pair also compiles its blocks (--compile): DeepSpeed's engine around compiled blocks
     must still give the single-process update.
@@ -164,6 +187,9 @@ def zero_runs(run_args, sgd_args, tmp_path_factory) -> dict[str, Path]:
         for scale in (None, FAULT):
             runs.append({"name": name if scale is None else f"{name}-fault", "grad_scale": scale,
                          "args": [*sgd_args, "--batch-size", "2", "--gradient-accumulation-steps", "2", *flags]})
+    runs += [{"name": "encoder-zero2" if scale is None else "encoder-zero2-fault", "grad_scale": scale,
+              "args": [*encoder_sgd_args, "--batch-size", "2", "--gradient-accumulation-steps", "2",
+                       "--zero-stage", "2"]} for scale in (None, FAULT)]
     ds_file = root / "ds.json"
     ds_file.write_text(json.dumps({
         "train_micro_batch_size_per_gpu": "auto",

@@ -1,0 +1,61 @@
+"""An encoder task under torchrun gives the single-process update, under SGD without clipping.
+
+A tiny BERT-like sequence classifier (2 layers; rows of 8 to 40 bases, so each micro-batch
+pads differently and its loss is per sample, not per token) trains 3 steps on 2 ranks with
+FSDP2 and with DeepSpeed ZeRO-2, and must end with the weights of one process training the
+same global batch of 8 (4 x 2 accumulation). As in test_exactness.py, each run has a twin
+whose backward passes are halved (the normalizer not divided by the world size): it must differ.
+"""
+
+from __future__ import annotations
+
+import pytest
+from safetensors.torch import load_file
+from torchrun_helpers import assert_same_weights, final_weights
+
+from fault_injection import largest_update
+from memfit.train.metrics import read_metrics
+
+pytestmark = pytest.mark.distributed
+
+# The runs are launched by the session fixtures of conftest.py: the reference in `references`, the FSDP2 pair in
+# engine_runs, the ZeRO-2 pair in zero_runs.
+
+
+@pytest.fixture(scope="module")
+def encoder_single(references):
+    return references["encoder-sgd"]
+
+
+def test_encoder_reference_moves_the_weights_far_beyond_the_tolerance(encoder_single, bert_dir):
+    initial = load_file(str(bert_dir / "model.safetensors"))  # a masked LM: its head is not the classifier's
+    reference = final_weights(encoder_single)
+    assert "classifier.weight" in reference
+    # the encoder's own weights move by over 100x the tolerance of assert_same_weights (1e-5)
+    assert largest_update({k: v for k, v in initial.items() if k in reference}, reference) > 1e-3
+
+
+def test_encoder_under_fsdp2_equals_single_process_under_sgd(engine_runs, encoder_single):
+    assert_same_weights(final_weights(encoder_single), final_weights(engine_runs["encoder-fsdp"]))
+    summary = read_metrics(engine_runs["encoder-fsdp"] / "metrics.jsonl")[-1]
+    assert summary["world_size"] == 2 and summary["optimizer"].startswith("sgd")
+    # each of the 2 BERT layers is its own unit, the root the third: the encoder's blocks were found
+    assert summary["parallel"] == "fsdp2 over 2 ranks (3 units)"
+
+
+def test_encoder_under_fsdp2_check_fails_on_a_2x_gradient_error(engine_runs, encoder_single):
+    with pytest.raises(AssertionError):
+        assert_same_weights(final_weights(encoder_single), final_weights(engine_runs["encoder-fsdp-fault"]))
+
+
+@pytest.mark.slow
+def test_encoder_under_zero2_equals_single_process_under_sgd(zero_runs, encoder_single):
+    assert_same_weights(final_weights(encoder_single), final_weights(zero_runs["encoder-zero2"]))
+    summary = read_metrics(zero_runs["encoder-zero2"] / "metrics.jsonl")[-1]
+    assert summary["world_size"] == 2 and summary["parallel"].startswith("deepspeed")
+
+
+@pytest.mark.slow
+def test_encoder_under_zero2_check_fails_on_a_2x_gradient_error(zero_runs, encoder_single):
+    with pytest.raises(AssertionError):
+        assert_same_weights(final_weights(encoder_single), final_weights(zero_runs["encoder-zero2-fault"]))
