@@ -56,8 +56,8 @@ def half_applied_step_after_sigterm():
     """In this process: once the run's SIGTERM handler has been called, the next optimizer step updates only every
     other parameter (the step in flight half applied when the checkpoint is written).
 
-    MEMFIT_FAULT_PREEMPT_PARTIAL does the same to a subprocess (fault_shim/sitecustomize.py); this one lets a
-    worker that runs several trainings in one launch put the fault into one of them only. The seams are the
+    MEMFIT_FAULT_PREEMPT_PARTIAL enters it for a whole subprocess (fault_shim/sitecustomize.py); as a context it
+    lets a worker that runs several trainings in one launch put the fault into one of them only. The seams are the
     `signal.signal` that installs the handler (looked up at call time) and torch's global optimizer hook.
     """
     import signal

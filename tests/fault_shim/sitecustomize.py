@@ -36,28 +36,12 @@ if _scale or _keep_rng:
 #                                 step updates only every other parameter: the step in flight half
 #                                 applied when the checkpoint is written.
 if os.environ.get("MEMFIT_FAULT_PREEMPT_PARTIAL"):
-    import signal as _signal
+    import sys as _sys
 
-    from torch.optim.optimizer import register_optimizer_step_pre_hook
+    # The same fault the in-process tests use (fault_injection.py, one folder up), held for the whole process.
+    _sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from fault_injection import half_applied_step_after_sigterm
 
-    _preempt = {"signalled": False, "done": False}
-    _install = _signal.signal
-
-    def _noting_signal(number, handler):
-        if number == _signal.SIGTERM and callable(handler):
-            def noted(signum, frame, _handler=handler):
-                _preempt["signalled"] = True
-                return _handler(signum, frame)
-
-            return _install(number, noted)
-        return _install(number, handler)
-
-    def _half_step(optimizer, args, kwargs):
-        if _preempt["signalled"] and not _preempt["done"]:
-            _preempt["done"] = True
-            parameters = [p for group in optimizer.param_groups for p in group["params"]]
-            for parameter in parameters[1::2]:
-                parameter.grad = None
-
-    _signal.signal = _noting_signal
-    register_optimizer_step_pre_hook(_half_step)
+    # Kept referenced: a context manager collected while entered would run its exit and lift the fault.
+    _preempt_fault = half_applied_step_after_sigterm()
+    _preempt_fault.__enter__()
