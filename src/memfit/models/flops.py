@@ -183,7 +183,7 @@ def probe_matmul_flops(device: torch.device, dtype: torch.dtype = torch.float32,
     # A generator of its own: drawing from the global one would shift a resumed run's dropout masks.
     generator = torch.Generator(device=device).manual_seed(0)
     if device.type == "cpu" and size > SMALL_PROBE_SIZE:
-        size = _affordable_size(device, dtype, size, repeats, generator)
+        size = _affordable_size(dtype, size, repeats, generator)
     a = torch.randn(size, size, device=device, dtype=torch.float32, generator=generator).to(dtype)
     b = torch.randn(size, size, device=device, dtype=torch.float32, generator=generator).to(dtype)
     torch.matmul(a, b)  # warm-up: thread pool, kernel selection
@@ -200,7 +200,7 @@ def probe_matmul_flops(device: torch.device, dtype: torch.dtype = torch.float32,
     return _PROBED[key]
 
 
-def _affordable_size(device: torch.device, dtype: torch.dtype, size: int, repeats: int, generator) -> int:
+def _affordable_size(dtype: torch.dtype, size: int, repeats: int, generator) -> int:
     """`size`, or the small probe's when the full one would take over `PROBE_SECONDS`.
 
     A CPU without native bf16 (AVX2) multiplies bf16 at under 1 GFLOP/s: the 1024 probe took 24 s

@@ -73,8 +73,7 @@ class SpeedMeter:
         meter = cls(flops, peak, world_size)
         try:
             meter.predicted_step_seconds = _planner_step_seconds(
-                hf_config, config, peak, checkpointing, chunked_loss, accumulation_steps, device.type,
-                techniques if techniques is not None else techniques_that_run(None, config),
+                hf_config, config, peak, checkpointing, chunked_loss, accumulation_steps, device.type, techniques,
             )
         except Exception as error:  # the speed model is a check, never a reason to stop training
             meter.note = f"no predicted step time: {type(error).__name__}: {str(error)[:120]}"
