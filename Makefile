@@ -31,8 +31,12 @@ setup: $(VENV)/.installed
 demo: setup
 	$(BIN)/memfit train
 
+# The tests run in one worker per CPU core (pytest-xdist); a test file's tests stay in one worker, and so do
+# tests/distributed's shared torchrun launches (tests/conftest.py). TEST_WORKERS=0 runs them in this process.
+TEST_WORKERS ?= auto
+
 test: setup
-	$(BIN)/python -m pytest tests
+	$(BIN)/python -m pytest tests -n $(TEST_WORKERS) --dist loadgroup
 
 # ruff, then the import contracts of pyproject.toml (layers, no cycle between files).
 lint: setup

@@ -28,11 +28,22 @@ def _speed_cache_of_this_test(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("MEMFIT_CACHE_DIR", str(tmp_path_factory.mktemp("memfit-cache")))
 
 
+# Under pytest-xdist (`make test` runs `-n auto --dist loadgroup`), what shares an expensive fixture runs in one
+# worker: a test file's tests together (its module fixtures: saved models, reference runs), and all of
+# tests/distributed together (its torchrun launches are session fixtures that several files read).
+SHARED_LAUNCH_GROUP = "torchrun-launches"
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups into the test ids
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    distributed = Path(__file__).parent / "distributed"
     for item in items:
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip_gpu)
+        if item.get_closest_marker("xdist_group") is None:
+            in_distributed = distributed in Path(item.path).parents
+            item.add_marker(pytest.mark.xdist_group(SHARED_LAUNCH_GROUP if in_distributed else item.nodeid.split("::")[0]))
 
 
 def _save_model(directory: Path, config) -> Path:
