@@ -58,6 +58,7 @@ from memfit.prediction.encoders import (
     head_logits_bytes,
     is_encoder,
     task_head,
+    trailing_embedding_gradient_bytes,
 )
 from memfit.prediction.estimate_result import (  # noqa: F401  (re-exported: memfit.estimate's public names)
     CUDA_CONTEXT_BYTES,
@@ -65,7 +66,7 @@ from memfit.prediction.estimate_result import (  # noqa: F401  (re-exported: mem
     FRAGMENTATION,
     Estimate,
 )
-from memfit.prediction.experts import balancing_loss_bytes, moe_details
+from memfit.prediction.experts import balancing_loss_bytes, moe_details, with_nf4_experts
 from memfit.prediction.in_backward import untied_edge_steps
 from memfit.prediction.run_shape import (
     RunShape,
@@ -139,6 +140,7 @@ def estimate(
         raise UsageError("--quantize needs LoRA: add --lora-r")
     inventory = parameter_inventory(hf_config, run.lora_r)
     parts = state_parts(config, run, inventory)
+    parts = with_nf4_experts(parts, run.quantize, inventory, run.lora_r, run.weight_bytes, precision_of(run).compute)
     if method == "analytical":
         moment, per_layer, notes = _analytical_peak(config, run, hf_config, inventory, parts)
     else:
@@ -288,7 +290,9 @@ def _analytical_peak(config, run: RunShape, hf_config, inventory, parts) -> tupl
     # first block (everything kept + the head's and one block's gradients) or the last
     # one (one block kept + every gradient), whichever is larger.
     head = head_shape.outputs * arch.hidden * parts["trainable_bytes"] if not run.lora_r else 0
-    block_grads = (parts["gradients"] - head) / max(1, arch.layers)
+    embedding_grad = trailing_embedding_gradient_bytes(head_shape, arch, parts["trainable_shapes"],
+                                                       parts["trainable_bytes"], run.lora_r)  # made after the blocks'
+    block_grads = (parts["gradients"] - head - embedding_grad) / max(1, arch.layers)
     largest_grad = parts["largest_trainable"] * parts["trainable_bytes"]
     step_temporaries = parts["optimizer_temporaries"]
     # A trainable tied embedding gets two gradients, the head's (first in backward) and the
@@ -354,6 +358,7 @@ def _analytical_peak(config, run: RunShape, hf_config, inventory, parts) -> tupl
     if run.quantize == "4bit":
         # one dequantized linear weight at a time (the embedding and head stay 16-bit)
         other += 2 * max((math.prod(s) for s in inventory.shapes if len(s) == 2 and arch.vocab not in s), default=0)
+        other = max(other, parts["experts_dequantized_bytes"])  # or one NF4 expert stack, dequantized (experts.py)
     if run.paged_optimizer:
         # The driver brings the state of the tensor being stepped onto the device and pages the rest out.
         other += parts["optimizer_states_full"] * parts["largest_trainable"] / max(1, parts["trainable_count"])
