@@ -109,7 +109,8 @@ def load_model_and_tokenizer(
 
         hf_config = tiny_config()
         rope = apply_rope_scale(hf_config, scale, kind)
-        model = model_class.from_config(hf_config, dtype=dtype, attn_implementation=attention.hf_name)
+        model = model_class.from_config(hf_config, dtype=dtype,
+                                        attn_implementation=_family_kernel(hf_config, attention, device))
         source = "built-in tiny (Llama architecture, random init)"
     elif name.startswith(PRESET_PREFIX):
         # Only on request: 'gpt2' alone means the pretrained weights, not a random model of that shape.
@@ -123,7 +124,8 @@ def load_model_and_tokenizer(
         # Random weights are made where they train: an 8B preset initialised on the host costs a minute of CPU
         # and a host copy of the whole model. A quantized run is built on the host, saved and reloaded quantized.
         with torch.device(device if quantization_config is None else "cpu"):
-            model = model_class.from_config(hf_config, dtype=dtype, attn_implementation=attention.hf_name)
+            model = model_class.from_config(hf_config, dtype=dtype,
+                                            attn_implementation=_family_kernel(hf_config, attention, device))
         source = f"preset {preset} (random init)"
     else:
         if _looks_like_path(name) and not Path(name).expanduser().exists():
@@ -191,6 +193,25 @@ def _quantized_copy(model, name: str, config: TrainConfig, dtype, attention: Att
     return _from_pretrained(str(directory), config, dtype, attention, quantization_config, auto_class=auto_class)
 
 
+def _family_kernel(hf_config, attention: AttentionChoice, device: torch.device, fallback: str | None = None) -> str:
+    """The attn_implementation to ask for: the chosen kernel, or what the family runs instead (said once in the log).
+
+    `fallback`: the kernel to use when the family is one transformers does not map (the asked one raised)."""
+    from memfit.models.attention_support import kernel_for_family
+
+    runs, why = kernel_for_family(hf_config, attention.hf_name, torch.device(device).type)
+    if runs == attention.hf_name and fallback is not None:
+        runs, why = fallback, f"the model does not support {attention.implementation} attention; {fallback} runs"
+    if why:
+        log.warning("memfit: %s", why)
+    return runs
+
+
+def _training_device() -> torch.device:
+    """Where a from_pretrained model trains (the loader's caller moves it there): CUDA when there is one."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
 def _from_pretrained(name, config: TrainConfig, dtype, attention: AttentionChoice, quantization_config, hf_config=None,
                      auto_class=None):
     """`hf_config`: the model's config changed before loading (--rope-scale); None reads the saved one.
@@ -213,8 +234,8 @@ def _from_pretrained(name, config: TrainConfig, dtype, attention: AttentionChoic
         return model_class.from_pretrained(name, **kwargs)
     except ValueError as error:
         if "attn_implementation" in str(error) or "does not support" in str(error):
-            log.warning("memfit: %s does not support %s attention; using eager", name, attention.implementation)
-            kwargs["attn_implementation"] = "eager"
+            kwargs["attn_implementation"] = _family_kernel(hf_config or _pretrained_config(name, config), attention,
+                                                           _training_device(), fallback="eager")
             return model_class.from_pretrained(name, **kwargs)
         raise UsageError(f"cannot load model {name!r}: {str(error).splitlines()[0][:200]}") from None
     except OSError as error:

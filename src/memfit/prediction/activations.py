@@ -406,10 +406,10 @@ def flash_backward_workspace_bytes(arch: Architecture, precision: Precision, tok
     width before summing them to the key-value heads. At 2,048 tokens this is noise; at 131,072 tokens of
     Llama-3.1-8B it is 4 GiB, what an H100 run of four blocks measured above the estimate (docs/benchmarks.md,
     "Estimator against the CUDA allocator"). CPU kernels and 32-bit attention (the memory-efficient kernel)
-    allocate no such buffers.
+    allocate no such buffers. FlexAttention's backward (gpt-oss on CUDA) is counted alike, unmeasured.
     """
     a = precision.attention or precision.compute
-    if device_type != "cuda" or attention not in ("sdpa", "flash_attention_2") or a != 2:
+    if device_type != "cuda" or attention not in ("sdpa", "flash_attention_2", "flex") or a != 2:
         return 0.0
     dq_accumulator = 4 * arch.q_width
     expanded_dk_dv = 2 * a * arch.q_width if arch.kv_heads < arch.heads else 0

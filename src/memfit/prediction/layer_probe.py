@@ -61,21 +61,37 @@ def probed_layer_parts(hf_config: Any, weight_bytes: int, autocast: bool, attent
     key = hf_config.to_json_string(use_diff=False)
     _CONFIGS.setdefault(key, copy.deepcopy(hf_config))
     attention = supported_attention(hf_config, attention)
-    per_token = [_measure(key, weight_bytes, autocast, attention, s, lora_r, efficient_norm, efficient_lora)
+    # FlexAttention (gpt-oss on CUDA: models.attention_support) cannot run on fake CPU tensors: probe
+    # eager attention and keep its constant and per-token parts without the s x s scores, which flex
+    # never keeps. Eager's per-token part holds K and V repeated to every query head where flex keeps
+    # them narrow, so this bounds flex's bytes from above; the sinks' renormalisation keeps the
+    # attention output once more (q_width) and a few per-head values, added here.
+    scores = attention != "flex"
+    probed = "eager" if attention == "flex" else attention
+    per_token = [_measure(key, weight_bytes, autocast, probed, s, lora_r, efficient_norm, efficient_lora)
                  for s in PROBE_SEQ_LENS]
     # A block keeps c + a*s + b*s^2 bytes at s tokens: a constant part (an MoE's per-expert adapter
     # buffers), a part per token, and eager attention's s x s scores. Three lengths fit all three
     # exactly; extrapolating the bytes per token along a line, as two lengths would, turns the
     # constant part's c/s into a slope that goes negative at long sequences.
-    return tuple(_quadratic_through(PROBE_SEQ_LENS, [p * s for p, s in zip(column, PROBE_SEQ_LENS, strict=True)],
-                                    seq_len) / seq_len for column in zip(*per_token, strict=True))
+    parts = [_parabola_through(PROBE_SEQ_LENS, [p * s for p, s in zip(column, PROBE_SEQ_LENS, strict=True)],
+                               seq_len, scores) / seq_len for column in zip(*per_token, strict=True)]
+    if not scores:
+        heads = getattr(hf_config, "num_attention_heads", 0)
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // max(1, heads)
+        parts[0] += (2 if autocast else weight_bytes) * heads * (head_dim + 4) + 4 * heads
+    return tuple(parts)
 
 
-def _quadratic_through(xs: tuple[int, ...], ys: list[float], x: int) -> float:
-    """The value at `x` of the parabola through the three points (xs, ys) (Lagrange's form)."""
+def _parabola_through(xs: tuple[int, ...], ys: list[float], x: int, quadratic_term: bool = True) -> float:
+    """The value at `x` of the parabola c + a*x + b*x^2 through the three points (xs, ys); without its b*x^2 term
+    when `quadratic_term` is False."""
     (x0, x1, x2), (y0, y1, y2) = xs, ys
-    return (y0 * (x - x1) * (x - x2) / ((x0 - x1) * (x0 - x2)) + y1 * (x - x0) * (x - x2) / ((x1 - x0) * (x1 - x2))
-            + y2 * (x - x0) * (x - x1) / ((x2 - x0) * (x2 - x1)))
+    d0, d1, d2 = (x0 - x1) * (x0 - x2), (x1 - x0) * (x1 - x2), (x2 - x0) * (x2 - x1)
+    b = y0 / d0 + y1 / d1 + y2 / d2
+    a = -(y0 * (x1 + x2) / d0 + y1 * (x0 + x2) / d1 + y2 * (x0 + x1) / d2)
+    c = y0 * x1 * x2 / d0 + y1 * x0 * x2 / d1 + y2 * x0 * x1 / d2
+    return c + a * x + (b * x * x if quadratic_term else 0.0)
 
 
 _CONFIGS: dict[str, Any] = {}
@@ -83,23 +99,23 @@ _CONFIGS: dict[str, Any] = {}
 _KINDS: dict[str, list[tuple]] = {}
 
 
-def supported_attention(hf_config: Any, attention: str) -> str:
-    """`attention` (memfit's or transformers' name), or eager where the family has no such kernel.
+def supported_attention(hf_config: Any, attention: str, device_type: str = "cpu") -> str:
+    """`attention` (memfit's or transformers' name), or the kernel the family runs instead on `device_type`.
 
-    What `memfit train`'s loader does: gpt-oss (attention sinks) and Mamba-2 have no SDPA path in
-    transformers and run eager; the estimate and the probe trace the kernel that runs.
+    What `memfit train`'s loader does (models.attention_support): gpt-oss (attention sinks) has no
+    SDPA path in transformers and runs FlexAttention on CUDA, eager elsewhere; Mamba-2 runs eager.
+    The estimate and the probe count the kernel that runs.
     """
-    try:
-        from transformers import AutoModelForCausalLM
+    from memfit.models.attention_support import kernel_for_family
 
-        model_class = AutoModelForCausalLM._model_mapping[type(hf_config)]
-    except (ImportError, KeyError):  # not a causal LM transformers maps: the loader says so itself
+    names = {"sdpa": "sdpa", "flash": "flash_attention_2", "flash_attention_2": "flash_attention_2",
+             "flex": "flex_attention", "flex_attention": "flex_attention"}
+    if attention not in names:
         return attention
-    supports = {"sdpa": "_supports_sdpa", "flash": "_supports_flash_attn", "flash_attention_2": "_supports_flash_attn",
-                "flex": "_supports_flex_attn", "flex_attention": "_supports_flex_attn"}.get(attention)
-    if supports and not getattr(model_class, supports, True):
-        return "eager"
-    return attention
+    runs, _ = kernel_for_family(hf_config, names[attention], device_type)
+    if runs == names[attention]:
+        return attention
+    return {"flex_attention": "flex"}.get(runs, runs)
 
 
 def block_kinds(hf_config: Any) -> list[tuple]:

@@ -148,7 +148,9 @@ def resolve_run(config: TrainConfig, hf_config: Any, gpu: GpuSpec | None) -> Run
         attention = "sdpa"  # flash-attn and FlexAttention keep the same tensors as SDPA's flash kernel
     from memfit.prediction.layer_probe import supported_attention
 
-    attention = supported_attention(hf_config, attention)  # eager where the family has no SDPA (gpt-oss, Mamba-2)
+    # the kernel the family runs there: eager without an SDPA path (Mamba-2; gpt-oss on a CPU), FlexAttention
+    # for gpt-oss's attention sinks on CUDA
+    attention = supported_attention(hf_config, attention, device_type)
     if attention == "sdpa" and device_type == "cuda" and autocast is None and _BYTES[config.model.dtype] == 4 and (
             _grouped_query(hf_config)):
         # fp32 SDPA with grouped-query attention on CUDA: the flash kernel takes no fp32 and the memory-efficient
