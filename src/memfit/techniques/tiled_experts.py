@@ -1,0 +1,282 @@
+"""Tiled experts: a mixture-of-experts block's experts run over token tiles and are recomputed one tile at a time.
+
+Flag: `--tiled-mlp N` (the same switch as the dense MLP's: techniques/tiled_mlp.py). Every MoE layer's experts
+call, `experts(hidden [tokens, hidden], indices [tokens, top-k], routing weights [tokens, top-k or experts])`
+as transformers 5 makes it (gpt-oss, Qwen3-MoE, Mixtral, OLMoE, DeepSeek-V3, GLM-4-MoE...), runs over N
+slices of its tokens.
+
+Saves: the experts call keeps for backward, per routed row (tokens x top-k rows): the token's hidden state
+copied into expert order, the gate and up projection, the activation chain (gpt-oss: its clamps, sigmoid and
+GLU product), the down projection's output and the permutation's indices. That is most of what an MoE block
+keeps (gpt-oss-20b: about 340 KiB a token of its block), and under full checkpointing it comes back whole when
+backward reaches the block. Tiled, forward runs the experts tile by tile without a graph and saves only its
+three inputs (the hidden states are a view of the block's normed input, the indices and weights are the
+router's, kept for its own backward anyway); backward recomputes one tile at a time, so one tile's routed
+rows are alive instead of all of them. What stays full size: the output, the hidden states' gradient (filled
+tile by tile) and the routing weights' gradient.
+Costs: one more forward of the experts per step (the recompute); N smaller grouped matmuls instead of one
+(each expert gets fewer rows per call, slower once a tile's rows per expert get few); in a full fine-tune, one
+layer's expert gradients as a temporary beside their running sum.
+
+Numerics: each token's expert output depends on that token alone (its own hidden state, experts and weights),
+so tiling changes only the order in which a parameter's gradient is summed (fp32: within ~1e-6 relative).
+The router stays outside the tiles: its logits, top-k and weights are computed once on all tokens, and its
+gradient arrives through the routing weights' gradient, which each tile fills for its tokens.
+
+Gradients of the trainable parameters (LoRA adapters on the experts, or the expert stacks in a full
+fine-tune) are summed over the tiles in one buffer per parameter and handed to autograd once, as the tiled
+MLP does (`TiledMLPFunction`), so hooks that act on a complete gradient see one.
+
+What runs per tile is the experts module's forward as it is when tiling is applied: transformers' own (grouped
+matmul, batched or a loop), memfit's split LoRA (techniques/expert_lora.py) or its NF4 experts
+(techniques/expert_quant.py). Apply the tiling after those; `apply_tiled_experts` called again (or after a
+later technique replaced the forward) tiles the forward then in place.
+Left alone, named in the one line `apply_tiled_experts` returns: experts split across ranks (expert
+parallelism: every rank would have to cut the same tiles), and experts whose forward does not take exactly
+(hidden states, indices, weights).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import re
+import types
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from memfit.models.experts import is_fused_experts
+from memfit.techniques.tiled_mlp import _draws_random_numbers, _identity, _RngState, _tile, tiles_for
+
+_PREVIOUS = "_memfit_untiled_experts_forward"
+_MARK = "_memfit_tiled_experts_forward"
+TILED_ATTRIBUTE = "memfit_expert_tiles"
+"""Set on each tiled experts module (the fused one, under any PEFT wrapper): its number of tiles."""
+
+
+def moe_experts_calls(model: nn.Module) -> list[tuple[str, nn.Module, nn.Module]]:
+    """(name of the MoE block, the module it calls as `self.experts`, the fused experts inside) for each MoE layer.
+
+    The module called is the fused experts themselves, or PEFT's `ParamWrapper`s around them (LoRA on the experts).
+    """
+    found = []
+    for name, module in model.named_modules():
+        called = module._modules.get("experts")
+        if called is None:
+            continue
+        inner = called
+        while not is_fused_experts(inner) and isinstance(getattr(inner, "base_layer", None), nn.Module):
+            inner = inner.base_layer  # PEFT nests one ParamWrapper per adapted parameter
+        if is_fused_experts(inner):
+            found.append((name, called, inner))
+    return found
+
+
+def _why_not_tiled(experts: nn.Module) -> str | None:
+    if getattr(experts, "_is_expert_parallel", False):
+        return "split across ranks"
+    try:
+        inputs = [p for p in list(inspect.signature(type(experts).forward).parameters.values())[1:]
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        return "a forward without a signature"
+    if len(inputs) != 3:
+        return f"a forward taking ({', '.join(p.name for p in inputs)}), not (hidden states, indices, weights)"
+    return None
+
+
+def apply_tiled_experts(model: nn.Module, tiles: int | None) -> str:
+    """Tile every MoE layer's experts call in place; return one line for the log naming the layers.
+
+    Args:
+        tiles: tiles of the tokens of one call; None: one tile per `tiled_mlp.AUTO_TILE_TOKENS` tokens of the
+            call (the flattened micro-batch) above that many; 0: off (the plain forward again).
+    Returns "" when the model has no fused experts.
+    """
+    calls = moe_experts_calls(model)
+    tiled, kept = [], {}
+    for name, called, inner in calls:
+        retiled = _is_tiled_forward(called.__dict__.get("forward"))
+        # the forward in place before this tiling: split LoRA's or NF4's (on the instance), or the class's (None)
+        previous = called.__dict__[_PREVIOUS] if retiled else called.__dict__.get("forward")
+        if tiles == 0:
+            if retiled:
+                called.__dict__.pop(_PREVIOUS)
+                if previous is None:
+                    del called.forward
+                else:
+                    called.forward = previous
+            inner.__dict__.pop(TILED_ATTRIBUTE, None)
+            continue
+        reason = _why_not_tiled(inner)
+        if reason:
+            kept[reason] = kept.get(reason, 0) + 1
+            continue
+        untiled = previous if previous is not None else types.MethodType(type(called).forward, called)
+        called.__dict__[_PREVIOUS] = previous
+        called.forward = types.MethodType(_make_tiled_forward(untiled, tiles), called)
+        setattr(inner, TILED_ATTRIBUTE, tiles)
+        tiled.append(name)
+    if not calls or tiles == 0:
+        return "off" if calls else ""
+    how = f"{tiles} tiles" if tiles is not None else "automatic tiles"
+    text = f"{how} on the experts of {len(tiled)} of {len(calls)} MoE layers ({layer_list(tiled)})"
+    if kept:
+        text += "; left untiled: " + ", ".join(f"{count} ({reason})" for reason, count in kept.items())
+    return text
+
+
+def with_tiled_experts(model: nn.Module, tiles: int | None, mlp_description: str) -> str:
+    """Tile the experts too (`apply_tiled_experts`) and join their line to the tiled MLP's.
+
+    The result starts with "off" only when neither a dense MLP nor an experts call was tiled.
+    """
+    experts = apply_tiled_experts(model, tiles)
+    if not experts or experts == "off":
+        return mlp_description
+    if mlp_description.startswith("off"):
+        return experts
+    return f"{mlp_description}; {experts}"
+
+
+def tiled_experts_facts(model: nn.Module) -> dict | None:
+    """For the metrics: the tiles and the MoE layers whose experts run tiled; None when none do."""
+    layers = [name for name, _, inner in moe_experts_calls(model) if TILED_ATTRIBUTE in inner.__dict__]
+    if not layers:
+        return None
+    tiles = {inner.__dict__[TILED_ATTRIBUTE] for _, _, inner in moe_experts_calls(model)
+             if TILED_ATTRIBUTE in inner.__dict__}
+    return {"tiles": tiles.pop() if len(tiles) == 1 else sorted(tiles, key=str), "layers": layers,
+            "described": layer_list(layers)}
+
+
+def layer_list(names: list[str]) -> str:
+    """Module names with their layer numbers folded into ranges: `model.layers.{0-23}.mlp`."""
+    groups: dict[str, list[int]] = {}
+    for name in names:
+        match = re.search(r"\.(\d+)\.", name)
+        if match is None:
+            groups.setdefault(name, [])
+            continue
+        pattern = name[:match.start(1)] + "{}" + name[match.end(1):]
+        groups.setdefault(pattern, []).append(int(match.group(1)))
+    parts = []
+    for pattern, numbers in groups.items():
+        if not numbers:
+            parts.append(pattern)
+            continue
+        ranges, start = [], numbers[0]
+        for previous, number in zip(numbers, [*numbers[1:], None], strict=True):
+            if number != previous + 1:
+                ranges.append(f"{start}-{previous}" if previous != start else str(start))
+                start = number
+        parts.append(pattern.replace("{}", "{" + ",".join(ranges) + "}"))
+    return ", ".join(parts)
+
+
+def _is_tiled_forward(forward: Callable | None) -> bool:
+    return getattr(getattr(forward, "__func__", None), _MARK, False)
+
+
+def _make_tiled_forward(untiled: Callable, tiles: int | None) -> Callable:
+    def forward(self, hidden_states, indices=None, weights=None, *args, **kwargs):
+        count = tiles_for(hidden_states.shape[0], tiles) if hidden_states.dim() == 2 else 1
+        if count <= 1 or args or kwargs or not _routed(hidden_states, indices, weights):
+            return untiled(hidden_states, indices, weights, *args, **kwargs)
+        if not torch.is_grad_enabled():  # evaluation, or a checkpointed block's first forward: nothing to save
+            return _tiles_without_graph(untiled, count, hidden_states, indices, weights)
+        trainable = [p for p in self.parameters() if p.requires_grad]
+        return TiledExpertsFunction.apply(untiled, count, hidden_states, indices, weights,
+                                          _draws_random_numbers(self), *trainable)
+
+    setattr(forward, _MARK, True)
+    return forward
+
+
+def _routed(hidden: torch.Tensor, indices, weights) -> bool:
+    """Whether the call is the one tiling assumes: one row of indices and weights per token."""
+    return (isinstance(indices, torch.Tensor) and isinstance(weights, torch.Tensor) and indices.dim() == 2
+            and weights.dim() == 2 and not indices.is_floating_point()
+            and indices.shape[0] == weights.shape[0] == hidden.shape[0])
+
+
+def _tiles_without_graph(experts: Callable, tiles: int, hidden: torch.Tensor, indices: torch.Tensor,
+                         weights: torch.Tensor) -> torch.Tensor:
+    output = None
+    with torch.no_grad():
+        for index in range(tiles):
+            result = experts(_tile(hidden, tiles, index), _tile(indices, tiles, index), _tile(weights, tiles, index))
+            if output is None:  # written in place: no list of tiles plus a concatenated copy
+                output = result.new_empty((hidden.shape[0], *result.shape[1:]))
+            _tile(output, tiles, index).copy_(result)
+            del result
+    return output
+
+
+class TiledExpertsFunction(torch.autograd.Function):
+    """`experts(hidden, indices, weights)` over `tiles` slices of the tokens (dimension 0 of all three).
+
+    Forward saves the three inputs; backward recomputes each tile with a graph, takes the gradients of its
+    hidden states, routing weights and `parameters`, and sums the parameters' over the tiles.
+    """
+
+    @staticmethod
+    def forward(ctx, experts: Callable, tiles: int, hidden: torch.Tensor, indices: torch.Tensor,
+                weights: torch.Tensor, replay_random: bool, *parameters: torch.Tensor) -> torch.Tensor:
+        ctx.experts = experts
+        ctx.tiles = tiles
+        ctx.device_type = hidden.device.type
+        ctx.autocast = (torch.is_autocast_enabled(ctx.device_type), torch.get_autocast_dtype(ctx.device_type))
+        ctx.rng = _RngState.capture(hidden.device) if replay_random else None
+        ctx.save_for_backward(hidden, indices, weights)
+        # Held, not saved: the module holds them anyway, and a sharding engine that refills their
+        # storage between forward and backward must not trip autograd's version check.
+        ctx.parameters = parameters
+        return _tiles_without_graph(experts, tiles, hidden, indices, weights)
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        hidden, indices, weights = ctx.saved_tensors
+        needs_hidden, needs_weights = ctx.needs_input_grad[2], ctx.needs_input_grad[4]
+        wanted = [p for p, needed in zip(ctx.parameters, ctx.needs_input_grad[6:], strict=True) if needed]
+        grad_hidden = torch.empty_like(hidden) if needs_hidden else None
+        grad_weights = torch.empty_like(weights) if needs_weights else None
+        grad_parameters: list[torch.Tensor | None] = [None] * len(wanted)
+        enabled, dtype = ctx.autocast
+        with (
+            ctx.rng.restored() if ctx.rng is not None else contextlib.nullcontext(),
+            torch.enable_grad(),
+            torch.autocast(ctx.device_type, dtype=dtype, enabled=enabled),
+            # activation offload's saved-tensor hooks must not move a tile's short-lived tensors
+            torch.autograd.graph.saved_tensors_hooks(_identity, _identity),
+        ):
+            for index in range(ctx.tiles):
+                piece = _tile(hidden, ctx.tiles, index).detach().requires_grad_(needs_hidden)
+                routing = _tile(weights, ctx.tiles, index).detach().requires_grad_(needs_weights)
+                inputs = ([piece] if needs_hidden else []) + ([routing] if needs_weights else []) + wanted
+                if not inputs:
+                    break
+                output = ctx.experts(piece, _tile(indices, ctx.tiles, index), routing)
+                grads = list(torch.autograd.grad(output, inputs, _tile(grad_output, ctx.tiles, index),
+                                                 allow_unused=True))
+                del output
+                for wanted_here, buffer in ((needs_hidden, grad_hidden), (needs_weights, grad_weights)):
+                    if not wanted_here:
+                        continue
+                    grad = grads.pop(0)
+                    if grad is None:  # the experts ignored this input (a weight slot never routed)
+                        _tile(buffer, ctx.tiles, index).zero_()
+                    else:
+                        _tile(buffer, ctx.tiles, index).copy_(grad)
+                for position, grad in enumerate(grads):
+                    if grad is None:
+                        continue
+                    if grad_parameters[position] is None:
+                        grad_parameters[position] = grad
+                    else:
+                        grad_parameters[position] += grad
+        by_parameter = iter(grad_parameters)
+        parameter_grads = [next(by_parameter) if needed else None for needed in ctx.needs_input_grad[6:]]
+        return (None, None, grad_hidden, None, grad_weights, None, *parameter_grads)
