@@ -321,6 +321,7 @@ def run_facts(session: TrainingSession) -> dict[str, Any]:
     """What really runs: recorded in the metrics' start and summary lines."""
     from memfit.models.experts import experts_facts
     from memfit.techniques.lora import lora_facts
+    from memfit.techniques.tiled_experts import tiled_experts_facts
 
     config = session.config
     return {
@@ -343,6 +344,7 @@ def run_facts(session: TrainingSession) -> dict[str, Any]:
         "fallbacks": dict(session.fallbacks),
         "lora": lora_facts(session.model, config.lora) if config.lora.lora_r > 0 else None,  # what trains
         "experts": experts_facts(session.model),  # MoE: the experts implementation that ran, active parameters
+        "tiled_experts": tiled_experts_facts(session.model),  # MoE layers whose experts ran over token tiles
     }
 
 

@@ -239,6 +239,7 @@ def apply_model_techniques(config: TrainConfig, model: torch.nn.Module,
     2. LoRA adapters (after checkpointing, which they must know about)          techniques/lora.py
        and their memory-efficient path (--no-efficient-lora: off)               techniques/efficient_lora.py
     3. tiled MLP past 8192 tokens or with --tiled-mlp (adapters inside included) techniques/tiled_mlp.py
+       and each MoE layer's experts call alike                                   techniques/tiled_experts.py
     4. memory-efficient RMSNorm (--no-efficient-norm: off; liger's, applied      techniques/rms_norm.py
        after, replaces it where it runs)
     The engine shards or wraps the result afterwards (engine.prepare). Precision (autocast),
@@ -267,6 +268,9 @@ def apply_model_techniques(config: TrainConfig, model: torch.nn.Module,
     tiles = tiles_for(config.data.seq_len, config.memory.tiled_mlp)
     if tiles > 1:
         tiled = apply_tiled_mlp(model, tiles)
+        from memfit.techniques.tiled_experts import with_tiled_experts
+
+        tiled = with_tiled_experts(model, tiles, tiled)  # each MoE layer's experts call, over token tiles
         if config.memory.tiled_mlp and tiled.startswith("off"):  # asked for and nothing to tile: refused, not ignored
             raise UsageError(f"--tiled-mlp {config.memory.tiled_mlp}: the blocks of {type(model).__name__} have no MLP"
                              " module (mlp, feed_forward or ffn) to tile; drop --tiled-mlp")
