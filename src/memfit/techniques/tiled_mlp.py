@@ -26,11 +26,22 @@ Which MLPs: the child called `mlp`, `feed_forward` or `ffn` of each transformer 
 when it maps one tensor to one tensor (mixture-of-experts blocks, which also return
 router logits, are left alone). LoRA adapters inside it (PEFT) work: the MLP's own
 forward is what runs per tile.
+
+Encoder layers without such a child (BERT, RoBERTa, ESM and their kin) compute their
+feed-forward in a method of the layer, `feed_forward_chunk(attention_output)`: BERT's
+dense -> GELU -> dense -> dropout -> LayerNorm(+ residual), ESM's the same after a
+LayerNorm and without the last one. Every step of it acts on each token alone, so it is
+tiled too: `LayerFeedForward` presents it as a module whose parameters are exactly the
+feed-forward's (the layer's children other than its attention), and the layer's
+`feed_forward_chunk` is replaced on the instance by a call to that tiled module. What
+tiling saves there: the two `tokens x intermediate` tensors (BERT; ESM's written-out
+GELU keeps four), the LayerNorm's input and statistics (BERT) or its output (ESM).
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 import types
 from collections.abc import Callable
@@ -44,6 +55,7 @@ MLP_NAMES = ("mlp", "feed_forward", "ffn")
 _ORIGINAL_FORWARD = "_memfit_untiled_forward"
 _TILES = "_memfit_tiles"
 _TILED_MARK = "_memfit_tiled_forward"
+_FEED_FORWARD = "_memfit_feed_forward"
 
 
 def tiles_for(seq_len: int, tiles: int | None) -> int:
@@ -65,7 +77,66 @@ def find_mlps(model: nn.Module) -> list[nn.Module]:
             if isinstance(module, nn.Module) and not _looks_like_experts(module):
                 found.append(module)
                 break
+        else:
+            feed_forward = LayerFeedForward.of(block)
+            if feed_forward is not None:
+                found.append(feed_forward)
     return found
+
+
+class LayerFeedForward(nn.Module):
+    """The feed-forward an encoder layer computes in its own `feed_forward_chunk` method, as a module to tile.
+
+    Its children are the layer's children other than its attention (BERT: intermediate and output; ESM: those
+    and the LayerNorm before them): the tiled function must receive every parameter the feed-forward uses, or
+    those would get no gradient from the recompute, and none of the attention's. They are registered here only:
+    the layer's own tree, its state dict and its parameter names stay as they were. Its forward is the layer's
+    original method; `install` makes the layer call this module instead, `remove` undoes it.
+    """
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        for name, child in layer.named_children():
+            if "attention" not in name.lower():
+                self.add_module(name, child)
+        # plain attributes, not submodules: the layer is this module's owner, not its child
+        self.__dict__["layer"] = layer
+        self.__dict__["untiled"] = layer.feed_forward_chunk
+
+    @classmethod
+    def of(cls, layer: nn.Module) -> LayerFeedForward | None:
+        """The layer's feed-forward (the one already installed, else a new one), or None where it has none."""
+        existing = layer.__dict__.get(_FEED_FORWARD)
+        if existing is not None:
+            return existing
+        method = getattr(layer, "feed_forward_chunk", None)
+        children = dict(layer.named_children())
+        if not callable(method) or not all(isinstance(children.get(n), nn.Module) for n in ("intermediate", "output")):
+            return None
+        try:  # one tensor in, as transformers' apply_chunking_to_forward calls it
+            if len(inspect.signature(method).parameters) != 1:
+                return None
+        except (TypeError, ValueError):
+            return None
+        return cls(layer)
+
+    def forward(self, attention_output: torch.Tensor) -> torch.Tensor:
+        return self.untiled(attention_output)
+
+    def install(self) -> None:
+        """The layer's feed_forward_chunk calls this module (and so its tiled forward)."""
+        self.layer.__dict__[_FEED_FORWARD] = self
+        # a bound method of one parameter: transformers' apply_chunking_to_forward counts the parameters
+        self.layer.feed_forward_chunk = types.MethodType(_call_feed_forward, self)
+
+    def remove(self) -> None:
+        """The layer computes its feed-forward with its own method again."""
+        self.layer.__dict__.pop(_FEED_FORWARD, None)
+        self.layer.__dict__.pop("feed_forward_chunk", None)
+
+
+def _call_feed_forward(feed_forward: LayerFeedForward, attention_output: torch.Tensor) -> torch.Tensor:
+    return feed_forward(attention_output)
 
 
 def _looks_like_experts(module: nn.Module) -> bool:
@@ -87,10 +158,14 @@ def apply_tiled_mlp(model: nn.Module, tiles: int | None) -> str:
             mlp.__dict__.pop(_ORIGINAL_FORWARD, None)
             mlp.__dict__.pop(_TILES, None)
             mlp.__dict__.pop("forward", None)
+            if isinstance(mlp, LayerFeedForward):
+                mlp.remove()
             continue
         mlp.__dict__[_ORIGINAL_FORWARD] = untiled
         mlp.__dict__[_TILES] = tiles
         mlp.forward = types.MethodType(_make_tiled_forward(untiled, tiles), mlp)
+        if isinstance(mlp, LayerFeedForward):
+            mlp.install()
     if tiles == 0 or not mlps:
         return "off" if tiles == 0 else "off (no MLP found in the blocks)"
     how = f"{tiles} tiles" if tiles is not None else f"1 tile per {AUTO_TILE_TOKENS} tokens above {AUTO_TILE_TOKENS}"
@@ -98,8 +173,12 @@ def apply_tiled_mlp(model: nn.Module, tiles: int | None) -> str:
 
 
 def is_tiled(module: nn.Module) -> bool:
-    """Whether `apply_tiled_mlp` tiled this module."""
-    return _ORIGINAL_FORWARD in module.__dict__
+    """Whether `apply_tiled_mlp` tiled this module, or this encoder layer's feed-forward (`LayerFeedForward`).
+
+    Such a layer's children (attention, intermediate, output) are then compiled each on its own: the tiles run
+    the compiled intermediate and output, and the tiling's autograd function stays outside compiled code.
+    """
+    return _ORIGINAL_FORWARD in module.__dict__ or _FEED_FORWARD in module.__dict__
 
 
 def compile_each_tile(mlp: nn.Module, compile_fn: Callable[[Callable], Callable]) -> None:

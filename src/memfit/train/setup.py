@@ -273,7 +273,8 @@ def apply_model_techniques(config: TrainConfig, model: torch.nn.Module,
         tiled = with_tiled_experts(model, tiles, tiled)  # each MoE layer's experts call, over token tiles
         if config.memory.tiled_mlp and tiled.startswith("off"):  # asked for and nothing to tile: refused, not ignored
             raise UsageError(f"--tiled-mlp {config.memory.tiled_mlp}: the blocks of {type(model).__name__} have no MLP"
-                             " module (mlp, feed_forward or ffn) to tile; drop --tiled-mlp")
+                             " module (mlp, feed_forward or ffn) nor a feed_forward_chunk method to tile;"
+                             " drop --tiled-mlp")
         log.info("memfit: tiled MLP: %s", tiled)
     if config.memory.efficient_norm:
         from memfit.techniques.rms_norm import apply_efficient_rms_norm

@@ -142,14 +142,35 @@ def test_qlora_quantizes_the_base_and_trains_the_new_head_in_full(wide_dirs, dna
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_tiled_mlp_is_refused_where_the_blocks_have_no_mlp_module(encoder_dirs, dna_csv, tmp_path, family,
-                                                                   warm_memfit):
-    """BERT and ESM compute their feed-forward in the layer's own method, not a child module: nothing to tile."""
-    # forked from the warm server (tests/memfit_cli.py): the refusal is the real command's, without a fresh import
+def test_tiled_mlp_runs_through_the_command_on_the_layers_feed_forward(encoder_dirs, dna_csv, tmp_path, family,
+                                                                       warm_memfit):
+    """BERT and ESM compute their feed-forward in the layer's own method: the command tiles it
+    (numerics and the saving: test_encoder_tiled_mlp.py)."""
+    # forked from the warm server (tests/memfit_cli.py): the real command, without a fresh import
     run = warm_memfit.run("train", "--model", str(encoder_dirs[family]), "--task", "sequence-classification",
                           "--dataset", str(dna_csv), "--max-steps", "1", "--seq-len", "64", "--tiled-mlp", "4",
                           "--no-report", "--output-dir", str(tmp_path / "out"))
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "tiled MLP: 4 tiles on 2 MLPs" in run.stderr
+
+
+def test_tiled_mlp_is_refused_where_the_blocks_have_neither_an_mlp_module_nor_a_feed_forward_method(
+        dna_csv, tmp_path, warm_memfit):
+    """DeBERTa-v2 calls its intermediate and output inline in the layer's forward: nothing to tile through."""
+    from transformers import DebertaV2Config, DebertaV2ForMaskedLM
+
+    from tiny_encoders import SPECIALS, dna_tokenizer
+
+    model_dir = tmp_path / "deberta"
+    torch.manual_seed(0)
+    DebertaV2ForMaskedLM(DebertaV2Config(vocab_size=len(SPECIALS) + 5, hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=128,
+                                         pad_token_id=0)).save_pretrained(model_dir, safe_serialization=True)
+    dna_tokenizer().save_pretrained(model_dir)
+    run = warm_memfit.run("train", "--model", str(model_dir), "--task", "sequence-classification",
+                          "--dataset", str(dna_csv), "--max-steps", "1", "--seq-len", "64", "--tiled-mlp", "4",
+                          "--no-report", "--output-dir", str(tmp_path / "out"))
     assert run.returncode == 2, run.stderr[-2000:]
-    assert "--tiled-mlp 4: the blocks of" in run.stderr and "have no MLP module" in run.stderr
+    assert "--tiled-mlp 4: the blocks of" in run.stderr and "nor a feed_forward_chunk method" in run.stderr
     assert "Traceback" not in run.stderr
     assert not (tmp_path / "out").exists()
