@@ -5,7 +5,8 @@ more than a 3-step run of the tiny model, so the runs of test_exactness.py and
 test_torchrun.py share launches: one for the DDP and FSDP2 runs, one for the runs that
 need an earlier run's output (OOM recovery calibrated on a tracked run, resuming a
 checkpoint), one for DeepSpeed. Each run keeps its own flags and output directory. The
-launches also carry a tiny BERT-like sequence classifier's runs (test_encoder_torchrun.py).
+launches also carry a tiny BERT-like sequence classifier's runs, and its regression, token classification and
+masked-LM runs with a tiny ESM's sequence classifier (encoder_tasks.py; test_encoder_torchrun.py).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import json
 from pathlib import Path
 
 import pytest
+from encoder_tasks import encoder_task_args, encoder_task_runs
 from torchrun_helpers import checkpoint_copy, deepspeed_available, run_many
 
 from fault_injection import SGD_FLAGS
@@ -70,12 +72,28 @@ def encoder_sgd_args(bert_dir, tmp_path_factory) -> list[str]:
 
 
 @pytest.fixture(scope="session")
-def references(run_args, sgd_args, reshard_args, encoder_sgd_args, tmp_path_factory) -> dict[str, Path]:
+def esm_dir(tmp_path_factory) -> Path:
+    """The tiny ESM-like encoder (2 layers, hidden 32, rotary positions) with the DNA tokenizer."""
+    return save_encoder(tmp_path_factory.mktemp("encoder") / "esm", "esm")
+
+
+@pytest.fixture(scope="session")
+def encoder_tasks_args(bert_dir, esm_dir, tmp_path_factory) -> dict[str, list[str]]:
+    """The other encoder runs (encoder_tasks.py): regression, token classification, masked LM on the tiny BERT,
+    sequence classification on the tiny ESM, over the same kind of table as encoder_sgd_args."""
+    table = write_csv(tmp_path_factory.mktemp("dna-tasks") / "train.csv", dna_rows(24))
+    return encoder_task_args({"bert": bert_dir, "esm": esm_dir}, table)
+
+
+@pytest.fixture(scope="session")
+def references(run_args, sgd_args, reshard_args, encoder_sgd_args, encoder_tasks_args,
+               tmp_path_factory) -> dict[str, Path]:
     """The references, all in one plain process: micro-batch 4 x 2 accumulation, AdamW and SGD; reshard-one,
     the one-process run that test_reshard_resume.py resumes on 2 ranks (in later_runs); encoder-sgd, the
-    sequence classifier under SGD."""
+    sequence classifier under SGD; encoder-KEY-sgd, the other encoder tasks (encoder_tasks.py)."""
     root = tmp_path_factory.mktemp("single")
-    named = (("adamw", run_args), ("sgd", sgd_args), ("reshard-one", reshard_args), ("encoder-sgd", encoder_sgd_args))
+    named = (("adamw", run_args), ("sgd", sgd_args), ("reshard-one", reshard_args), ("encoder-sgd", encoder_sgd_args),
+             *((f"encoder-{key}-sgd", args) for key, args in encoder_tasks_args.items()))
     runs = [{"name": name, "args": [*args, "--batch-size", "4", "--gradient-accumulation-steps", "2",
                                      "--output-dir", str(root / name)]}
             for name, args in named]
@@ -99,10 +117,11 @@ ENGINES = {"ddp": ["--sharding", "ddp"], "fsdp": ["--sharding", "fsdp"]}
 
 
 @pytest.fixture(scope="session")
-def engine_runs(run_args, sgd_args, reshard_args, encoder_sgd_args, tmp_path_factory) -> dict[str, Path]:
+def engine_runs(run_args, sgd_args, reshard_args, encoder_sgd_args, encoder_tasks_args,
+                tmp_path_factory) -> dict[str, Path]:
     """One torchrun launch: per engine an SGD run and its twin with the fault; the AdamW runs of test_torchrun.py;
     reshard-two, the 2-rank run that test_reshard_resume.py resumes in one process; encoder-fsdp and its twin,
-    the sequence classifier under FSDP2."""
+    the sequence classifier under FSDP2; encoder-KEY-fsdp and their twins, the other encoder tasks."""
     root = tmp_path_factory.mktemp("engines")
     runs = []
     for engine, flags in ENGINES.items():
@@ -120,6 +139,7 @@ def engine_runs(run_args, sgd_args, reshard_args, encoder_sgd_args, tmp_path_fac
     ]
     runs += [{"name": "encoder-fsdp" if scale is None else "encoder-fsdp-fault", "grad_scale": scale,
               "args": [*encoder_sgd_args, "--batch-size", "4", "--sharding", "fsdp"]} for scale in (None, FAULT)]
+    runs += encoder_task_runs(encoder_tasks_args, "fsdp", ["--batch-size", "4", "--sharding", "fsdp"], FAULT)
     for run in runs:
         run["args"] += ["--output-dir", str(root / run["name"])]
     run_many(runs, root)
@@ -171,9 +191,10 @@ def later_runs(engine_runs, references, run_args, sgd_args, reshard_args, tmp_pa
 
 
 @pytest.fixture(scope="session")
-def zero_runs(run_args, sgd_args, encoder_sgd_args, tmp_path_factory) -> dict[str, Path]:
+def zero_runs(run_args, sgd_args, encoder_sgd_args, encoder_tasks_args, tmp_path_factory) -> dict[str, Path]:
     """One launch: ZeRO-2 and ZeRO-3 + CPU offload under SGD, each with its faulty twin; then under AdamW;
-    encoder-zero2 and its twin, the sequence classifier under ZeRO-2.
+    encoder-zero2 and its twin, the sequence classifier under ZeRO-2; encoder-KEY-zero2, the other encoder tasks
+    (their twins run under FSDP2).
 
     The ZeRO-2 pair also compiles its blocks (--compile): DeepSpeed's engine around compiled blocks
     must still give the single-process update.
@@ -190,6 +211,8 @@ def zero_runs(run_args, sgd_args, encoder_sgd_args, tmp_path_factory) -> dict[st
     runs += [{"name": "encoder-zero2" if scale is None else "encoder-zero2-fault", "grad_scale": scale,
               "args": [*encoder_sgd_args, "--batch-size", "2", "--gradient-accumulation-steps", "2",
                        "--zero-stage", "2"]} for scale in (None, FAULT)]
+    runs += encoder_task_runs(encoder_tasks_args, "zero2",
+                              ["--batch-size", "2", "--gradient-accumulation-steps", "2", "--zero-stage", "2"])
     ds_file = root / "ds.json"
     ds_file.write_text(json.dumps({
         "train_micro_batch_size_per_gpu": "auto",

@@ -5,11 +5,16 @@ pads differently and its loss is per sample, not per token) trains 3 steps on 2 
 FSDP2 and with DeepSpeed ZeRO-2, and must end with the weights of one process training the
 same global batch of 8 (4 x 2 accumulation). As in test_exactness.py, each run has a twin
 whose backward passes are halved (the normalizer not divided by the world size): it must differ.
+
+Regression, token classification (normalised per labelled token) and masked LM (seeded masks, normalised per
+masked token) on the same BERT, and sequence classification on a tiny ESM-like model, are checked the same way
+(encoder_tasks.py), each with one halved-gradient twin under FSDP2.
 """
 
 from __future__ import annotations
 
 import pytest
+from encoder_tasks import ENCODER_TASKS
 from safetensors.torch import load_file
 from torchrun_helpers import assert_same_weights, final_weights
 
@@ -59,3 +64,41 @@ def test_encoder_under_zero2_equals_single_process_under_sgd(zero_runs, encoder_
 def test_encoder_under_zero2_check_fails_on_a_2x_gradient_error(zero_runs, encoder_single):
     with pytest.raises(AssertionError):
         assert_same_weights(final_weights(encoder_single), final_weights(zero_runs["encoder-zero2-fault"]))
+
+
+# Regression, token classification and masked LM on the tiny BERT, sequence classification on the tiny ESM
+# (encoder_tasks.py): the same checks, in the same launches, one halved-gradient twin each (under FSDP2).
+TASK_KEYS = list(ENCODER_TASKS)
+
+
+@pytest.mark.parametrize("key", TASK_KEYS)
+def test_encoder_task_reference_moves_the_weights_far_beyond_the_tolerance(references, bert_dir, esm_dir, key):
+    initial = load_file(str({"bert": bert_dir, "esm": esm_dir}[ENCODER_TASKS[key][0]] / "model.safetensors"))
+    reference = final_weights(references[f"encoder-{key}-sgd"])
+    shared = {k: v for k, v in initial.items() if k in reference}
+    assert len(shared) > 10  # the encoder's own weights, loaded from the masked LM
+    assert largest_update(shared, reference) > 1e-3
+
+
+@pytest.mark.parametrize("key", TASK_KEYS)
+def test_encoder_task_under_fsdp2_equals_single_process_under_sgd(engine_runs, references, key):
+    run = engine_runs[f"encoder-{key}-fsdp"]
+    assert_same_weights(final_weights(references[f"encoder-{key}-sgd"]), final_weights(run))
+    summary = read_metrics(run / "metrics.jsonl")[-1]
+    assert summary["world_size"] == 2 and summary["parallel"] == "fsdp2 over 2 ranks (3 units)"
+
+
+@pytest.mark.parametrize("key", TASK_KEYS)
+def test_encoder_task_under_fsdp2_check_fails_on_a_2x_gradient_error(engine_runs, references, key):
+    with pytest.raises(AssertionError):
+        assert_same_weights(final_weights(references[f"encoder-{key}-sgd"]),
+                            final_weights(engine_runs[f"encoder-{key}-fsdp-fault"]))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("key", TASK_KEYS)
+def test_encoder_task_under_zero2_equals_single_process_under_sgd(zero_runs, references, key):
+    run = zero_runs[f"encoder-{key}-zero2"]
+    assert_same_weights(final_weights(references[f"encoder-{key}-sgd"]), final_weights(run))
+    summary = read_metrics(run / "metrics.jsonl")[-1]
+    assert summary["world_size"] == 2 and summary["parallel"].startswith("deepspeed")

@@ -325,6 +325,22 @@ def trainer_state_from(meta: dict[str, Any]) -> TrainerState:
     return TrainerState(meta["step"], meta.get("tokens_seen", 0), meta.get("micro_batch_size"), meta.get("extra", {}))
 
 
+def share_tied_tensors(model: torch.nn.Module, state_dict: dict) -> dict:
+    """`state_dict` with every name of one tied parameter pointing at one tensor.
+
+    A gathered state dict (FSDP2's full state dict on the CPU) holds a separate copy per name, so
+    save_pretrained no longer sees the tie and writes a masked LM's decoder weight and bias beside
+    the embedding and bias they are tied to: a file with other names than one process writes.
+    """
+    shared = dict(state_dict)
+    first: dict[int, str] = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        owner = first.setdefault(id(parameter), name)
+        if owner != name and owner in shared and name in shared:
+            shared[name] = shared[owner]
+    return shared
+
+
 def save_final_model(
     model: torch.nn.Module, tokenizer: Any, directory: str | Path, state_dict: dict | None = None
 ) -> Path:
@@ -335,6 +351,8 @@ def save_final_model(
     directory = Path(directory)
     temporary = directory.with_name(f".tmp-{directory.name}-{os.getpid()}")
     shutil.rmtree(temporary, ignore_errors=True)
+    if state_dict is not None:
+        state_dict = share_tied_tensors(model, state_dict)
     model.save_pretrained(temporary, state_dict=state_dict, safe_serialization=True)
     if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
         tokenizer.save_pretrained(temporary)
