@@ -48,6 +48,12 @@ def is_encoder(hf_config: Any) -> bool:
     return getattr(hf_config, "model_type", "") in ENCODER_MODEL_TYPES and not getattr(hf_config, "is_decoder", False)
 
 
+def padded_micro_batches(hf_config: Any, batch_size: int) -> bool:
+    """Whether an estimate takes `batch_size` rows as padded to the longest (`prediction.padding_mask`): an encoder's
+    rows differ in length, and two or more of them are padded; one row never is."""
+    return is_encoder(hf_config) and batch_size > 1
+
+
 def probe_model_class(hf_config: Any) -> Any:
     """The transformers auto class whose blocks the layer probe measures (an encoder has no causal-LM class)."""
     import transformers
@@ -212,6 +218,12 @@ def traced_task(config: Any, hf_config: Any) -> tuple[Any, dict[str, Any], Any]:
     labels; `make_sample(input_ids)` gives one sample as the task's data loader does: a class id, a vector of
     0/1 labels or of numbers a sample, a label a token, or a masked LM's targets (every position labelled: the
     loss and its logits cover every position whatever is masked).
+
+    An encoder's rows differ in length and each micro-batch is padded to its longest: of every --batch-size
+    samples made, the first keeps its `input_ids` and the others are cut to half of them. The batch keeps
+    --seq-len positions, and with them every activation; on real tensors (the measured step) it also carries the
+    attention masks a padded batch builds. On fake tensors every mask reads as all ones and is dropped, so the
+    traced estimate adds them as the analytical one does (`prediction.padding_mask`).
     """
     import torch
 
@@ -223,8 +235,14 @@ def traced_task(config: Any, hf_config: Any) -> tuple[Any, dict[str, Any], Any]:
         task.spec = LabelSpec(task.label_kind, [], [f"label_{i}" for i in range(labels)])
     head_config = task.model_config()
     kind = task.label_kind
+    rows = config.training.batch_size
+    padded = padded_micro_batches(hf_config, rows)
+    made = [0]
 
     def make_sample(input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        if padded and made[0] % rows:  # not the first row of its micro-batch: a shorter row, padded
+            input_ids = input_ids[: max(1, input_ids.numel() // 2)]
+        made[0] += 1
         if kind == "class":
             target = torch.tensor(0)
         elif kind in ("multi-label", "number"):

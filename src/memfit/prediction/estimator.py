@@ -60,6 +60,7 @@ from memfit.prediction.encoders import (
     task_head,
     trailing_embedding_gradient_bytes,
 )
+from memfit.prediction.encoder_tiles import tiled_layer_per_token
 from memfit.prediction.estimate_result import (  # noqa: F401  (re-exported: memfit.estimate's public names)
     CUDA_CONTEXT_BYTES,
     ERROR_BAND,
@@ -68,6 +69,7 @@ from memfit.prediction.estimate_result import (  # noqa: F401  (re-exported: mem
 )
 from memfit.prediction.experts import balancing_loss_bytes, moe_details, with_nf4_experts
 from memfit.prediction.in_backward import untied_edge_steps
+from memfit.prediction.padding_mask import padding_mask
 from memfit.prediction.run_shape import (
     RunShape,
     apply_sharding,
@@ -78,6 +80,7 @@ from memfit.prediction.run_shape import (
     sharding_of,
     state_parts,
 )
+from memfit.prediction.tiled_experts import tiled_moe_terms
 from memfit.techniques.packed_attention import packed_mask_estimate
 
 BREAKDOWN_KEYS = CATEGORIES  # the one category set: estimate, traced estimate and profile report the same
@@ -236,8 +239,10 @@ def _offload_first_blocks(terms: ActivationTerms, run: RunShape, arch, precision
     return terms._replace(kept=terms.kept - host + in_flight, host=host)
 
 
-def _layer_per_token(run: RunShape, arch, hf_config, precision: Precision, seq_len: int) -> float | None:
-    """A block's bytes per token measured from the model's code, for families the closed forms do not describe."""
+def _layer_per_token(run: RunShape, arch, hf_config, precision: Precision, seq_len: int,
+                     tiled_experts: bool = False) -> float | None:
+    """A block's bytes per token measured from the model's code, for families the closed forms do not describe
+    (`tiled_experts`: with each MoE layer's experts call tiled)."""
     if arch.model_type in CLOSED_FORM_FAMILIES:
         return None
     from memfit.prediction.layer_probe import probed_layer_bytes_per_token, probed_layer_parts
@@ -245,14 +250,14 @@ def _layer_per_token(run: RunShape, arch, hf_config, precision: Precision, seq_l
     attention = run.attention.replace("flash", "sdpa")
     if not (run.autocast and run.weight_bytes == 4):
         return probed_layer_bytes_per_token(hf_config, run.weight_bytes, False, attention, seq_len, run.lora_r,
-                                            run.efficient_norm, run.efficient_lora)
+                                            run.efficient_norm, run.efficient_lora, tiled_experts)
     # Autocast over fp32 weights: a fake-tensor probe under CPU autocast misses the casts it
     # saves (it counted 40 % of a Llama block); probe in fp32 and scale what is not the norms'
     # by the closed forms' autocast/fp32 ratio for this block shape. The norms run in fp32 on
     # the fp32 residual stream either way and keep their fp32 bytes: scaled with the rest, a
     # family with many norms (Gemma 3: four and two on Q and K) fell 12 % short at 512 tokens.
     fp32, norms = probed_layer_parts(hf_config, 4, False, attention, seq_len, run.lora_r, run.efficient_norm,
-                                     run.efficient_lora)
+                                     run.efficient_lora, tiled_experts)
     plain = Precision(4, 4, 4, precision.lora_rank, precision.adapter_input, efficient_norm=precision.efficient_norm)
     closed_norms = norm_module_bytes_per_token(arch, precision)  # the same under autocast and in fp32
     rest_ratio = ((layer_bytes_per_token(arch, precision, run.attention, seq_len) - closed_norms)
@@ -265,6 +270,7 @@ def _analytical_peak(config, run: RunShape, hf_config, inventory, parts) -> tupl
     head_shape = task_head(config, arch)  # the --task's head: vocabulary logits or a few labels (prediction.encoders)
     precision = precision_of(run)
     b, s = config.training.batch_size, config.data.seq_len
+    padding = padding_mask(hf_config, run, precision, b, s)  # an encoder's padded micro-batch: its attention masks
     full_offload = run.activation_offload and run.activation_offload_blocks is None
     # Offloaded checkpoints of every block and the head peak on the device where offloading every
     # block's input alone does (tracked at 16 and 32 blocks: 21.27 and 21.24 MiB): the head's saved
@@ -273,14 +279,21 @@ def _analytical_peak(config, run: RunShape, hf_config, inventory, parts) -> tupl
     # side still holds everything (`_host_activations`).
     device_run = replace(run, activation_offload_blocks=arch.layers) if (
         full_offload and run.checkpointing == "full") else run
+    # MoE blocks under --tiled-mlp: their tiling (experts and dense MLPs) is counted by prediction.tiled_experts
+    moe = tiled_moe_terms(run, arch, hf_config, precision, b * s, inventory.expert_params, parts["trainable_bytes"],
+                          lambda tiled: _layer_per_token(run, arch, hf_config, precision, s, tiled))
     terms = activation_bytes(
         arch, precision, batch_size=b, seq_len=s, attention=run.attention,
-        checkpointing=run.checkpointing, checkpoint_every=run.checkpoint_every, mlp_tiles=run.mlp_tiles,
+        checkpointing=run.checkpointing, checkpoint_every=run.checkpoint_every, mlp_tiles=0 if moe else run.mlp_tiles,
         offload=device_run.activation_offload and device_run.activation_offload_blocks is None,
-        layer_per_token=_layer_per_token(run, arch, hf_config, precision, s),
+        layer_per_token=padding.on_layer(
+            moe.layer_per_token if moe else tiled_layer_per_token(  # an encoder's tiled feed-forward: its norm too
+                _layer_per_token(run, arch, hf_config, precision, s), arch, precision.compute, run.mlp_tiles), b * s),
         unchunked_loss=not run.fused_loss and not 0 < run.loss_chunk_size < b * (s - 1),
     )
+    terms = moe.with_backward(terms) if moe else terms
     terms = _offload_first_blocks(terms, device_run, arch, precision, b * s)
+    terms = terms._replace(kept=terms.kept + padding.kept)
     if device_run is not run:
         terms = terms._replace(host=_host_activations(config, run, hf_config))
     activations, recompute, per_layer = terms.kept, terms.recompute, terms.per_layer
@@ -332,7 +345,8 @@ def _analytical_peak(config, run: RunShape, hf_config, inventory, parts) -> tupl
 
         tile_tokens = b * s / max(1, run.mlp_tiles)
         recompute += 4 * min(SLICE_ELEMENTS, tile_tokens * max(arch.intermediate, arch.hidden))
-    recompute += backward_working_bytes(arch, precision.compute, b * s)  # an encoder's own backward (ESM's GELU)
+    # an encoder's own backward (ESM's GELU): under --tiled-mlp one tile's tokens at a time
+    recompute += backward_working_bytes(arch, precision.compute, b * s / max(1, run.mlp_tiles))
     released = terms.released_per_block
     fixed = activations - arch.layers * released  # the embedding side, uncheckpointed or offloaded blocks
     # autocast caches a 16-bit copy of each weight from its first use until backward is past it
@@ -406,6 +420,7 @@ def _analytical_peak(config, run: RunShape, hf_config, inventory, parts) -> tupl
         phase = "optimizer step" if parts["optimizer_temporaries"] >= 2 * tied_grad else "backward"
     notes = {"peak_phase": phase, "activation_bytes": int(activations), "logits_bytes": int(logits),
              "autocast_weight_copies_bytes": int(cache), "host_activation_bytes": int(terms.host),
+             "padding_mask_bytes": int(padding.at_peak()),
              "activations_measured_from_model": arch.model_type not in CLOSED_FORM_FAMILIES}
     return moment, per_layer, notes
 
@@ -438,6 +453,10 @@ def _traced_peak(config, run: RunShape, hf_config, inventory, parts) -> tuple[di
     per_layer = activation_bytes(arch, precision_of(run), batch_size=config.training.batch_size,
                                  seq_len=config.data.seq_len, attention=run.attention, checkpointing="off")[2]
     notes = {"peak_phase": step.peak_phase, "phase_peaks": step.phase_peaks}
+    padding = padding_mask(hf_config, run, precision_of(run), config.training.batch_size, config.data.seq_len)
+    if step.peak_phase != "optimizer":  # fake tensors read every mask as all ones: the trace ran unpadded
+        moment["activations"] += padding.at_peak()
+        notes["padding_mask_bytes"] = int(padding.at_peak())
     untraced = [name for name, on in (("optimizer in backward", run.optimizer_in_backward),
                                       ("activation offload", run.activation_offload),
                                       ("tiled MLP", run.mlp_tiles > 1), ("fused loss", run.fused_loss)) if on]
