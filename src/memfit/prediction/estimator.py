@@ -60,14 +60,13 @@ from memfit.prediction.encoders import (
     task_head,
     trailing_embedding_gradient_bytes,
 )
-from memfit.prediction.encoder_tiles import tiled_layer_per_token
 from memfit.prediction.estimate_result import (  # noqa: F401  (re-exported: memfit.estimate's public names)
     CUDA_CONTEXT_BYTES,
     ERROR_BAND,
     FRAGMENTATION,
     Estimate,
 )
-from memfit.prediction.experts import balancing_loss_bytes, moe_details, with_nf4_experts
+from memfit.prediction.experts import balancing_loss_bytes, moe_details
 from memfit.prediction.in_backward import untied_edge_steps
 from memfit.prediction.padding_mask import padding_mask
 from memfit.prediction.run_shape import (
@@ -80,7 +79,6 @@ from memfit.prediction.run_shape import (
     sharding_of,
     state_parts,
 )
-from memfit.prediction.tiled_experts import tiled_moe_terms
 from memfit.techniques.packed_attention import packed_mask_estimate
 
 BREAKDOWN_KEYS = CATEGORIES  # the one category set: estimate, traced estimate and profile report the same
@@ -143,7 +141,6 @@ def estimate(
         raise UsageError("--quantize needs LoRA: add --lora-r")
     inventory = parameter_inventory(hf_config, run.lora_r)
     parts = state_parts(config, run, inventory)
-    parts = with_nf4_experts(parts, run.quantize, inventory, run.lora_r, run.weight_bytes, precision_of(run).compute)
     if method == "analytical":
         moment, per_layer, notes = _analytical_peak(config, run, hf_config, inventory, parts)
     else:
@@ -239,10 +236,8 @@ def _offload_first_blocks(terms: ActivationTerms, run: RunShape, arch, precision
     return terms._replace(kept=terms.kept - host + in_flight, host=host)
 
 
-def _layer_per_token(run: RunShape, arch, hf_config, precision: Precision, seq_len: int,
-                     tiled_experts: bool = False) -> float | None:
-    """A block's bytes per token measured from the model's code, for families the closed forms do not describe
-    (`tiled_experts`: with each MoE layer's experts call tiled)."""
+def _layer_per_token(run: RunShape, arch, hf_config, precision: Precision, seq_len: int) -> float | None:
+    """A block's bytes per token measured from the model's code, for families the closed forms do not describe."""
     if arch.model_type in CLOSED_FORM_FAMILIES:
         return None
     from memfit.prediction.layer_probe import probed_layer_bytes_per_token, probed_layer_parts
@@ -250,14 +245,14 @@ def _layer_per_token(run: RunShape, arch, hf_config, precision: Precision, seq_l
     attention = run.attention.replace("flash", "sdpa")
     if not (run.autocast and run.weight_bytes == 4):
         return probed_layer_bytes_per_token(hf_config, run.weight_bytes, False, attention, seq_len, run.lora_r,
-                                            run.efficient_norm, run.efficient_lora, tiled_experts)
+                                            run.efficient_norm, run.efficient_lora)
     # Autocast over fp32 weights: a fake-tensor probe under CPU autocast misses the casts it
     # saves (it counted 40 % of a Llama block); probe in fp32 and scale what is not the norms'
     # by the closed forms' autocast/fp32 ratio for this block shape. The norms run in fp32 on
     # the fp32 residual stream either way and keep their fp32 bytes: scaled with the rest, a
     # family with many norms (Gemma 3: four and two on Q and K) fell 12 % short at 512 tokens.
     fp32, norms = probed_layer_parts(hf_config, 4, False, attention, seq_len, run.lora_r, run.efficient_norm,
-                                     run.efficient_lora, tiled_experts)
+                                     run.efficient_lora)
     plain = Precision(4, 4, 4, precision.lora_rank, precision.adapter_input, efficient_norm=precision.efficient_norm)
     closed_norms = norm_module_bytes_per_token(arch, precision)  # the same under autocast and in fp32
     rest_ratio = ((layer_bytes_per_token(arch, precision, run.attention, seq_len) - closed_norms)
@@ -279,19 +274,13 @@ def _analytical_peak(config, run: RunShape, hf_config, inventory, parts) -> tupl
     # side still holds everything (`_host_activations`).
     device_run = replace(run, activation_offload_blocks=arch.layers) if (
         full_offload and run.checkpointing == "full") else run
-    # MoE blocks under --tiled-mlp: their tiling (experts and dense MLPs) is counted by prediction.tiled_experts
-    moe = tiled_moe_terms(run, arch, hf_config, precision, b * s, inventory.expert_params, parts["trainable_bytes"],
-                          lambda tiled: _layer_per_token(run, arch, hf_config, precision, s, tiled))
     terms = activation_bytes(
         arch, precision, batch_size=b, seq_len=s, attention=run.attention,
-        checkpointing=run.checkpointing, checkpoint_every=run.checkpoint_every, mlp_tiles=0 if moe else run.mlp_tiles,
+        checkpointing=run.checkpointing, checkpoint_every=run.checkpoint_every, mlp_tiles=run.mlp_tiles,
         offload=device_run.activation_offload and device_run.activation_offload_blocks is None,
-        layer_per_token=padding.on_layer(
-            moe.layer_per_token if moe else tiled_layer_per_token(  # an encoder's tiled feed-forward: its norm too
-                _layer_per_token(run, arch, hf_config, precision, s), arch, precision.compute, run.mlp_tiles), b * s),
+        layer_per_token=padding.on_layer(_layer_per_token(run, arch, hf_config, precision, s), b * s),
         unchunked_loss=not run.fused_loss and not 0 < run.loss_chunk_size < b * (s - 1),
     )
-    terms = moe.with_backward(terms) if moe else terms
     terms = _offload_first_blocks(terms, device_run, arch, precision, b * s)
     terms = terms._replace(kept=terms.kept + padding.kept)
     if device_run is not run:
@@ -345,8 +334,7 @@ def _analytical_peak(config, run: RunShape, hf_config, inventory, parts) -> tupl
 
         tile_tokens = b * s / max(1, run.mlp_tiles)
         recompute += 4 * min(SLICE_ELEMENTS, tile_tokens * max(arch.intermediate, arch.hidden))
-    # an encoder's own backward (ESM's GELU): under --tiled-mlp one tile's tokens at a time
-    recompute += backward_working_bytes(arch, precision.compute, b * s / max(1, run.mlp_tiles))
+    recompute += backward_working_bytes(arch, precision.compute, b * s)  # an encoder's own backward (ESM's GELU)
     released = terms.released_per_block
     fixed = activations - arch.layers * released  # the embedding side, uncheckpointed or offloaded blocks
     # autocast caches a 16-bit copy of each weight from its first use until backward is past it
@@ -372,7 +360,6 @@ def _analytical_peak(config, run: RunShape, hf_config, inventory, parts) -> tupl
     if run.quantize == "4bit":
         # one dequantized linear weight at a time (the embedding and head stay 16-bit)
         other += 2 * max((math.prod(s) for s in inventory.shapes if len(s) == 2 and arch.vocab not in s), default=0)
-        other = max(other, parts["experts_dequantized_bytes"])  # or one NF4 expert stack, dequantized (experts.py)
     if run.paged_optimizer:
         # The driver brings the state of the tensor being stepped onto the device and pages the rest out.
         other += parts["optimizer_states_full"] * parts["largest_trainable"] / max(1, parts["trainable_count"])
