@@ -66,7 +66,7 @@ from memfit.prediction.estimate_result import (  # noqa: F401  (re-exported: mem
     FRAGMENTATION,
     Estimate,
 )
-from memfit.prediction.experts import balancing_loss_bytes, moe_details
+from memfit.prediction.experts import balancing_loss_bytes, moe_details, with_nf4_experts
 from memfit.prediction.in_backward import untied_edge_steps
 from memfit.prediction.padding_mask import padding_mask
 from memfit.prediction.run_shape import (
@@ -141,6 +141,7 @@ def estimate(
         raise UsageError("--quantize needs LoRA: add --lora-r")
     inventory = parameter_inventory(hf_config, run.lora_r)
     parts = state_parts(config, run, inventory)
+    parts = with_nf4_experts(parts, run.quantize, inventory, run.lora_r, run.weight_bytes, precision_of(run).compute)
     if method == "analytical":
         moment, per_layer, notes = _analytical_peak(config, run, hf_config, inventory, parts)
     else:
@@ -360,6 +361,7 @@ def _analytical_peak(config, run: RunShape, hf_config, inventory, parts) -> tupl
     if run.quantize == "4bit":
         # one dequantized linear weight at a time (the embedding and head stay 16-bit)
         other += 2 * max((math.prod(s) for s in inventory.shapes if len(s) == 2 and arch.vocab not in s), default=0)
+        other = max(other, parts["experts_dequantized_bytes"])  # or one NF4 expert stack, dequantized (experts.py)
     if run.paged_optimizer:
         # The driver brings the state of the tensor being stepped onto the device and pages the rest out.
         other += parts["optimizer_states_full"] * parts["largest_trainable"] / max(1, parts["trainable_count"])

@@ -14,10 +14,16 @@ token follow the active count. Activations of an MoE block are measured from the
 
 The load-balancing loss (`output_router_logits`) keeps every MoE layer's router logits until the loss and the
 fp32 softmax it takes of them: (compute bytes + 4) x experts x MoE layers per token, outside the blocks.
+
+QLoRA (`--quantize 4bit`) holds every fused expert stack in NF4 (techniques/expert_quant.py): `nf4_stack_bytes`
+per stack, to the byte of what bitsandbytes allocates, in place of its 16-bit bytes; each grouped matmul
+dequantizes one stack to the compute dtype for its call and drops it, in forward and again in backward, so one
+stack (the largest: a layer's gate_up_proj) is live beside the resident bytes.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from memfit.models.experts import EXPERT_PARAMETERS, MoeShape, moe_shape
@@ -67,3 +73,39 @@ def moe_details(hf_config: Any, inventory: ParameterInventory, tokens: int, comp
                                        * tokens * shape.moe_layers),
         "balancing_loss_bytes": balancing_loss_bytes(hf_config, tokens, compute_bytes),
     }
+
+
+NF4_BLOCK = 64
+"""Weights per absmax block (bitsandbytes' QLoRA blocksize); 256 absmax blocks share one fp32 scale."""
+NF4_FIXED_BYTES = 64 + 4 + 1024
+"""Per stack: the 16-entry NF4 code, the absmax offset and the 256-entry map of the double quantization (fp32)."""
+
+
+def nf4_stack_bytes(numel: int) -> int:
+    """Bytes bitsandbytes allocates for one tensor of `numel` weights in NF4 with double quantization."""
+    blocks = math.ceil(numel / NF4_BLOCK)
+    return math.ceil(numel / 2) + blocks + 4 * math.ceil(blocks / 256) + NF4_FIXED_BYTES
+
+
+def expert_stack_sizes(inventory: ParameterInventory, lora_r: int) -> list[int]:
+    """Weights of each fused expert stack, read from the adapter shapes the inventory lists per stack at rank r."""
+    if not lora_r:
+        return []
+    # lora_A is (experts x r, second), lora_B (first, experts x r): the stack is experts x first x second
+    return [(lora_a[0] // lora_r) * lora_a[1] * lora_b[0] for _, lora_a, lora_b in inventory.expert_adapters]
+
+
+def with_nf4_experts(parts: dict[str, Any], quantize: str, inventory: ParameterInventory, lora_r: int,
+                     weight_bytes: int, compute_bytes: int) -> dict[str, Any]:
+    """The state parts with QLoRA's NF4 expert stacks in place of 16-bit ones, and the one dequantized stack.
+
+    `parts["experts_nf4_bytes"]`: the stacks' NF4 bytes; `parts["experts_dequantized_bytes"]`: the largest stack in
+    the compute dtype, live during its grouped matmul (0 without 4-bit quantization or experts).
+    """
+    sizes = expert_stack_sizes(inventory, lora_r) if quantize == "4bit" else []
+    nf4 = sum(nf4_stack_bytes(size) for size in sizes)
+    parts = dict(parts)
+    parts["parameters"] -= sum(sizes) * weight_bytes - nf4
+    parts["experts_nf4_bytes"] = nf4
+    parts["experts_dequantized_bytes"] = max(sizes, default=0) * compute_bytes
+    return parts

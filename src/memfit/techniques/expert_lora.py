@@ -36,6 +36,7 @@ from torch import nn
 
 from memfit.errors import UsageError
 from memfit.models.experts import EXPERT_PARAMETERS, fused_expert_modules, fused_expert_parameter_names, router_modules
+from memfit.techniques.expert_quant import is_nf4, nf4_grouped_mm, quantize_experts_module
 
 log = logging.getLogger("memfit")
 
@@ -125,7 +126,14 @@ def _chains(model: nn.Module) -> list[_Chain]:
 
 
 def _why_not_split(chain: _Chain) -> str | None:
-    experts = chain.experts
+    reason = _why_not_grouped(chain.experts)
+    if reason is None and any(len(w.active_adapters) != 1 for w in chain.wrappers.values()):
+        return "several active adapters"
+    return reason
+
+
+def _why_not_grouped(experts: nn.Module) -> str | None:
+    """Why memfit's grouped forward cannot stand in for this experts module's own, or None when it can."""
     needed = ("num_experts", "has_gate", "has_bias", "is_transposed")
     missing = [name for name in needed if not hasattr(experts, name)]
     if missing:
@@ -139,8 +147,6 @@ def _why_not_split(chain: _Chain) -> str | None:
     if (len(parameters) != 3 or parameters[0] != "hidden_states" or parameters[1] not in ROUTED_INDEX_NAMES
             or parameters[2] not in ROUTED_WEIGHT_NAMES):
         return f"{type(experts).__name__}.forward takes ({', '.join(parameters)})"
-    if any(len(w.active_adapters) != 1 for w in chain.wrappers.values()):
-        return "several active adapters"
     return None
 
 
@@ -156,8 +162,11 @@ def _project(chain: _Chain, name: str, x: torch.Tensor, expert_ids: torch.Tensor
     """One fused projection of the sorted tokens, its adapter added as x A then B per expert group."""
     experts = chain.experts
     weight = getattr(experts, name)
-    # stored (experts, out, in) unless transposed (experts, in, out): grouped_mm wants (experts, in, out)
-    base = _grouped(x, weight if experts.is_transposed else weight.transpose(-2, -1), offsets)
+    if is_nf4(weight):  # QLoRA's 4-bit stack, dequantized for this call only (techniques/expert_quant.py)
+        base = nf4_grouped_mm(x, weight, experts.is_transposed, offsets)
+    else:
+        # stored (experts, out, in) unless transposed (experts, in, out): grouped_mm wants (experts, in, out)
+        base = _grouped(x, weight if experts.is_transposed else weight.transpose(-2, -1), offsets)
     if experts.has_bias:
         base = base + getattr(experts, f"{name}_bias")[expert_ids]
     wrapper = chain.wrappers.get(name)
@@ -218,10 +227,7 @@ def apply_split_lora(model: nn.Module) -> str:
             kept[reason] = kept.get(reason, 0) + 1
             continue
 
-        def forward(self, hidden_states, top_k_index, top_k_weights, _chain=chain, **_):
-            return _split_lora_forward(_chain, hidden_states, top_k_index, top_k_weights)
-
-        chain.outer.forward = types.MethodType(forward, chain.outer)
+        _install_grouped_forward(chain)
         chain.experts.memfit_split_lora = True
         done += 1
     text = f"{done} of {len(chains)} experts modules"
@@ -231,10 +237,49 @@ def apply_split_lora(model: nn.Module) -> str:
     return text
 
 
+def _install_grouped_forward(chain: _Chain) -> None:
+    def forward(self, hidden_states, top_k_index, top_k_weights, _chain=chain, **_):
+        return _split_lora_forward(_chain, hidden_states, top_k_index, top_k_weights)
+
+    chain.outer.forward = types.MethodType(forward, chain.outer)
+
+
+def quantize_fused_experts(model: nn.Module) -> str:
+    """QLoRA on the experts: hold every fused expert stack of `model` in NF4 where memfit's grouped forward runs it.
+
+    Call after `apply_split_lora`. Adapted experts keep their split forward, which now dequantizes per call;
+    experts without adapters get the same grouped forward with no adapter. Experts whose forward memfit
+    cannot stand in for (their own loop, PEFT's folded forward) or whose weights are not 16/32-bit floats
+    (MXFP4 blocks) keep their weights as loaded. Returns one line for the log naming both.
+    """
+    chains = {id(chain.experts): chain for chain in _chains(model)}
+    done, weights, kept = 0, 0, {}
+    modules = fused_expert_modules(model)
+    for _, experts in modules:
+        chain = chains.get(id(experts))
+        reason = _why_not_grouped(experts)
+        if reason is None and chain is not None and not getattr(experts, "memfit_split_lora", False):
+            reason = "PEFT's folded forward reads the 16-bit weight"
+        if reason is None:
+            count, reason = quantize_experts_module(experts, EXPERT_PARAMETERS)
+            weights += count
+        if reason:
+            kept[reason] = kept.get(reason, 0) + 1
+            continue
+        if chain is None:
+            _install_grouped_forward(_Chain(experts, experts, {}))
+        done += 1
+    text = f"experts nf4 in {done} of {len(modules)} experts modules ({weights} fused weights)"
+    if kept:
+        text += "; kept as loaded: " + ", ".join(f"{count} ({reason})" for reason, count in kept.items())
+    return text
+
+
 def check_expert_lora(model: nn.Module, targets: ExpertTargets, lora_dropout: float, quantize: str) -> str | None:
     """Refuse what PEFT cannot do on fused experts (one line naming the flag); say what QLoRA leaves.
 
-    Returns a note for the log when the experts stay unquantized under --quantize, else None.
+    Returns a note for the log when the experts stay unquantized under --quantize 8bit (4-bit: see
+    `quantize_fused_experts`), else None.
     """
     if not targets.parameters:
         return None
@@ -243,9 +288,9 @@ def check_expert_lora(model: nn.Module, targets: ExpertTargets, lora_dropout: fl
             f"--lora-dropout {lora_dropout:g} cannot apply to the fused experts (x A B per expert has no"
             " per-layer input to drop); set --lora-dropout 0 or leave the experts out of --lora-targets"
         )
-    if quantize != "none":
-        return (f"--quantize {quantize}: bitsandbytes quantizes linear layers only; the fused 3-D expert"
-                " weights stay in the load dtype")
+    if quantize == "8bit":
+        return ("--quantize 8bit: bitsandbytes quantizes linear layers only; the fused 3-D expert"
+                " weights stay in the load dtype (--quantize 4bit holds them in NF4)")
     return None
 
 

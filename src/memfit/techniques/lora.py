@@ -11,7 +11,10 @@ LoRA (`--lora-r R`, PEFT)
     saved to backpropagate through them); quality depends on the rank.
 QLoRA (`--quantize 4bit` with `--lora-r`, bitsandbytes)
     Saves: the frozen weights are stored in 4-bit NF4 with double-quantized scales:
-    about 0.5 byte per parameter instead of 2 (bf16). `--quantize 8bit`: 1 byte.
+    about 0.5 byte per parameter instead of 2 (bf16). `--quantize 8bit`: 1 byte. A mixture
+    of experts' fused 3-D expert stacks, which bitsandbytes leaves in the load dtype, are
+    held in NF4 by memfit under 4bit (techniques/expert_quant.py), dequantized one stack at
+    a time for their grouped matmuls; under 8bit they stay in the load dtype.
     Costs: each quantized matmul dequantizes its weight on the fly (slower than bf16
     on GPU, much slower on CPU); small rounding of the frozen weights. The weights left
     unquantized (embeddings, norms, head) stay in the load dtype under bf16, so the
@@ -53,6 +56,7 @@ from memfit.config import LoraConfig
 from memfit.errors import UsageError
 from memfit.models.experts import fused_expert_parameter_names, router_modules
 from memfit.techniques.expert_lora import ExpertTargets
+from memfit.techniques.expert_quant import cpu_weight
 
 log = logging.getLogger("memfit")
 
@@ -301,6 +305,11 @@ def apply_lora(model: nn.Module, lora_cfg: LoraConfig, gradient_checkpointing: b
         from memfit.techniques.expert_lora import apply_split_lora
 
         log.info("memfit: split LoRA on the experts: %s", apply_split_lora(peft_model))
+    if getattr(model, "is_loaded_in_4bit", False) and fused_expert_parameter_names(peft_model):
+        from memfit.techniques.expert_lora import quantize_fused_experts
+
+        # bitsandbytes left the 3-D expert stacks in the load dtype; memfit holds them in NF4 (expert_quant.py)
+        log.info("memfit: QLoRA: %s", quantize_fused_experts(peft_model))
     trainable, total = peft_model.get_nb_trainable_parameters()
     quantize = "4bit" if getattr(model, "is_loaded_in_4bit", False) else "8bit" if quantized else "none"
     modules, expert_weights = adapted_counts(peft_model)
@@ -414,7 +423,7 @@ def merged_state_dict(base: nn.Module, dtype: torch.dtype) -> dict[str, torch.Te
                 state[prefix + "bias"] = module.bias.detach().cpu().to(dtype)
             continue
         for key, parameter in module.named_parameters(recurse=False):
-            value = parameter.detach().cpu()
+            value = cpu_weight(parameter)
             state[prefix + key] = value.to(dtype) if value.is_floating_point() else value
         for key, buffer in module.named_buffers(recurse=False):
             if key not in module._non_persistent_buffers_set:
@@ -438,7 +447,7 @@ def _merged_expert_weights(outer: nn.Module, prefix: str, dtype: torch.dtype) ->
         layer = layer.base_layer
     state = {}
     for key, parameter in layer.named_parameters():
-        value = parameter.detach().cpu()
+        value = cpu_weight(parameter)
         if key in deltas:
             value = value.float() + deltas[key]
         state[prefix + key] = value.to(dtype) if value.is_floating_point() else value

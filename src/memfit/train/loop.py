@@ -320,6 +320,7 @@ def _activation_offload_context(session: TrainingSession):
 def run_facts(session: TrainingSession) -> dict[str, Any]:
     """What really runs: recorded in the metrics' start and summary lines."""
     from memfit.models.experts import experts_facts
+    from memfit.techniques.expert_quant import experts_precision
     from memfit.techniques.lora import lora_facts
     from memfit.techniques.tiled_experts import tiled_experts_facts
 
@@ -344,6 +345,7 @@ def run_facts(session: TrainingSession) -> dict[str, Any]:
         "fallbacks": dict(session.fallbacks),
         "lora": lora_facts(session.model, config.lora) if config.lora.lora_r > 0 else None,  # what trains
         "experts": experts_facts(session.model),  # MoE: the experts implementation that ran, active parameters
+        "experts_weights": experts_precision(session.model),  # MoE: "experts nf4" (QLoRA) or the load dtype
         "tiled_experts": tiled_experts_facts(session.model),  # MoE layers whose experts ran over token tiles
     }
 

@@ -208,9 +208,10 @@ def test_merge_folds_the_expert_adapters(tmp_path):
         assert torch.allclose(merged(input_ids=tokens).logits, expected, atol=1e-5)
 
 
-def test_qlora_quantizes_the_linears_and_says_the_fused_experts_stay_unquantized(tmp_path, caplog):
-    """bitsandbytes quantizes nn.Linear only: attention goes 4-bit, the 3-D expert weights stay in the load
-    dtype, the log says so in one line, and the split adapters on the experts train."""
+def test_qlora_quantizes_the_linears_and_holds_the_fused_experts_in_nf4(tmp_path, caplog):
+    """bitsandbytes quantizes nn.Linear only: attention goes 4-bit through it, memfit holds the 3-D expert
+    weights in NF4 (techniques/expert_quant.py, tested in test_expert_nf4.py), the log says so in one line,
+    and the split adapters on the experts train."""
     pytest.importorskip("bitsandbytes")
     import logging
 
@@ -224,10 +225,10 @@ def test_qlora_quantizes_the_linears_and_says_the_fused_experts_stay_unquantized
     assert type(base.model.layers[0].self_attn.q_proj.weight).__name__ == "Params4bit"
     with caplog.at_level(logging.INFO, logger="memfit"):
         model, summary = apply_lora(base, LoraConfig(lora_r=4, quantize="4bit"), gradient_checkpointing=False)
-    assert any("fused 3-D expert weights stay in the load dtype" in r.message for r in caplog.records)
+    assert any("experts nf4 in 2 of 2 experts modules" in r.message for r in caplog.records)
     assert summary.quantize == "4bit" and summary.expert_weights == 4
     experts = model.get_base_model().model.layers[0].mlp.experts.base_layer.base_layer
-    assert experts.gate_up_proj.dtype == torch.float32
+    assert type(experts.gate_up_proj).__name__ == "Params4bit" and experts.gate_up_proj.quant_state.dtype == torch.float32
     tokens = _tokens()
     model(input_ids=tokens, labels=tokens).loss.backward()
     assert all(p.grad is not None for n, p in model.named_parameters() if "experts" in n and p.requires_grad)
