@@ -257,7 +257,12 @@ def quantize_fused_experts(model: nn.Module) -> str:
     modules = fused_expert_modules(model)
     for _, experts in modules:
         chain = chains.get(id(experts))
-        reason = _why_not_grouped(experts)
+        if getattr(experts, "memfit_experts_nf4", False):  # quantized by an earlier call
+            done += 1
+            continue
+        packed = [name for name in EXPERT_PARAMETERS if not getattr(experts, name, torch.zeros(0)).is_floating_point()]
+        reason = (f"{type(experts).__name__}.{packed[0]} held as {getattr(experts, packed[0]).dtype} blocks (MXFP4"
+                  " or another pre-quantized format)") if packed else _why_not_grouped(experts)
         if reason is None and chain is not None and not getattr(experts, "memfit_split_lora", False):
             reason = "PEFT's folded forward reads the 16-bit weight"
         if reason is None:

@@ -177,6 +177,6 @@ def experts_precision(model: nn.Module) -> str | None:
             if is_nf4(weight):
                 kinds.add("experts nf4")
             elif isinstance(weight, nn.Parameter) and weight.dim() == 3:
-                kinds.add(f"experts {str(weight.dtype).removeprefix('torch.').replace('bfloat16', 'bf16')}"
-                          .replace("float32", "fp32").replace("float16", "fp16"))
+                name = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(weight.dtype)
+                kinds.add(f"experts {name}" if name else f"experts {str(weight.dtype).removeprefix('torch.')} blocks")
     return ", ".join(sorted(kinds)) or None

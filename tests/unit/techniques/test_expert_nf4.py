@@ -147,6 +147,22 @@ def test_merge_writes_the_dequantized_experts_with_their_adapters_folded_in(save
         assert _close(merged(input_ids=tokens).logits, expected, 1e-5)
 
 
+def test_experts_held_as_mxfp4_blocks_stay_as_loaded_and_the_log_says_why():
+    """gpt-oss loaded with its MXFP4 checkpoint keeps packed uint8 blocks run by their own kernel: left alone."""
+    from transformers.integrations.mxfp4 import Mxfp4GptOssExperts
+
+    from memfit.techniques.expert_lora import quantize_fused_experts
+
+    model = build_model("gpt_oss").requires_grad_(False)  # a QLoRA base is frozen
+    model.model.layers[0].mlp.experts = Mxfp4GptOssExperts(model.config)
+    blocks = model.model.layers[0].mlp.experts.gate_up_proj
+    line = quantize_fused_experts(model)
+    assert line.startswith("experts nf4 in 1 of 2 experts modules (2 fused weights); kept as loaded: 1 ("), line
+    assert "gate_up_proj held as torch.uint8 blocks (MXFP4" in line
+    assert model.model.layers[0].mlp.experts.gate_up_proj is blocks
+    assert expert_quant.experts_precision(model) == "experts nf4, experts uint8 blocks"
+
+
 def test_fault_twin_a_wrong_input_gradient_is_caught(saved, monkeypatch):
     """The same comparison with a backward that doubles the input gradient fails: the test above can fail."""
     model = _qlora(saved["qwen3_moe"])
