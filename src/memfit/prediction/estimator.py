@@ -79,6 +79,7 @@ from memfit.prediction.run_shape import (
     sharding_of,
     state_parts,
 )
+from memfit.prediction.tiled_experts import tiled_moe_terms
 from memfit.techniques.packed_attention import packed_mask_estimate
 
 BREAKDOWN_KEYS = CATEGORIES  # the one category set: estimate, traced estimate and profile report the same
@@ -237,8 +238,10 @@ def _offload_first_blocks(terms: ActivationTerms, run: RunShape, arch, precision
     return terms._replace(kept=terms.kept - host + in_flight, host=host)
 
 
-def _layer_per_token(run: RunShape, arch, hf_config, precision: Precision, seq_len: int) -> float | None:
-    """A block's bytes per token measured from the model's code, for families the closed forms do not describe."""
+def _layer_per_token(run: RunShape, arch, hf_config, precision: Precision, seq_len: int,
+                     tiled_experts: bool = False) -> float | None:
+    """A block's bytes per token measured from the model's code, for families the closed forms do not describe
+    (`tiled_experts`: with each MoE layer's experts call tiled)."""
     if arch.model_type in CLOSED_FORM_FAMILIES:
         return None
     from memfit.prediction.layer_probe import probed_layer_bytes_per_token, probed_layer_parts
@@ -246,14 +249,14 @@ def _layer_per_token(run: RunShape, arch, hf_config, precision: Precision, seq_l
     attention = run.attention.replace("flash", "sdpa")
     if not (run.autocast and run.weight_bytes == 4):
         return probed_layer_bytes_per_token(hf_config, run.weight_bytes, False, attention, seq_len, run.lora_r,
-                                            run.efficient_norm, run.efficient_lora)
+                                            run.efficient_norm, run.efficient_lora, tiled_experts)
     # Autocast over fp32 weights: a fake-tensor probe under CPU autocast misses the casts it
     # saves (it counted 40 % of a Llama block); probe in fp32 and scale what is not the norms'
     # by the closed forms' autocast/fp32 ratio for this block shape. The norms run in fp32 on
     # the fp32 residual stream either way and keep their fp32 bytes: scaled with the rest, a
     # family with many norms (Gemma 3: four and two on Q and K) fell 12 % short at 512 tokens.
     fp32, norms = probed_layer_parts(hf_config, 4, False, attention, seq_len, run.lora_r, run.efficient_norm,
-                                     run.efficient_lora)
+                                     run.efficient_lora, tiled_experts)
     plain = Precision(4, 4, 4, precision.lora_rank, precision.adapter_input, efficient_norm=precision.efficient_norm)
     closed_norms = norm_module_bytes_per_token(arch, precision)  # the same under autocast and in fp32
     rest_ratio = ((layer_bytes_per_token(arch, precision, run.attention, seq_len) - closed_norms)
@@ -275,13 +278,18 @@ def _analytical_peak(config, run: RunShape, hf_config, inventory, parts) -> tupl
     # side still holds everything (`_host_activations`).
     device_run = replace(run, activation_offload_blocks=arch.layers) if (
         full_offload and run.checkpointing == "full") else run
+    # MoE blocks under --tiled-mlp: their tiling (experts and dense MLPs) is counted by prediction.tiled_experts
+    moe = tiled_moe_terms(run, arch, hf_config, precision, b * s, inventory.expert_params, parts["trainable_bytes"],
+                          lambda tiled: _layer_per_token(run, arch, hf_config, precision, s, tiled))
     terms = activation_bytes(
         arch, precision, batch_size=b, seq_len=s, attention=run.attention,
-        checkpointing=run.checkpointing, checkpoint_every=run.checkpoint_every, mlp_tiles=run.mlp_tiles,
+        checkpointing=run.checkpointing, checkpoint_every=run.checkpoint_every, mlp_tiles=0 if moe else run.mlp_tiles,
         offload=device_run.activation_offload and device_run.activation_offload_blocks is None,
-        layer_per_token=padding.on_layer(_layer_per_token(run, arch, hf_config, precision, s), b * s),
+        layer_per_token=padding.on_layer(
+            moe.layer_per_token if moe else _layer_per_token(run, arch, hf_config, precision, s), b * s),
         unchunked_loss=not run.fused_loss and not 0 < run.loss_chunk_size < b * (s - 1),
     )
+    terms = moe.with_backward(terms) if moe else terms
     terms = _offload_first_blocks(terms, device_run, arch, precision, b * s)
     terms = terms._replace(kept=terms.kept + padding.kept)
     if device_run is not run:

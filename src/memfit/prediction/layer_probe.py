@@ -37,21 +37,22 @@ PROBE_SEQ_LENS = (64, 128, 256)
 
 def probed_layer_bytes_per_token(hf_config: Any, weight_bytes: int, autocast: bool, attention: str,
                                  seq_len: int, lora_r: int = 0, efficient_norm: bool = False,
-                                 efficient_lora: bool = False) -> float:
+                                 efficient_lora: bool = False, tiled_experts: bool = False) -> float:
     """Bytes one block keeps for backward per token at `seq_len` (cached per architecture and precision).
 
     `lora_r` > 0: the base is frozen and every linear of the block gets a rank-`lora_r`
     adapter (PEFT, as `memfit train --lora-r` builds it). `efficient_norm`: the block's norms
     run memfit's memory-efficient RMSNorm where it applies, as `memfit train` runs them;
-    `efficient_lora`: the adapters run memfit's memory-efficient path likewise.
+    `efficient_lora`: the adapters run memfit's memory-efficient path likewise; `tiled_experts`: every MoE
+    layer's experts call runs over token tiles (techniques/tiled_experts.py), keeping its inputs only.
     """
     return probed_layer_parts(hf_config, weight_bytes, autocast, attention, seq_len, lora_r, efficient_norm,
-                              efficient_lora)[0]
+                              efficient_lora, tiled_experts)[0]
 
 
 def probed_layer_parts(hf_config: Any, weight_bytes: int, autocast: bool, attention: str, seq_len: int,
                        lora_r: int = 0, efficient_norm: bool = False,
-                       efficient_lora: bool = False) -> tuple[float, float]:
+                       efficient_lora: bool = False, tiled_experts: bool = False) -> tuple[float, float]:
     """(bytes one block keeps per token, the part its norm modules keep themselves), as above.
 
     The norms' part is what was saved while a module named like a norm (`...Norm`) ran:
@@ -68,8 +69,8 @@ def probed_layer_parts(hf_config: Any, weight_bytes: int, autocast: bool, attent
     # attention output once more (q_width) and a few per-head values, added here.
     scores = attention != "flex"
     probed = "eager" if attention == "flex" else attention
-    per_token = [_measure(key, weight_bytes, autocast, probed, s, lora_r, efficient_norm, efficient_lora)
-                 for s in PROBE_SEQ_LENS]
+    per_token = [_measure(key, weight_bytes, autocast, probed, s, lora_r, efficient_norm, efficient_lora,
+                          tiled_experts) for s in PROBE_SEQ_LENS]
     # A block keeps c + a*s + b*s^2 bytes at s tokens: a constant part (an MoE's per-expert adapter
     # buffers), a part per token, and eager attention's s x s scores. Three lengths fit all three
     # exactly; extrapolating the bytes per token along a line, as two lengths would, turns the
@@ -151,7 +152,8 @@ def probe_plan(kinds: list[tuple]) -> tuple[int, dict[int, int]]:
 
 @lru_cache(maxsize=256)
 def _measure(config_json: str, weight_bytes: int, autocast: bool, attention: str, seq_len: int,
-             lora_r: int = 0, efficient_norm: bool = False, efficient_lora: bool = False) -> tuple[float, float]:
+             lora_r: int = 0, efficient_norm: bool = False, efficient_lora: bool = False,
+             tiled_experts: bool = False) -> tuple[float, float]:
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -178,6 +180,10 @@ def _measure(config_json: str, weight_bytes: int, autocast: bool, attention: str
                 from memfit.techniques.efficient_lora import apply_efficient_lora
 
                 apply_efficient_lora(model)
+        if tiled_experts:  # after the adapters, as memfit train applies it: their forward is what each tile runs
+            from memfit.techniques.tiled_experts import apply_tiled_experts
+
+            apply_tiled_experts(model, 2)  # what the block keeps does not depend on the number of tiles
         if efficient_norm:
             from memfit.techniques.rms_norm import apply_efficient_rms_norm
 
