@@ -222,4 +222,6 @@ def test_estimate_of_tiled_experts_within_the_band(tracked_peaks, family, varian
     predicted = estimate(_config(variant, 8), hf_config=_wide_experts(family), method="analytical").peak_bytes
     assert predicted / truth - 1 == pytest.approx(0, abs=ERROR_BAND["analytical"]), (predicted, truth)
     untiled = estimate(_config(variant, 0), hf_config=_wide_experts(family), method="analytical").peak_bytes
+    print(f"{family} {variant}: tracked peak {tracked_peaks[family, variant, 0] / 2**20:.2f} MiB untiled, "
+          f"{truth / 2**20:.2f} MiB tiled; estimate tiled {predicted / 2**20:.2f} MiB ({predicted / truth - 1:+.1%})")
     assert predicted < untiled
