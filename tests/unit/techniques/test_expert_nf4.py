@@ -163,6 +163,25 @@ def test_experts_held_as_mxfp4_blocks_stay_as_loaded_and_the_log_says_why():
     assert expert_quant.experts_precision(model) == "experts nf4, experts uint8 blocks"
 
 
+def test_tiled_experts_over_nf4_experts_equal_the_untiled_nf4_model(saved):
+    """Tiled experts (--tiled-mlp) run the NF4 forward per tile and recompute it in backward: same sums."""
+    from memfit.techniques.tiled_experts import apply_tiled_experts
+
+    plain, tiled = _qlora(saved["gpt_oss"]), _qlora(saved["gpt_oss"])
+    adapters = {n: p for n, p in plain.named_parameters() if "lora_" in n}
+    with torch.no_grad():
+        for name, parameter in tiled.named_parameters():
+            if name in adapters:
+                parameter.copy_(adapters[name])
+    assert apply_tiled_experts(tiled, 3).startswith("3 tiles on the experts of 2 of 2 MoE layers")
+    tokens = _tokens()
+    (logits, grads), (expected_logits, expected) = _logits_and_grads(tiled, tokens), _logits_and_grads(plain, tokens)
+    assert _close(logits, expected_logits, 1e-5)
+    assert set(grads) == set(expected)
+    for name, grad in expected.items():
+        assert _close(grads[name], grad, 1e-5), name
+
+
 def test_fault_twin_a_wrong_input_gradient_is_caught(saved, monkeypatch):
     """The same comparison with a backward that doubles the input gradient fails: the test above can fail."""
     model = _qlora(saved["qwen3_moe"])
