@@ -225,3 +225,19 @@ def test_estimate_of_tiled_experts_within_the_band(tracked_peaks, family, varian
     print(f"{family} {variant}: tracked peak {tracked_peaks[family, variant, 0] / 2**20:.2f} MiB untiled, "
           f"{truth / 2**20:.2f} MiB tiled; estimate tiled {predicted / 2**20:.2f} MiB ({predicted / truth - 1:+.1%})")
     assert predicted < untiled
+
+
+def test_tiles_run_the_nf4_experts_of_qlora_and_equal_them_untiled():
+    """QLoRA's NF4 experts (techniques/expert_quant.py) dequantize per grouped matmul: each tile runs that forward."""
+    pytest.importorskip("bitsandbytes")
+    from memfit.techniques.expert_lora import quantize_fused_experts
+
+    model = _model("qwen3_moe", "lora")
+    assert quantize_fused_experts(model).startswith("experts nf4 in 2 of 2")
+    tokens = _tokens()
+    logits, grads, inputs = _step(model, tokens)
+    apply_tiled_experts(model, TILES)
+    tiled_logits, tiled_grads, tiled_inputs = _step(model, tokens)
+    torch.testing.assert_close(tiled_logits, logits, rtol=1e-6, atol=1e-6)
+    _assert_close(tiled_grads, grads)
+    _assert_close(tiled_inputs, inputs)
