@@ -10,9 +10,9 @@ copied into expert order, the gate and up projection, the activation chain (gpt-
 GLU product), the down projection's output and the permutation's indices. That is most of what an MoE block
 keeps (gpt-oss-20b: about 340 KiB a token of its block), and under full checkpointing it comes back whole when
 backward reaches the block. Tiled, forward runs the experts tile by tile without a graph and saves only its
-three inputs (the hidden states are a view of the block's normed input, the indices and weights are the
-router's, kept for its own backward anyway); backward recomputes one tile at a time, so one tile's routed
-rows are alive instead of all of them. What stays full size: the output, the hidden states' gradient (filled
+three inputs (the hidden states are a view of the block's normed input, which the router keeps anyway; the
+indices and weights are top-k wide); backward recomputes one tile at a time, so one tile's routed rows are
+alive instead of all of them. What stays full size: the output, the hidden states' gradient (filled
 tile by tile) and the routing weights' gradient.
 Costs: one more forward of the experts per step (the recompute); N smaller grouped matmuls instead of one
 (each expert gets fewer rows per call, slower once a tile's rows per expert get few); in a full fine-tune, one
@@ -123,6 +123,8 @@ def apply_tiled_experts(model: nn.Module, tiles: int | None) -> str:
         return "off" if calls else ""
     how = f"{tiles} tiles" if tiles is not None else "automatic tiles"
     text = f"{how} on the experts of {len(tiled)} of {len(calls)} MoE layers ({layer_list(tiled)})"
+    if not tiled:
+        text = f"off on the experts of {len(calls)} MoE layers"
     if kept:
         text += "; left untiled: " + ", ".join(f"{count} ({reason})" for reason, count in kept.items())
     return text
@@ -136,7 +138,7 @@ def with_tiled_experts(model: nn.Module, tiles: int | None, mlp_description: str
     experts = apply_tiled_experts(model, tiles)
     if not experts or experts == "off":
         return mlp_description
-    if mlp_description.startswith("off"):
+    if mlp_description.startswith("off") and not experts.startswith("off"):
         return experts
     return f"{mlp_description}; {experts}"
 

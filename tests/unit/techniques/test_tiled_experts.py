@@ -161,6 +161,39 @@ def test_tiled_mlp_flag_tiles_the_experts_of_a_model_without_dense_mlps(caplog):
     assert tiled_experts_facts(model)["tiles"] == 4
 
 
+def test_experts_split_across_ranks_stay_untiled_and_are_named():
+    from memfit.techniques.tiled_experts import with_tiled_experts
+
+    model = build_model("gpt_oss")
+    for _, _, inner in moe_experts_calls(model):
+        inner._is_expert_parallel = True
+    text = with_tiled_experts(model, 4, "off (no MLP found in the blocks)")
+    assert text.startswith("off") and "left untiled: 2 (split across ranks)" in text  # so --tiled-mlp is refused
+    assert tiled_experts_facts(model) is None
+
+
+def test_each_parameter_gets_one_complete_gradient_from_the_tiles():
+    """Hooks that act on a complete gradient (optimizer in backward, FSDP's reduce-scatter) fire once, on the sum."""
+    model = _model("mixtral", "full")
+    tokens = _tokens()
+    _, grads, _ = _step(model, tokens)
+    apply_tiled_experts(model, TILES)
+    calls: dict[str, int] = {}
+    names = {p: name for name, p in model.named_parameters()}
+    seen: dict[str, torch.Tensor] = {}
+
+    def count(parameter):
+        calls[names[parameter]] = calls.get(names[parameter], 0) + 1
+        seen[names[parameter]] = parameter.grad.clone()
+
+    for parameter in model.parameters():
+        parameter.register_post_accumulate_grad_hook(count)
+    _step(model, tokens)
+    experts = [name for name in calls if ".experts." in name]
+    assert experts and all(calls[name] == 1 for name in calls)
+    _assert_close({name: seen[name] for name in experts}, {name: grads[name] for name in experts})
+
+
 # ---------------------------------------------------------------------------
 # Memory: tracked peaks and the estimate
 # ---------------------------------------------------------------------------
