@@ -450,7 +450,8 @@ def _traced_peak(config, run: RunShape, hf_config, inventory, parts) -> tuple[di
     per_layer = activation_bytes(arch, precision_of(run), batch_size=config.training.batch_size,
                                  seq_len=config.data.seq_len, attention=run.attention, checkpointing="off")[2]
     notes = {"peak_phase": step.peak_phase, "phase_peaks": step.phase_peaks}
-    padding = padding_mask(hf_config, run, precision_of(run), config.training.batch_size, config.data.seq_len)
+    padding = padding_mask(hf_config, run, precision_of(run), config.training.batch_size, config.data.seq_len,
+                           probed=False)
     if step.peak_phase != "optimizer":  # fake tensors read every mask as all ones: the trace ran unpadded
         moment["activations"] += padding.at_peak()
         notes["padding_mask_bytes"] = int(padding.at_peak())

@@ -16,8 +16,8 @@ wants it, once a forward (`transformers.masking_utils`):
   block mask of (s / 128)^2 entries: nothing here.
 
 Layers that build a mask without padding already keep it in what the layer probe measured: ModernBERT's local
-layers, whose sliding window is shorter than the sequence. Padding adds a mask to the others (its global layers;
-every layer of BERT and ESM).
+layers, whose sliding window is shorter than the sequence, and the global layers the probe takes for local ones
+(`probed_mask_layers`). Padding adds a mask to the others (ModernBERT's first layer; every layer of BERT and ESM).
 
 The estimate cannot see the data, so it takes an encoder's micro-batch of two rows or more as padded, the larger
 case: a batch of rows that all fill --seq-len holds less by these bytes (2.0 % of a 3-block hidden-128 ESM at
@@ -65,21 +65,41 @@ class PaddingMask:
         return self.kept + self.layer_mask * min(self.masked_layers, self.held_layers)
 
 
-def unpadded_mask_layers(hf_config: Any, seq_len: int) -> int:
+def unpadded_mask_layers(hf_config: Any, seq_len: int) -> set[int]:
     """Layers whose attention builds a mask without padding: sliding-window layers whose window (transformers'
     `sliding_window`, half of ModernBERT's local_attention) the sequence reaches, as `masking_utils` decides."""
     window = getattr(hf_config, "sliding_window", None)
     layer_types = getattr(hf_config, "layer_types", None) or []
     if not window or seq_len < window:
+        return set()
+    return {index for index, kind in enumerate(layer_types) if kind == "sliding_attention"}
+
+
+def probed_mask_layers(hf_config: Any, seq_len: int) -> int:
+    """Layers whose unpadded mask the block bytes the layer probe measured already hold.
+
+    The probe measures one block of each kind (its modules and parameter shapes) and counts it for every layer of
+    that kind: ModernBERT's global layers after the first are built like its local ones, so the local block it
+    measures, mask included, stands for them too (ModernBERT-base: 21 of 22 layers). Padded, every layer has a
+    mask, and only the others' are added.
+    """
+    masked = unpadded_mask_layers(hf_config, seq_len)
+    if not masked:
         return 0
-    return sum(kind == "sliding_attention" for kind in layer_types)
+    from memfit.prediction.layer_probe import block_kinds, probe_plan
+
+    _, probed = probe_plan(block_kinds(hf_config))
+    return sum(count for index, count in probed.items() if index in masked)
 
 
-def padding_mask(hf_config: Any, run: Any, precision: Any, batch_size: int, seq_len: int) -> PaddingMask:
+def padding_mask(hf_config: Any, run: Any, precision: Any, batch_size: int, seq_len: int,
+                 probed: bool = True) -> PaddingMask:
     """The masks of a padded micro-batch of `batch_size` rows of `seq_len` tokens (nothing when it is not padded).
 
     `run`: the resolved run (`run_shape.RunShape`: attention, checkpointing, weight bytes: the embeddings' dtype,
     eager's mask's); `precision`: the bytes of what the step keeps (SDPA's additive mask takes the query's dtype).
+    `probed`: added to the layer probe's block bytes (the analytical estimate), else to a step traced unpadded,
+    which holds the unpadded masks of the layers that really build one.
     """
     attention, checkpointing = run.attention, run.checkpointing
     query_bytes, embedding_bytes = precision.attention or precision.compute, run.weight_bytes
@@ -88,7 +108,8 @@ def padding_mask(hf_config: Any, run: Any, precision: Any, batch_size: int, seq_
     tokens = batch_size * seq_len
     kept = float(MASK_2D_BYTES * tokens)
     layers = hf_config.num_hidden_layers
-    newly_masked = layers - unpadded_mask_layers(hf_config, seq_len)
+    newly_masked = layers - (probed_mask_layers(hf_config, seq_len) if probed
+                             else len(unpadded_mask_layers(hf_config, seq_len)))
     if attention not in ("sdpa", "eager") or newly_masked <= 0:
         return PaddingMask(kept=kept)
     square = tokens * seq_len  # [b, 1, s, s]

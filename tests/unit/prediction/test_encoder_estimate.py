@@ -183,9 +183,9 @@ def test_the_padding_term_counts_the_masks_each_attention_builds():
     from memfit.prediction.activations import Precision
     from tiny_llama import tiny_llama_config
 
-    def mask(hf_config, attention, batch=2, seq=128, checkpointing="off"):
+    def mask(hf_config, attention, batch=2, seq=128, checkpointing="off", probed=True):
         run = SimpleNamespace(attention=attention, checkpointing=checkpointing, checkpoint_every=1, weight_bytes=4)
-        return padding_mask(hf_config, run, Precision(4, 4), batch, seq).at_peak()
+        return padding_mask(hf_config, run, Precision(4, 4), batch, seq, probed).at_peak()
 
     bert, b, s = encoder_config("bert"), 2, 128
     flat, square = 8 * b * s, b * s * s  # the int64 2-D mask; a [b, 1, s, s] mask's elements
@@ -200,6 +200,14 @@ def test_the_padding_term_counts_the_masks_each_attention_builds():
     # padding adds the global layer's
     assert mask(modernbert_config(), "sdpa") == flat + 4 * square
     assert mask(modernbert_config(), "sdpa", seq=16) == 8 * b * 16 + 3 * 4 * b * 16 * 16
+    # 6 layers, global in the first and the fourth: the probe measures the first and the second (local, mask
+    # included) and counts the second for the other five, the fourth among them; padding adds the first's mask to
+    # the probed bytes, and both global layers' to a step traced unpadded (a real padded step at b = 2, s = 256
+    # holds 2 x 512 KiB + 4 KiB more than the unpadded trace)
+    six = modernbert_config()
+    six.num_hidden_layers, six.layer_types = 6, ["full_attention", "sliding_attention", "sliding_attention"] * 2
+    assert mask(six, "sdpa") == flat + 4 * square
+    assert mask(six, "sdpa", probed=False) == flat + 2 * 4 * square
 
 
 def test_plan_maximize_batch_size_for_an_encoder_stays_under_the_budget_when_run(equal_length_encoder, tmp_path):
