@@ -52,6 +52,7 @@ from memfit.prediction.activations import (
     layer_bytes_per_token,
     norm_module_bytes_per_token,
 )
+from memfit.prediction.encoder_tiles import tiled_layer_per_token
 from memfit.prediction.encoders import (
     architecture_for,
     backward_working_bytes,
@@ -286,7 +287,8 @@ def _analytical_peak(config, run: RunShape, hf_config, inventory, parts) -> tupl
         checkpointing=run.checkpointing, checkpoint_every=run.checkpoint_every, mlp_tiles=0 if moe else run.mlp_tiles,
         offload=device_run.activation_offload and device_run.activation_offload_blocks is None,
         layer_per_token=padding.on_layer(
-            moe.layer_per_token if moe else _layer_per_token(run, arch, hf_config, precision, s), b * s),
+            moe.layer_per_token if moe else tiled_layer_per_token(  # an encoder's tiled feed-forward: its norm too
+                _layer_per_token(run, arch, hf_config, precision, s), arch, precision, run.mlp_tiles), b * s),
         unchunked_loss=not run.fused_loss and not 0 < run.loss_chunk_size < b * (s - 1),
     )
     terms = moe.with_backward(terms) if moe else terms
@@ -343,7 +345,8 @@ def _analytical_peak(config, run: RunShape, hf_config, inventory, parts) -> tupl
 
         tile_tokens = b * s / max(1, run.mlp_tiles)
         recompute += 4 * min(SLICE_ELEMENTS, tile_tokens * max(arch.intermediate, arch.hidden))
-    recompute += backward_working_bytes(arch, precision.compute, b * s)  # an encoder's own backward (ESM's GELU)
+    # an encoder's own backward (ESM's GELU): under --tiled-mlp one tile's tokens at a time
+    recompute += backward_working_bytes(arch, precision.compute, b * s / max(1, run.mlp_tiles))
     released = terms.released_per_block
     fixed = activations - arch.layers * released  # the embedding side, uncheckpointed or offloaded blocks
     # autocast caches a 16-bit copy of each weight from its first use until backward is past it

@@ -1,0 +1,58 @@
+"""Estimates of encoders under --tiled-mlp (BERT's and ESM's feed_forward_chunk tiled), against the tracker's peak.
+
+As tests/unit/prediction/test_encoder_estimate.py does for the other techniques: the truth is the tracked peak of
+memfit's own training step on real tensors, the traced estimate (the same step on fake tensors, the tiling
+included) equals it, and the analytical one stays within its band. One row a micro-batch, 512 tokens: no padding,
+and the feed-forward's intermediates are most of a block's activations.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import pytest
+from test_encoder_estimate import _config, _measured, encoder_config
+
+import memfit.prediction.run_shape as run_shape
+import memfit.train.traced  # noqa: F401  (registers the traced step)
+from memfit.prediction.estimator import ERROR_BAND, estimate
+
+CASES = [
+    ("bert", "sequence-classification", {"tiled_mlp": 4}),
+    ("bert", "sequence-classification", {"tiled_mlp": 2, "gradient_checkpointing": "full"}),
+    ("bert", "masked-lm", {"tiled_mlp": 4, "lora_r": 8}),
+    ("esm", "sequence-classification", {"tiled_mlp": 4}),
+    ("esm", "sequence-classification", {"tiled_mlp": 4, "lora_r": 8}),
+    ("esm", "token-classification", {"tiled_mlp": 8, "gradient_checkpointing": "full"}),
+]
+
+
+def _truth_and_estimates(family: str, task: str, changes: dict):
+    return _cached(family, task, tuple(sorted(changes.items())))
+
+
+@cache
+def _cached(family: str, task: str, changes: tuple):
+    hf_config = encoder_config(family, vocab=4096 if task == "masked-lm" else 10)
+    config = _config(task, seq_len=512, batch_size=1, **dict(changes))
+    truth = _measured(hf_config, config)
+    return (truth, estimate(config, hf_config=hf_config, method="traced").peak_bytes,
+            estimate(config, hf_config=hf_config).peak_bytes, hf_config, config)
+
+
+@pytest.mark.parametrize(("family", "task", "changes"), CASES,
+                         ids=[f"{f}-{t}-{'-'.join(f'{k}={v}' for k, v in c.items())}" for f, t, c in CASES])
+def test_tiled_encoder_estimates_stay_within_their_band_of_the_tracked_step(family, task, changes):
+    truth, traced, analytical, _, _ = _truth_and_estimates(family, task, changes)
+    print(f"{family} {task} {changes}: measured {truth} B, traced {traced} B, analytical {analytical} B "
+          f"({analytical / truth - 1:+.1%})")
+    assert traced == truth  # the tiled feed-forward on fake tensors, counted by the same tracker
+    assert abs(analytical / truth - 1) <= ERROR_BAND["analytical"]
+
+
+def test_an_estimate_that_ignores_the_tiling_falls_outside_the_band(monkeypatch):
+    """The check above can fail: counted as untiled, an ESM classifier's estimate is far above the tiled run's peak."""
+    truth, _, _, hf_config, config = _truth_and_estimates("esm", "sequence-classification", {"tiled_mlp": 4})
+    monkeypatch.setattr(run_shape, "resolve_mlp_tiles", lambda tiled_mlp, seq_len: 0)
+    untiled = estimate(config, hf_config=hf_config).peak_bytes
+    assert untiled / truth - 1 > ERROR_BAND["analytical"], (untiled, truth)
