@@ -36,6 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from memfit.techniques.chunked_head_loss import chunked_head_loss_sum, in_place_head_problem
+
 IGNORE_INDEX = -100
 
 # Chunking pays off once the logits dwarf the hidden states; Llama 2 has 32000 tokens.
@@ -70,6 +72,7 @@ def causal_lm_loss_sum(
     chunk_size: int = 0,
     token_loss: Callable[..., torch.Tensor] | None = None,
     position_ids: torch.Tensor | None = None,
+    in_place_head: bool = True,
 ) -> torch.Tensor:
     """Sum of next-token cross-entropy over the target tokens of a micro-batch (fp32).
 
@@ -81,11 +84,12 @@ def causal_lm_loss_sum(
     `token_loss`: what turns logits into the summed loss (default `token_loss_sum`;
     --compile passes a compiled one).
     `position_ids`: packed rows' positions, restarting at each sample (memfit.data.packing).
+    `in_place_head`: see `chunked_causal_lm_loss_sum`.
     """
     token_loss = token_loss or token_loss_sum
     if chunk_size > 0:
         return chunked_causal_lm_loss_sum(model, input_ids, labels, attention_mask, chunk_size, token_loss,
-                                          position_ids=position_ids)
+                                          position_ids=position_ids, in_place_head=in_place_head)
     outputs = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **_positions(position_ids))
     logits = outputs.logits
     # Shift the labels, not the logits: slicing off the last position would copy all of
@@ -115,8 +119,14 @@ def chunked_causal_lm_loss_sum(
     chunk_size: int,
     token_loss: Callable[..., torch.Tensor] | None = None,
     position_ids: torch.Tensor | None = None,
+    in_place_head: bool = True,
 ) -> torch.Tensor:
-    """`causal_lm_loss_sum` without the full logits: see the module docstring."""
+    """`causal_lm_loss_sum` without the full logits: see the module docstring.
+
+    `in_place_head`: where the head trains and is a plain Linear, accumulate its gradient in
+    place across chunks (techniques/chunked_head_loss.py); False keeps the checkpointed chunks
+    (the engine reduces gradients through hooks of its own).
+    """
     lm = unwrap_causal_lm(model)
     head = lm.get_output_embeddings()
     if head is None:
@@ -129,6 +139,9 @@ def chunked_causal_lm_loss_sum(
 
     postprocess = logit_postprocessing(lm.config)
     total = empty_logits.float().sum()  # exactly 0; keeps the wrappers' backward hooks in the graph
+    if in_place_head and not in_place_head_problem(head, model):
+        # one head-sized gradient, added to in place across chunks (techniques/chunked_head_loss.py)
+        return total + chunked_head_loss_sum(hidden, targets, head, chunk_size, postprocess, token_loss or token_loss_sum)
     for hidden_chunk, target_chunk in zip(hidden.split(chunk_size), targets.split(chunk_size), strict=True):
         # Non-reentrant checkpoint keeps only the chunk's inputs; its logits are
         # rebuilt when backward reaches the chunk, so one chunk of logits is alive.

@@ -335,6 +335,7 @@ def run_facts(session: TrainingSession) -> dict[str, Any]:
         "attention": session.attention.implementation,
         "gradient_checkpointing": session.checkpointing,
         "loss_chunk_size": session.loss_chunk_size,
+        "loss_head_gradient": getattr(session, "head_gradient", "") or None,  # in place / per chunk (chunked loss)
         "effective_batch_size": session.effective_batch_size,
         "seq_len": config.data.seq_len,
         "kernels": session.kernels.description,

@@ -85,6 +85,9 @@ class TrainingSession:
     task: Task = field(default_factory=Task)
     """What is learned (memfit.tasks): the head's class, the loss and its normalisation, the data, the metrics."""
     """The samples evaluation runs on (--eval-dataset or --eval-fraction; train/evaluation.py), or None."""
+    head_gradient: str = ""
+    """How the chunked loss makes the head's gradient: 'in place', 'per chunk' (why: fallbacks), '' (not chunked or
+    no trained head); techniques/chunked_head_loss.py."""
 
     @property
     def model(self) -> torch.nn.Module:
@@ -204,6 +207,10 @@ def _build_session(config: TrainConfig) -> TrainingSession:
     chosen = engine.prepare(model, lambda m: _build_optimizer(config, m, device, fallbacks))
     head = model.get_output_embeddings()
     loss_chunk_size = resolve_loss_chunk_size(config, head.weight.shape[0] if head is not None else 0)
+    from memfit.techniques.chunked_head_loss import head_gradient_path
+
+    head_gradient = head_gradient_path(model, engine.name, loss_chunk_size if task.name == "causal-lm" else 0,
+                                       kernels.fused_loss is not None, fallbacks)
     return TrainingSession(
         config=config,
         device=device,
@@ -227,6 +234,7 @@ def _build_session(config: TrainConfig) -> TrainingSession:
         token_loss=token_loss,
         eval_dataset=eval_dataset,
         task=task,
+        head_gradient=head_gradient,
     )
 
 

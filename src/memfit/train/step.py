@@ -72,6 +72,8 @@ def _plain_loss(session):
     """The loss function without fused kernels: the compiled logits-to-loss tail under --compile."""
     token_loss = getattr(session, "token_loss", None)
     plain = functools.partial(causal_lm_loss_sum, token_loss=token_loss) if token_loss is not None else causal_lm_loss_sum
+    if getattr(session, "head_gradient", "") == "per chunk":  # the engine reduces it from hooks (chunked_head_loss.py)
+        plain = functools.partial(plain, in_place_head=False)
     from memfit.techniques.router_balance import balancing_loss_on, with_balancing_loss
 
     # An MoE with output_router_logits adds its load-balancing loss as the model defines it (router_balance.py)
