@@ -52,6 +52,7 @@ from memfit.prediction.activations import (
     layer_bytes_per_token,
     norm_module_bytes_per_token,
 )
+from memfit.prediction.chunked_head import chunked_loss_head_bytes
 from memfit.prediction.encoder_tiles import tiled_layer_per_token
 from memfit.prediction.encoders import (
     architecture_for,
@@ -145,7 +146,7 @@ def estimate(
     parts = state_parts(config, run, inventory)
     parts = with_nf4_experts(parts, run.quantize, inventory, run.lora_r, run.weight_bytes, precision_of(run).compute)
     if method == "analytical":
-        moment, per_layer, notes = _analytical_peak(config, run, hf_config, inventory, parts)
+        moment, per_layer, notes = _analytical_peak(config, run, hf_config, inventory, parts, sharding)
     else:
         moment, per_layer, notes = _traced_peak(config, run, hf_config, inventory, parts)
     moment = apply_sharding(moment, parts, sharding, world_size, hf_config, run,
@@ -265,7 +266,8 @@ def _layer_per_token(run: RunShape, arch, hf_config, precision: Precision, seq_l
     return norms + (fp32 - norms) * rest_ratio
 
 
-def _analytical_peak(config, run: RunShape, hf_config, inventory, parts) -> tuple[dict, float, dict]:
+def _analytical_peak(config, run: RunShape, hf_config, inventory, parts,
+                     sharding: str = "none") -> tuple[dict, float, dict]:
     arch = architecture_for(hf_config)
     head_shape = task_head(config, arch)  # the --task's head: vocabulary logits or a few labels (prediction.encoders)
     precision = precision_of(run)
@@ -353,11 +355,10 @@ def _analytical_peak(config, run: RunShape, hf_config, inventory, parts) -> tupl
     # (the fused experts' 3-D weights too: autocast casts them for grouped_mm and caches the copies alike)
     cache = 2 * (inventory.linear_params + inventory.expert_params) if (
         run.autocast and run.weight_bytes == 4 and run.quantize == "none") else 0.0
-    # The chunked loss runs the head once per chunk and autograd adds each chunk's head gradient
-    # to the sum so far out of place: the sum, the chunk's and the new sum are live at once, with
-    # every activation kept and before any block's gradient (measured with the tracker).
+    # Beside the head's gradient while the chunked loss's backward makes it, with every activation kept and
+    # before any block's gradient: one chunk's logits (in place) or two more head-sized sums (prediction/chunked_head)
     head_one = head_shape.outputs * arch.hidden * tb if not run.lora_r else 0
-    head_sums = 2 * head_one if not run.fused_loss and 0 < run.loss_chunk_size < b * (s - 1) else 0
+    head_sums = chunked_loss_head_bytes(run, head_one, logits, b * (s - 1), sharding)
     edge_grads, edge_temporaries, end_grad, end_temporaries = untied_edge_steps(
         run, untied_edges, head_one // max(1, tb), tb, head_sums + head_one) if run.optimizer_in_backward else (0.0,) * 4
     if end_grad:  # the embedding, stepped last like a tied one
