@@ -253,3 +253,19 @@ def test_tiles_are_recomputed_by_the_module_the_layer_calls(monkeypatch):
     assert calls == [100] * 4 * LAYERS
     torch.testing.assert_close(tiled_loss, plain_loss, rtol=1e-6, atol=0)
     _assert_same_gradients(tiled_grads, plain_grads)
+
+
+def test_compiled_layers_run_the_tiled_feed_forward_outside_compiled_code():
+    """--compile around a tiled BERT layer compiles its children apart (the tiling's autograd function cannot be
+    traced), and the tiles run the compiled intermediate and output: the same loss and gradients."""
+    from memfit.techniques.compile import compile_blocks
+
+    model = _classifier("bert")
+    input_ids = _ids(1, 256)
+    plain_loss, plain_grads = _loss_and_grads(model, input_ids)
+    apply_tiled_mlp(model, TILES)
+    choice = compile_blocks(model, torch.device("cpu"), backend="aot_eager")
+    assert "each child and each MLP tile compiled apart" in choice.description
+    tiled_loss, tiled_grads = _loss_and_grads(model, input_ids)
+    torch.testing.assert_close(tiled_loss, plain_loss, rtol=1e-6, atol=0)
+    _assert_same_gradients(tiled_grads, plain_grads)
