@@ -8,16 +8,17 @@ wants it, once a forward (`transformers.masking_utils`):
 - **SDPA**: a boolean [b, 1, s, s] mask. PyTorch's SDPA turns a boolean mask into an additive one of the query's
   dtype before it picks a kernel, and the kernel saves that copy for backward: b x s x s elements in every layer
   that runs with a mask (tracked on CPU: 128 KiB a layer at b = 2, s = 128, fp32; on CUDA the memory-efficient
-  kernel, the only one that takes a mask, saves its bias the same way). The boolean mask itself lives through the
+  kernel, the only one that takes a mask, takes and saves its bias the same way: not measured on a GPU yet). The boolean mask itself lives through the
   forward; under checkpointing every checkpointed block keeps it as an input until backward is past it.
 - **eager**: an additive [b, 1, s, s] mask in the embeddings' dtype, added to the scores out of place and never
   saved: gone with the forward's locals, kept only as the checkpointed blocks' input under checkpointing.
 - **flash-attention** unpads the rows into one varlen batch (no mask, fewer tokens) and **FlexAttention** builds a
-  block mask of (s / 128)^2 entries: nothing here.
+  block mask of (s / 128)^2 entries: the 2-D mask alone (neither measured: CPU runs SDPA).
 
 Layers that build a mask without padding already keep it in what the layer probe measured: ModernBERT's local
 layers, whose sliding window is shorter than the sequence, and the global layers the probe takes for local ones
-(`probed_mask_layers`). Padding adds a mask to the others (ModernBERT's first layer; every layer of BERT and ESM).
+(`probed_mask_layers`). Padding adds a mask to the others (ModernBERT's first layer; every layer of BERT and ESM);
+to a step traced unpadded, to every layer that builds none unpadded (ModernBERT's global layers).
 
 The estimate cannot see the data, so it takes an encoder's micro-batch of two rows or more as padded, the larger
 case: a batch of rows that all fill --seq-len holds less by these bytes (2.0 % of a 3-block hidden-128 ESM at
