@@ -120,7 +120,8 @@ HEAD_CASES = {
         "tied", {"seq_len": 16, "optimizer_in_backward": True, "optimizer": "adamw-8bit"}),
     # without either: the tied weight's two gradients and their sum, at the end of backward
     "tied embeddings, 8-bit AdamW": ("tied", {"seq_len": 16, "optimizer": "adamw-8bit"}),
-    # the chunked loss sums its chunks' head gradients out of place, every activation still kept
+    # the chunked loss's backward, every activation still kept: one in-place head gradient and one chunk's logits
+    # (techniques/chunked_head_loss.py; the checkpointed chunks' out-of-place sums were two head-sized tensors more)
     "chunked loss, untied head": ("head", {"seq_len": 16, "loss_chunk_size": 8, "optimizer": "adamw-8bit"}),
     "chunked loss, tied embeddings": ("tied", {"seq_len": 16, "loss_chunk_size": 8}),
     "chunked loss, tied embeddings, optimizer in backward": (
