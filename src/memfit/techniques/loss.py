@@ -10,7 +10,10 @@ Chunked cross-entropy (`chunk_size > 0`, flag `--loss-chunk-size`)
     128k vocabulary and 8k tokens that is 4 GiB per fp32 copy. Chunked, each chunk's
     head + loss runs under non-reentrant checkpointing, so only `chunk_size x vocab`
     logits are alive at any time; backward rebuilds them one chunk at a time. What stays
-    is the final hidden states (one view, no copy).
+    is the final hidden states (one view, no copy). A trained plain-Linear head runs the
+    same chunks in one autograd function instead, which adds each chunk's head gradient
+    into one head-sized buffer in place (techniques/chunked_head_loss.py): checkpointed
+    chunks would sum them out of place, three head-sized tensors at once.
     Costs: the output projection runs twice (once in forward, once again in backward
     for each chunk), about `2 x tokens x hidden x vocab` extra FLOPs, a few percent of
     a step for most models. Every position gets logits, padding and context included:
