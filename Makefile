@@ -33,10 +33,11 @@ demo: setup
 
 # The tests run in one worker per CPU core (pytest-xdist); a test file's tests stay in one worker, and so do
 # tests/distributed's shared torchrun launches (tests/conftest.py). TEST_WORKERS=0 runs them in this process.
+# pytest-benchmark, when a system site has it, times nothing here and would warn once per worker.
 TEST_WORKERS ?= auto
 
 test: setup
-	$(BIN)/python -m pytest tests -n $(TEST_WORKERS) --dist loadgroup
+	$(BIN)/python -m pytest tests -n $(TEST_WORKERS) --dist loadgroup -p no:benchmark
 
 # ruff, then the import contracts of pyproject.toml (layers, no cycle between files).
 lint: setup
