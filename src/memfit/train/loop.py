@@ -273,7 +273,7 @@ def _save_final(session: TrainingSession, state: TrainerState) -> Path | None:
     engine.save_checkpoint(session.output_dir, state, session.scheduler, session.config.to_dict())
     final_dir = engine.save_final_model(session.output_dir / "final", session.loaded.tokenizer)
     if session.config.lora.merge_adapter and session.dist.is_main:
-        from memfit.techniques.lora import merge_and_save
+        from memfit.techniques.lora_merge import merge_and_save
 
         merge_and_save(session.model, session.output_dir / "merged")
     return final_dir

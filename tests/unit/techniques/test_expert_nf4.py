@@ -134,7 +134,7 @@ def test_merge_writes_the_dequantized_experts_with_their_adapters_folded_in(save
     """The merged model (plain transformers, no bitsandbytes) computes what the QLoRA model computes."""
     from transformers import AutoModelForCausalLM
 
-    from memfit.techniques.lora import merge_and_save
+    from memfit.techniques.lora_merge import merge_and_save
 
     model = _qlora(saved["gpt_oss"])
     tokens = _tokens()

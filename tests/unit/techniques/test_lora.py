@@ -15,11 +15,11 @@ from memfit.techniques.lora import (
     LoraSummary,
     apply_lora,
     load_adapter_weights,
-    merge_and_save,
     quantization_config,
     resolve_lora_targets,
     save_adapter,
 )
+from memfit.techniques.lora_merge import merge_and_save
 from tiny_llama import tiny_llama
 
 pytest.importorskip("peft")

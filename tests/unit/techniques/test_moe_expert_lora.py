@@ -196,7 +196,7 @@ def test_cli_refuses_experts_on_a_dense_model_and_writes_nothing(llama_dir, text
 def test_merge_folds_the_expert_adapters(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from memfit.techniques.lora import merge_and_save
+    from memfit.techniques.lora_merge import merge_and_save
 
     split, folded = _adapted_pair("qwen3_moe")
     tokens = _tokens()
