@@ -21,6 +21,7 @@ from torchrun_helpers import checkpoint_copy, deepspeed_available, run_many
 from fault_injection import SGD_FLAGS
 from memfit.distributed.parallel import CAP_RANK_ENV
 from memfit.train.metrics import read_metrics
+from model_zoo import save_family
 from tiny_encoders import dna_rows, save_encoder, write_csv
 
 FAULT = 0.5  # gradients half their size: the loss normalizer not divided by the world size
@@ -86,14 +87,24 @@ def encoder_tasks_args(bert_dir, esm_dir, tmp_path_factory) -> dict[str, list[st
 
 
 @pytest.fixture(scope="session")
-def references(run_args, sgd_args, reshard_args, encoder_sgd_args, encoder_tasks_args,
+def moe_sgd_args(text_file, tmp_path_factory) -> list[str]:
+    """3 SGD steps of the tiny Qwen3-MoE (tests/model_zoo.py: 4 fused experts a layer, top-2, balancing loss off):
+    FSDP2 shards its 3-D expert parameters over the ranks like every other parameter."""
+    directory = save_family("qwen3_moe", tmp_path_factory.mktemp("moe") / "qwen3_moe")
+    return ["--model", str(directory), "--dataset", str(text_file), "--seq-len", "32", "--max-steps", "3",
+            "--loss-chunk-size", "0", "--no-report", *SGD_FLAGS, "--lr", "0.5"]
+
+
+@pytest.fixture(scope="session")
+def references(run_args, sgd_args, reshard_args, encoder_sgd_args, encoder_tasks_args, moe_sgd_args,
                tmp_path_factory) -> dict[str, Path]:
     """The references, all in one plain process: micro-batch 4 x 2 accumulation, AdamW and SGD; reshard-one,
     the one-process run that test_reshard_resume.py resumes on 2 ranks (in later_runs); encoder-sgd, the
-    sequence classifier under SGD; encoder-KEY-sgd, the other encoder tasks (encoder_tasks.py)."""
+    sequence classifier under SGD; encoder-KEY-sgd, the other encoder tasks (encoder_tasks.py); moe-sgd, the tiny
+    Qwen3-MoE under SGD."""
     root = tmp_path_factory.mktemp("single")
     named = (("adamw", run_args), ("sgd", sgd_args), ("reshard-one", reshard_args), ("encoder-sgd", encoder_sgd_args),
-             *((f"encoder-{key}-sgd", args) for key, args in encoder_tasks_args.items()))
+             *((f"encoder-{key}-sgd", args) for key, args in encoder_tasks_args.items()), ("moe-sgd", moe_sgd_args))
     runs = [{"name": name, "args": [*args, "--batch-size", "4", "--gradient-accumulation-steps", "2",
                                      "--output-dir", str(root / name)]}
             for name, args in named]
@@ -117,11 +128,12 @@ ENGINES = {"ddp": ["--sharding", "ddp"], "fsdp": ["--sharding", "fsdp"]}
 
 
 @pytest.fixture(scope="session")
-def engine_runs(run_args, sgd_args, reshard_args, encoder_sgd_args, encoder_tasks_args,
+def engine_runs(run_args, sgd_args, reshard_args, encoder_sgd_args, encoder_tasks_args, moe_sgd_args,
                 tmp_path_factory) -> dict[str, Path]:
     """One torchrun launch: per engine an SGD run and its twin with the fault; the AdamW runs of test_torchrun.py;
     reshard-two, the 2-rank run that test_reshard_resume.py resumes in one process; encoder-fsdp and its twin,
-    the sequence classifier under FSDP2; encoder-KEY-fsdp and their twins, the other encoder tasks."""
+    the sequence classifier under FSDP2; encoder-KEY-fsdp and their twins, the other encoder tasks; moe-fsdp (memory
+    tracked) and its twin, the tiny Qwen3-MoE with its experts sharded."""
     root = tmp_path_factory.mktemp("engines")
     runs = []
     for engine, flags in ENGINES.items():
@@ -140,6 +152,9 @@ def engine_runs(run_args, sgd_args, reshard_args, encoder_sgd_args, encoder_task
     runs += [{"name": "encoder-fsdp" if scale is None else "encoder-fsdp-fault", "grad_scale": scale,
               "args": [*encoder_sgd_args, "--batch-size", "4", "--sharding", "fsdp"]} for scale in (None, FAULT)]
     runs += encoder_task_runs(encoder_tasks_args, "fsdp", ["--batch-size", "4", "--sharding", "fsdp"], FAULT)
+    runs += [{"name": "moe-fsdp" if scale is None else "moe-fsdp-fault", "grad_scale": scale,
+              "args": [*moe_sgd_args, "--batch-size", "4", "--sharding", "fsdp",
+                       *(["--track-memory"] if scale is None else [])]} for scale in (None, FAULT)]
     for run in runs:
         run["args"] += ["--output-dir", str(root / run["name"])]
     run_many(runs, root)
