@@ -7,6 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from memfit.techniques.checkpointing import apply_gradient_checkpointing, transformer_blocks
+from tracked_step import tracked_step
 
 LAYERS, BATCH, SEQ, HIDDEN = 4, 2, 64, 64
 
@@ -64,16 +65,7 @@ def input_ids():
 
 def _tracked_peaks(model, input_ids) -> tuple[int, int]:
     """(peak of forward, peak of the whole forward + backward), measured by the tracker."""
-    from memfit.memory.tracker import MemoryTracker
-
-    tracker = MemoryTracker(torch.device("cpu"))
-    tracker.attach(model)
-    with tracker:
-        with tracker.phase("forward"):
-            loss = model(input_ids=input_ids, labels=input_ids).loss
-        with tracker.phase("backward"):
-            loss.backward()
-        step = tracker.end_step()
+    step = tracked_step(model, input_ids)
     return next(p.peak_bytes for p in step.phases if p.name == "forward"), step.peak_bytes
 
 

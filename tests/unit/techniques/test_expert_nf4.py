@@ -22,6 +22,7 @@ from memfit.techniques import expert_quant
 from memfit.techniques.expert_quant import dequantized, is_nf4, nf4_stack_bytes
 from memfit.techniques.lora import apply_lora, quantization_config
 from model_zoo import ZOO, build_model
+from tracked_step import tracked_step
 
 pytest.importorskip("peft")
 pytest.importorskip("bitsandbytes")
@@ -270,15 +271,7 @@ def _live_stacks_and_peak(model, monkeypatch) -> tuple[int, int]:
         return stack
 
     monkeypatch.setattr(expert_quant, "dequantized", counted)
-    tokens = _tokens(rows=1, length=16)
-    tracker.attach(model)
-    with tracker:
-        with tracker.phase("forward"):
-            loss = model(input_ids=tokens, labels=tokens).loss
-        with tracker.phase("backward"):
-            loss.backward()
-        step = tracker.end_step()
-    tracker.detach()
+    step = tracked_step(model, _tokens(rows=1, length=16), tracker)
     monkeypatch.setattr(expert_quant, "dequantized", original)
     return most, step.peak_bytes
 

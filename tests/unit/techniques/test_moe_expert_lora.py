@@ -16,6 +16,7 @@ from memfit.config import LoraConfig
 from memfit.errors import UsageError
 from memfit.techniques.lora import apply_lora, resolve_targets
 from model_zoo import build_model
+from tracked_step import tracked_step
 
 pytest.importorskip("peft")
 
@@ -100,20 +101,8 @@ def test_split_lora_fault_twin_fails():
 
 
 def test_split_lora_tracked_peak_is_below_the_folded_delta():
-    from memfit.memory.tracker import MemoryTracker
-
     def peak(model):
-        tokens = _tokens(rows=1, length=8)
-        tracker = MemoryTracker(torch.device("cpu"))
-        tracker.attach(model)
-        with tracker:
-            with tracker.phase("forward"):
-                loss = model(input_ids=tokens, labels=tokens).loss
-            with tracker.phase("backward"):
-                loss.backward()
-            step = tracker.end_step()
-        tracker.detach()
-        return step.peak_bytes
+        return tracked_step(model, _tokens(rows=1, length=8)).peak_bytes
 
     import memfit.models.experts  # noqa: F401
 
