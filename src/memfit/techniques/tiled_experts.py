@@ -38,7 +38,6 @@ parallelism: every rank would have to cut the same tiles), and experts whose for
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import re
 import types
@@ -48,7 +47,7 @@ import torch
 from torch import nn
 
 from memfit.models.experts import is_fused_experts
-from memfit.techniques.tiled_mlp import _draws_random_numbers, _identity, _RngState, _tile, tiles_for
+from memfit.techniques.tiled_mlp import _draws_random_numbers, _RngState, _tile, recompute_context, tiles_for
 
 _PREVIOUS = "_memfit_untiled_experts_forward"
 _MARK = "_memfit_tiled_experts_forward"
@@ -246,14 +245,7 @@ class TiledExpertsFunction(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden) if needs_hidden else None
         grad_weights = torch.empty_like(weights) if needs_weights else None
         grad_parameters: list[torch.Tensor | None] = [None] * len(wanted)
-        enabled, dtype = ctx.autocast
-        with (
-            ctx.rng.restored() if ctx.rng is not None else contextlib.nullcontext(),
-            torch.enable_grad(),
-            torch.autocast(ctx.device_type, dtype=dtype, enabled=enabled),
-            # activation offload's saved-tensor hooks must not move a tile's short-lived tensors
-            torch.autograd.graph.saved_tensors_hooks(_identity, _identity),
-        ):
+        with recompute_context(ctx):
             for index in range(ctx.tiles):
                 piece = _tile(hidden, ctx.tiles, index).detach().requires_grad_(needs_hidden)
                 routing = _tile(weights, ctx.tiles, index).detach().requires_grad_(needs_weights)

@@ -237,6 +237,21 @@ def _draws_random_numbers(mlp: nn.Module) -> bool:
     return any(isinstance(module, nn.Dropout) and module.p > 0 and module.training for module in mlp.modules())
 
 
+@contextlib.contextmanager
+def recompute_context(ctx):
+    """What a tile's recompute in backward runs under: the forward's random numbers (`ctx.rng`, when captured),
+    grad mode, the forward's autocast (`ctx.autocast`, `ctx.device_type`) and no saved-tensor hooks: activation
+    offload's hooks must not move a tile's short-lived tensors, which are used right here."""
+    enabled, dtype = ctx.autocast
+    with (
+        ctx.rng.restored() if ctx.rng is not None else contextlib.nullcontext(),
+        torch.enable_grad(),
+        torch.autocast(ctx.device_type, dtype=dtype, enabled=enabled),
+        torch.autograd.graph.saved_tensors_hooks(_identity, _identity),
+    ):
+        yield
+
+
 def _identity(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
@@ -273,15 +288,7 @@ class TiledMLPFunction(torch.autograd.Function):
         wanted = [p for p, needed in zip(parameters, ctx.needs_input_grad[4:], strict=True) if needed]
         grad_hidden = torch.empty_like(hidden) if needs_input else None
         grad_parameters = [None] * len(wanted)
-        enabled, dtype = ctx.autocast
-        with (
-            ctx.rng.restored() if ctx.rng is not None else contextlib.nullcontext(),
-            torch.enable_grad(),
-            torch.autocast(ctx.device_type, dtype=dtype, enabled=enabled),
-            # A context of saved-tensor hooks (activation offload) must not move the
-            # tile's short-lived activations: they are used right here.
-            torch.autograd.graph.saved_tensors_hooks(_identity, _identity),
-        ):
+        with recompute_context(ctx):
             for index in range(ctx.tiles):
                 piece = _tile(hidden, ctx.tiles, index).detach().requires_grad_(needs_input)
                 output = ctx.mlp(piece)
