@@ -82,9 +82,9 @@ def tiled_mlp_backward() -> None:
     arch = architecture_of(_config())
     from memfit.prediction.activations import mlp_bytes_per_token
 
-    for name, (autocast, lora, dtype, precision) in CASES.items():
+    for name, (autocast, lora, dtype, precision, *efficient_lora) in CASES.items():
         for tiles in (4, 8):
-            measured = _measured_backward_peak(tiles, autocast, lora, dtype)
+            measured = _measured_backward_peak(tiles, autocast, lora, dtype, efficient_lora=bool(efficient_lora))
             predicted = tiled_mlp_backward_bytes(arch, precision, BATCH * SEQ, tiles)
             before = 2 * mlp_bytes_per_token(arch, precision) * BATCH * SEQ / tiles
             print(f"| {name} | {tiles} | {measured} | {predicted:.0f} | {predicted / measured - 1:+.1%} "
