@@ -37,9 +37,11 @@ ENGINES = {
 # Cells refused up front, with the words their one error line must contain.
 REFUSED: dict[tuple[str, str], str] = {
     ("adafactor", "fsdp"): "--optimizer adafactor cannot run under --sharding fsdp",
-    # The small-state optimizers need whole weight matrices (projections, per-head moments, torchao's compiled
-    # step): refused on FSDP2 and DeepSpeed shards, pointing to DDP.
-    **{(name, engine): f"--optimizer {name}" for name in SMALL_STATE_OPTIMIZERS for engine in ("fsdp", "zero2")},
+    # The small-state optimizers need whole weight matrices (projections, per-head moments): refused on FSDP2 and
+    # DeepSpeed shards, pointing to DDP. torchao's 4-bit AdamW quantizes each FSDP2 shard and trains there; DeepSpeed
+    # would hand it flat partitions of many parameters, and stays refused.
+    **{(name, engine): f"--optimizer {name}" for name in SMALL_STATE_OPTIMIZERS for engine in ("fsdp", "zero2")
+       if (name, engine) != ("adamw-4bit", "fsdp")},
 }
 
 

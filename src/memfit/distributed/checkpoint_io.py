@@ -75,6 +75,7 @@ def load_sharded(
                 f"checkpoint {path} was written by {saved_world} ranks and this run has {dist.world_size};"
                 f" resume with --nproc_per_node {saved_world}"
             )
+        refuse_reblocked_state(path, meta, dist.world_size)
         read_shards(path)
         if scheduler is not None:
             scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
@@ -89,6 +90,33 @@ def load_sharded(
         ) from None
     restore_rng_state(rng)
     return trainer_state_from(meta)
+
+
+BLOCKWISE_STATE_OPTIMIZERS = ("adamw-4bit",)
+"""Optimizers whose state is quantized in blocks of each rank's own shard (torchao's 4-bit AdamW: 128 values a
+block, tensors or shards under 4096 values or not a multiple of 128 kept in full precision). Another number of ranks
+cuts the tensors elsewhere, so its blocks (and which tensors are quantized at all) would differ: copying the saved
+state into them requantizes it, and the run would not continue as it was."""
+
+
+def refuse_reblocked_state(path: Path, meta: dict[str, Any], world_size: int) -> None:
+    """UsageError when the checkpoint's optimizer quantizes its state per shard and this run would cut it anew:
+    only FSDP2 shards (`shards/`) loaded on the number of ranks that wrote them keep their blocks."""
+    optimizer = meta.get("config", {}).get("optimizer", {}).get("optimizer")
+    if optimizer not in BLOCKWISE_STATE_OPTIMIZERS:
+        return
+    saved_world = meta.get("world_size", 1)
+    if (path / "shards").is_dir():
+        if saved_world == world_size:
+            return
+        saved, remedy = f"{saved_world} FSDP2 ranks' shards", f"torchrun --nproc_per_node {saved_world} --sharding fsdp"
+    else:
+        saved, remedy = "whole tensors", "--sharding ddp or in one process"
+    raise UsageError(
+        f"checkpoint {path} holds --optimizer {optimizer} state quantized in blocks of {saved}, which {world_size}"
+        f" {'FSDP2 ranks' if world_size > 1 else 'process'} would cut differently (not an exact resume): resume it"
+        f" with {remedy}"
+    )
 
 
 def _rng_file(path: Path, rank: int) -> Path:

@@ -213,7 +213,7 @@ def check_supported(config: TrainConfig, engine: str) -> None:
         problems.append(f"--merge-adapter is not supported with {engine}: merge the saved adapter afterwards")
     if "fsdp" in engine and refusal_under_fsdp(config.optimizer.optimizer):
         problems.append(refusal_under_fsdp(config.optimizer.optimizer))
-    elif engine != "--sharding ddp" and refusal_under_sharding(config.optimizer.optimizer):  # DeepSpeed ZeRO
+    elif "fsdp" not in engine and engine != "--sharding ddp" and refusal_under_sharding(config.optimizer.optimizer):  # ZeRO
         problems.append(refusal_under_sharding(config.optimizer.optimizer))
     if problems:
         raise UsageError("; ".join(problems))

@@ -52,8 +52,9 @@ _ARG_VALUES = {"proj_type": ("std", "reverse_std", "left", "right"), "proj": ("r
                "scale_type": ("channel", "tensor")}
 
 
-def refusal_under_sharding(optimizer: str) -> str | None:
-    """Why `optimizer` cannot run on FSDP2 / DeepSpeed shards (None: it can or is not one of these)."""
+def refusal_under_sharding(optimizer: str, fsdp: bool = False) -> str | None:
+    """Why `optimizer` cannot run on DeepSpeed ZeRO partitions, or on FSDP2 shards when `fsdp` (None: it can or is
+    not one of these)."""
     if optimizer in LOW_RANK_OPTIMIZERS:
         return (f"--optimizer {optimizer} projects each whole weight gradient (an SVD or a random projection of its"
                 " full matrix), which sharded training splits over ranks: use --sharding ddp")
@@ -61,10 +62,12 @@ def refusal_under_sharding(optimizer: str) -> str | None:
         return ("--optimizer adam-mini averages its second moment over whole attention heads and rows, which"
                 " sharded training splits over ranks, and adam-mini reduces them across ranks only on CUDA (it counts"
                 " ranks with torch.cuda.device_count()): use --sharding ddp")
-    if optimizer == "adamw-4bit":
-        return ("--optimizer adamw-4bit: torchao's step takes FSDP2's sharded parameters, but memfit's sharded"
-                " checkpoints do not yet save and resume its 4-bit state tensors exactly: use --sharding ddp, or"
-                " --optimizer adamw-8bit under FSDP")
+    if optimizer == "adamw-4bit" and not fsdp:
+        # FSDP2 runs it: each rank quantizes its own shard, and torch.distributed.checkpoint saves and restores
+        # those 4-bit tensors exactly on the same number of ranks (distributed/checkpoint_io.py).
+        return ("--optimizer adamw-4bit under DeepSpeed ZeRO would quantize one flat partition of many parameters,"
+                " whose 4-bit state DeepSpeed's checkpoints are not known to save and resume: use --sharding fsdp"
+                " or --sharding ddp")
     return None
 
 

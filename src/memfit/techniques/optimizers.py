@@ -70,7 +70,7 @@ def refusal_under_fsdp(optimizer: str) -> str | None:
         )
     from memfit.models.optimizer_state import refusal_under_sharding
 
-    return refusal_under_sharding(optimizer)
+    return refusal_under_sharding(optimizer, fsdp=True)
 
 
 def build_optimizer(
