@@ -66,7 +66,8 @@ def load_sharded(
     path: Path, dist: DistContext, read_shards: Callable[[Path], None], scheduler: Any, reshards: bool = False
 ) -> TrainerState:
     """Restore a checkpoint written by `save_sharded`: with the same number of ranks, or any when `reshards`
-    (torch.distributed.checkpoint re-slices the saved tensors for the ranks that load them)."""
+    (torch.distributed.checkpoint re-slices the saved tensors for the ranks that load them), except state
+    quantized per shard (`refuse_reblocked_state`)."""
     try:
         meta = json.loads((path / "trainer_state.json").read_text())
         saved_world = meta.get("world_size", 1)
