@@ -200,6 +200,22 @@ def _check_adam_mini_heads(model: torch.nn.Module, kwargs: dict[str, Any]) -> No
                              f" {head_block} values (head size x heads != hidden size): use --optimizer adamw-4bit")
 
 
+def _compile_4bit_steps_per_rank(groups: list[dict]) -> None:
+    """Under FSDP2 each rank quantizes its own shard, so a moment can be 4-bit on one rank and full precision on
+    another inside DTensors that look alike; AOT autograd's on-disk cache, shared by a machine's ranks, does not
+    tell them apart and hands one rank the other's compiled step ("'Tensor' object has no attribute 'codes'", seen
+    with torch 2.13 and torchao 0.18). Each process compiles its own step instead: off for this process."""
+    from torch.distributed.tensor import DTensor
+
+    if any(isinstance(p, DTensor) for group in groups for p in group["params"]):
+        import torch._functorch.config as functorch_config
+
+        if functorch_config.enable_autograd_cache:
+            functorch_config.enable_autograd_cache = False
+            log.info("memfit: adamw-4bit under FSDP2: AOT autograd's on-disk cache is off in this process (ranks"
+                     " quantize different shards and would share compiled steps)")
+
+
 def build_small_state_optimizer(model: torch.nn.Module, groups: list[dict], config: OptimizerConfig,
                                 device: torch.device) -> tuple[torch.optim.Optimizer, str, str]:
     """(optimizer, what runs, why it differs from the request) for one of SMALL_STATE_OPTIMIZERS."""
@@ -209,6 +225,7 @@ def build_small_state_optimizer(model: torch.nn.Module, groups: list[dict], conf
         _import(name)
         from torchao.optim import AdamW4bit
 
+        _compile_4bit_steps_per_rank(groups)
         return AdamW4bit(groups, lr=config.lr, betas=betas, eps=config.eps, weight_decay=config.weight_decay), \
             "adamw-4bit (torchao)", ""
     if name == "adam-mini":
