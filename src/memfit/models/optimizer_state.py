@@ -66,8 +66,8 @@ def refusal_under_sharding(optimizer: str, fsdp: bool = False) -> str | None:
         # FSDP2 runs it: each rank quantizes its own shard, and torch.distributed.checkpoint saves and restores
         # those 4-bit tensors exactly on the same number of ranks (distributed/checkpoint_io.py).
         return ("--optimizer adamw-4bit under DeepSpeed ZeRO would quantize one flat partition of many parameters,"
-                " whose 4-bit state DeepSpeed's checkpoints are not known to save and resume: use --sharding fsdp"
-                " or --sharding ddp")
+                " whose 4-bit state DeepSpeed's checkpoints are not known to save and resume: use --sharding ddp"
+                " (or --sharding fsdp)")
     return None
 
 
