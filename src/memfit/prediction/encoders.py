@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from memfit.prediction.activations import Architecture, architecture_of, logits_bytes
+from memfit.prediction.activations import Architecture, Precision, architecture_of, logits_bytes
 
 ENCODER_MODEL_TYPES = frozenset({
     "bert", "roberta", "xlm-roberta", "camembert", "esm", "modernbert", "distilbert", "electra", "deberta-v2",
@@ -81,16 +81,40 @@ def encoder_architecture(c: Any) -> Architecture:
     )
 
 
-def backward_working_bytes(arch: Architecture, compute_bytes: int, tokens: int) -> float:
-    """What an encoder block's backward holds beyond the decoders' terms, for `tokens` tokens.
+def backward_working_bytes(arch: Architecture, precision: Precision, tokens: int, tiles: int,
+                           adapter_working: float) -> float:
+    """What a block's MLP backward holds beyond the saved tensors counted elsewhere, for `tokens` tokens run over
+    `tiles` tiles (--tiled-mlp: one tile's tokens at a time); `adapter_working` is what the decoders' LoRA terms
+    count there (a gated MLP's two activation gradients under checkpointing, memfit's adapter slice).
 
     ESM's written-out GELU (ESM_GELU_INTERMEDIATES beyond a fused GELU's one) has its extra intermediates'
     gradients live in the MLP's backward, about 1.5 times their bytes (tracked on CPU, fp32, hidden 128 and 256,
     intermediate 4 x hidden: 43-52 bytes per token and hidden unit that the decoders' terms missed, with and
-    without checkpointing). Other encoders: nothing beyond the decoders' terms.
+    without checkpointing), added to the decoders' terms.
+
+    Under LoRA a plain (GELU) encoder MLP's backward is counted in place of the decoders' adapter terms, which
+    describe a gated MLP (tracked on CPU, fp32, the 3-block test encoders at 1,024 tokens, intermediate 256 and
+    512): with BERT's fused GELU the down projection's two input gradients (its adapter's and its frozen base's)
+    are live beside the GELU's kept input and output, 2 intermediate-wide tensors; ESM's erf backward holds 7
+    (the two products' gradients, its temporaries) where the GELU output, x * 0.5 and 1 + erf were kept: 4 more.
+    The adapters' slice is no copy in fp32 (the cast is a no-op) but the first of the input gradients. Under
+    --tiled-mlp the tile's backward (`activations.tiled_mlp_backward_bytes`) counts half the tile's MLP bytes as
+    gradients already: the rest comes on top.
     """
+    tiles = max(1, tiles)
     extra = arch.gelu_intermediates - 1 if arch.model_type == "esm" else 0
-    return 1.5 * extra * compute_bytes * arch.intermediate * tokens
+    width = precision.compute * arch.intermediate * tokens / tiles  # one intermediate-wide tensor of a tile
+    if not precision.lora_rank or arch.gated_mlp or not is_encoder_architecture(arch):
+        return adapter_working + 1.5 * extra * width
+    held = 2 + extra
+    if tiles > 1:
+        held -= 0.5 * (1 + arch.gelu_intermediates)
+    return max(0.0, held) * width
+
+
+def is_encoder_architecture(arch: Architecture) -> bool:
+    """Whether `arch` was read from an encoder's config (`encoder_architecture`)."""
+    return arch.model_type in ENCODER_MODEL_TYPES
 
 
 def trailing_embedding_gradient_bytes(head: TaskHead, arch: Architecture, trainable_shapes: list,

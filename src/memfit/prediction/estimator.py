@@ -334,11 +334,11 @@ def _analytical_peak(config, run: RunShape, hf_config, inventory, parts,
         largest = max((math.prod(shape) for shape in shapes if shape not in untied_edges), default=0)
         largest_grad = largest * tb
         step_temporaries = 0 if run.optimizer_offload else in_backward_step_temporary_bytes(run.optimizer, largest, tb)
-    if run.checkpointing != "off" and run.lora_r and (run.weight_bytes == 2 or not run.autocast):
-        # A recomputed block's backward through fp32 adapters on a 16-bit or an fp32 base (not
-        # under autocast) holds its MLP activation gradients at once (measured: about
-        # 2 x intermediate x the compute bytes per token; 16 fp32 blocks: 25 MiB of gradients).
-        recompute += 2 * precision.compute * arch.intermediate * b * s / max(1, run.mlp_tiles)
+    # A recomputed block's backward through fp32 adapters on a 16-bit or an fp32 base (not
+    # under autocast) holds its MLP activation gradients at once (measured: about
+    # 2 x intermediate x the compute bytes per token; 16 fp32 blocks: 25 MiB of gradients).
+    adapter_working = 2 * precision.compute * arch.intermediate * b * s / max(1, run.mlp_tiles) if (
+        run.checkpointing != "off" and run.lora_r and (run.weight_bytes == 2 or not run.autocast)) else 0.0
     if run.lora_r and precision.adapter_input == 0:
         # memfit's adapter path casts one slice of rows at a time in backward (at most
         # SLICE_ELEMENTS): about one fp32 input-wide slice is live beside the block's tensors
@@ -346,9 +346,9 @@ def _analytical_peak(config, run: RunShape, hf_config, inventory, parts,
         from memfit.techniques.efficient_lora import SLICE_ELEMENTS
 
         tile_tokens = b * s / max(1, run.mlp_tiles)
-        recompute += 4 * min(SLICE_ELEMENTS, tile_tokens * max(arch.intermediate, arch.hidden))
-    # an encoder's own backward (ESM's GELU): under --tiled-mlp one tile's tokens at a time
-    recompute += backward_working_bytes(arch, precision.compute, b * s / max(1, run.mlp_tiles))
+        adapter_working += 4 * min(SLICE_ELEMENTS, tile_tokens * max(arch.intermediate, arch.hidden))
+    # an encoder's own MLP backward (ESM's GELU; a plain MLP's under LoRA in place of the adapter terms), per tile
+    recompute += backward_working_bytes(arch, precision, b * s, run.mlp_tiles, adapter_working)
     released = terms.released_per_block
     fixed = activations - arch.layers * released  # the embedding side, uncheckpointed or offloaded blocks
     # autocast caches a 16-bit copy of each weight from its first use until backward is past it
