@@ -47,7 +47,14 @@ import torch
 from torch import nn
 
 from memfit.models.experts import is_fused_experts
-from memfit.techniques.tiled_mlp import _draws_random_numbers, _RngState, _tile, recompute_context, tiles_for
+from memfit.techniques.tiled_mlp import (
+    _draws_random_numbers,
+    _RngState,
+    _tile,
+    add_tile_gradients,
+    recompute_context,
+    tiles_for,
+)
 
 _PREVIOUS = "_memfit_untiled_experts_forward"
 _MARK = "_memfit_tiled_experts_forward"
@@ -264,13 +271,7 @@ class TiledExpertsFunction(torch.autograd.Function):
                         _tile(buffer, ctx.tiles, index).zero_()
                     else:
                         _tile(buffer, ctx.tiles, index).copy_(grad)
-                for position, grad in enumerate(grads):
-                    if grad is None:
-                        continue
-                    if grad_parameters[position] is None:
-                        grad_parameters[position] = grad
-                    else:
-                        grad_parameters[position] += grad
+                add_tile_gradients(grad_parameters, grads)
         by_parameter = iter(grad_parameters)
         parameter_grads = [next(by_parameter) if needed else None for needed in ctx.needs_input_grad[6:]]
         return (None, None, grad_hidden, None, grad_weights, None, *parameter_grads)

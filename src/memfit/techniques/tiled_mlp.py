@@ -237,6 +237,18 @@ def _draws_random_numbers(mlp: nn.Module) -> bool:
     return any(isinstance(module, nn.Dropout) and module.p > 0 and module.training for module in mlp.modules())
 
 
+def add_tile_gradients(sums: list, grads) -> None:
+    """Add one tile's parameter gradients into `sums` (one running sum per parameter, None until its first tile):
+    each parameter then gets one complete gradient, handed to autograd once."""
+    for position, grad in enumerate(grads):
+        if grad is None:
+            continue
+        if sums[position] is None:
+            sums[position] = grad
+        else:
+            sums[position] += grad
+
+
 @contextlib.contextmanager
 def recompute_context(ctx):
     """What a tile's recompute in backward runs under: the forward's random numbers (`ctx.rng`, when captured),
@@ -300,13 +312,7 @@ class TiledMLPFunction(torch.autograd.Function):
                 if needs_input:
                     _tile(grad_hidden, ctx.tiles, index).copy_(grads[0])
                     grads = grads[1:]
-                for position, grad in enumerate(grads):
-                    if grad is None:
-                        continue
-                    if grad_parameters[position] is None:
-                        grad_parameters[position] = grad
-                    else:
-                        grad_parameters[position] += grad
+                add_tile_gradients(grad_parameters, grads)
         by_parameter = iter(grad_parameters)
         parameter_grads = [next(by_parameter) if needed else None for needed in ctx.needs_input_grad[4:]]
         return (None, None, grad_hidden, None, *parameter_grads)
