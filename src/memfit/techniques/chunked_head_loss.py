@@ -31,6 +31,7 @@ import logging
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 log = logging.getLogger("memfit")
 
@@ -94,7 +95,9 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for start in range(0, hidden.size(0), chunk_size):
             end = start + chunk_size
-            total += token_loss(head(hidden[start:end]), targets[start:end], postprocess)
+            # the head's own projection, not a call of the module: a module call here would let module hooks
+            # (FlopCounterMode's tracker) hang gradient hooks on inputs that have no graph inside this forward
+            total += token_loss(F.linear(hidden[start:end], weight, bias), targets[start:end], postprocess)
         ctx.save_for_backward(hidden, weight, bias, targets)
         ctx.head, ctx.chunk_size, ctx.postprocess, ctx.token_loss = head, chunk_size, postprocess, token_loss
         # Backward recomputes the logits as forward computed them: under the same autocast.
@@ -114,8 +117,9 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         for start in range(0, hidden.size(0), ctx.chunk_size):
             end = start + ctx.chunk_size
             chunk = hidden[start:end].detach().requires_grad_(needs_hidden)
-            with torch.enable_grad(), recompute:
-                logits = ctx.head(chunk)
+            # no saved-tensor hooks: activation offload must not move a chunk's short-lived tensors, used right here
+            with torch.enable_grad(), recompute, torch.autograd.graph.saved_tensors_hooks(_same, _same):
+                logits = F.linear(chunk, weight, bias)  # as forward: no module call (its hooks, see forward)
                 if not needs_hidden:  # nothing upstream trains: the logits are where the recomputed graph starts
                     logits = logits.detach().requires_grad_()
                 loss = ctx.token_loss(logits, targets[start:end], ctx.postprocess)
@@ -139,6 +143,10 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
 
 
+def _same(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
 def _accumulate_product(total: torch.Tensor | None, grad_logits: torch.Tensor, rows: torch.Tensor,
                         dtype: torch.dtype) -> torch.Tensor:
     """`total += grad_logits^T @ rows` in place, in `dtype` (the first chunk's product starts the sum)."""
@@ -147,4 +155,6 @@ def _accumulate_product(total: torch.Tensor | None, grad_logits: torch.Tensor, r
     grad_logits, rows = grad_logits.to(dtype), rows.to(dtype)
     if total is None:
         return grad_logits.t().mm(rows)
-    return total.addmm_(grad_logits.t(), rows)
+    # addmm's out= form is the in-place product-and-add too, and is the op that FLOP counters know (they count
+    # aten.addmm, not aten.addmm_)
+    return torch.addmm(total, grad_logits.t(), rows, out=total)
