@@ -82,9 +82,9 @@ class TrainingSession:
     token_loss: Callable[..., torch.Tensor] | None = None
     """--compile: the compiled logits-to-loss tail (techniques.loss.token_loss_sum); None: the eager one."""
     eval_dataset: Any = None
+    """The samples evaluation runs on (--eval-dataset or --eval-fraction; train/evaluation.py), or None."""
     task: Task = field(default_factory=Task)
     """What is learned (memfit.tasks): the head's class, the loss and its normalisation, the data, the metrics."""
-    """The samples evaluation runs on (--eval-dataset or --eval-fraction; train/evaluation.py), or None."""
     head_gradient: str = ""
     """How the chunked loss makes the head's gradient: 'in place', 'per chunk' (why: fallbacks), '' (not chunked or
     no trained head); techniques/chunked_head_loss.py."""
