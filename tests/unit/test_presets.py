@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 
@@ -44,11 +43,11 @@ def test_closed_form_matches_published_counts(name, count):
     assert parameter_count(preset_config(name)) == count
 
 
-def test_70b_meta_build_takes_under_a_second():
-    build_meta_model(preset_config("qwen2.5-0.5b"))  # imports and caches out of the timing
-    started = time.perf_counter()
+def test_70b_meta_build_allocates_no_weights():
+    # A 70B model built for estimating holds shapes only: on a real device it would need 138 GB (a timed assert
+    # stood here; on a loaded machine it failed at 1.05 s and said nothing about memory)
     model = build_meta_model(preset_config("llama-2-70b"))
-    assert time.perf_counter() - started < 1.0
+    assert all(p.is_meta for p in model.parameters()) and all(b.is_meta for b in model.buffers())
     assert sum(p.numel() for p in model.parameters()) > 68e9
 
 
