@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import time
 
 import pytest
 import torch
@@ -130,12 +129,16 @@ def test_estimates_stay_within_their_error_band_of_the_measured_peak(changes):
     assert abs(analytical / truth - 1) <= band  # within the band the estimate itself states
 
 
-def test_traced_7b_step_runs_in_seconds_without_memory():
+def test_traced_7b_step_runs_without_memory():
+    import resource
+
     config = load_config(overrides={"model": "llama-2-7b", "seq_len": 128, "batch_size": 1,
                                     "gradient_checkpointing": "full"})
-    started = time.perf_counter()
+    peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
     traced = estimate(config, method="traced")
-    assert time.perf_counter() - started < 60
+    # the traced step holds shapes, not bytes: the process's high-water mark grows by far less than the 107 GB
+    # the step it traces would hold (a timed assert stood here; how long it takes is benchmarks' to say)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak_before < 2 * 1024**2
     analytical = estimate(config)
     assert traced.peak_bytes > 6.7e9 * 16  # weights, gradients and two fp32 moments
     assert abs(analytical.peak_bytes / traced.peak_bytes - 1) < 0.10
