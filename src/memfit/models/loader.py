@@ -17,6 +17,7 @@ import torch
 
 from memfit.config import TrainConfig
 from memfit.errors import UsageError
+from memfit.hardware import training_device
 from memfit.models.rope import RopeScaling, apply_rope_scale, can_scale
 
 log = logging.getLogger("memfit")
@@ -207,11 +208,6 @@ def _family_kernel(hf_config, attention: AttentionChoice, device: torch.device, 
     return runs
 
 
-def _training_device() -> torch.device:
-    """Where a from_pretrained model trains (the loader's caller moves it there): CUDA when there is one."""
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
 def _from_pretrained(name, config: TrainConfig, dtype, attention: AttentionChoice, quantization_config, hf_config=None,
                      auto_class=None):
     """`hf_config`: the model's config changed before loading (--rope-scale); None reads the saved one.
@@ -235,7 +231,7 @@ def _from_pretrained(name, config: TrainConfig, dtype, attention: AttentionChoic
     except ValueError as error:
         if "attn_implementation" in str(error) or "does not support" in str(error):
             kwargs["attn_implementation"] = _family_kernel(hf_config or _pretrained_config(name, config), attention,
-                                                           _training_device(), fallback="eager")
+                                                           training_device(), fallback="eager")
             return model_class.from_pretrained(name, **kwargs)
         raise UsageError(f"cannot load model {name!r}: {str(error).splitlines()[0][:200]}") from None
     except OSError as error:
