@@ -85,13 +85,13 @@ def chunked_head_loss_sum(hidden: torch.Tensor, targets: torch.Tensor, head: tor
     `hidden`: `[tokens, hidden]`; `targets`: `[tokens]`; `postprocess` and `token_loss` as in
     techniques.loss. The head's gradient is accumulated in place across chunks (module docstring).
     """
-    return _ChunkedHeadLoss.apply(hidden, head.weight, head.bias, targets, head, chunk_size, postprocess, token_loss)
+    return _ChunkedHeadLoss.apply(hidden, head.weight, head.bias, targets, chunk_size, postprocess, token_loss)
 
 
 class _ChunkedHeadLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, head, chunk_size, postprocess, token_loss):
-        # `weight` and `bias` are `head`'s, passed so that autograd gives them their gradients
+    def forward(ctx, hidden, weight, bias, targets, chunk_size, postprocess, token_loss):
+        # `weight` and `bias` are the head's, passed as inputs so that autograd gives them their gradients
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for start in range(0, hidden.size(0), chunk_size):
             end = start + chunk_size
@@ -99,7 +99,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
             # (FlopCounterMode's tracker) hang gradient hooks on inputs that have no graph inside this forward
             total += token_loss(F.linear(hidden[start:end], weight, bias), targets[start:end], postprocess)
         ctx.save_for_backward(hidden, weight, bias, targets)
-        ctx.head, ctx.chunk_size, ctx.postprocess, ctx.token_loss = head, chunk_size, postprocess, token_loss
+        ctx.chunk_size, ctx.postprocess, ctx.token_loss = chunk_size, postprocess, token_loss
         # Backward recomputes the logits as forward computed them: under the same autocast.
         device_type = hidden.device.type
         ctx.autocast = (device_type, torch.get_autocast_dtype(device_type), torch.is_autocast_enabled(device_type))
@@ -140,7 +140,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
                     chunk_bias = grad_logits.sum(0, dtype=bias.dtype)
                     grad_bias = chunk_bias if grad_bias is None else grad_bias.add_(chunk_bias)
             del grad_logits
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None
 
 
 def _same(tensor: torch.Tensor) -> torch.Tensor:
