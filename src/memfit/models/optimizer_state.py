@@ -308,22 +308,30 @@ def distance_from_adamw(optimizer: str | None) -> int:
     return facts.distance_from_adamw if facts else 0
 
 
-STEP_TEMPORARY_FACTOR = {"galore-adamw": 3.3, "galore-adamw-8bit": 4.3, "apollo-adamw": 2.9, "apollo-mini": 2.0,
+STEP_TEMPORARY_FACTOR = {"galore-adamw": 3.3, "galore-adamw-8bit": 4.3, "apollo-adamw": 1.0, "apollo-mini": 1.1,
                          "adam-mini": 2.0, "adamw-4bit": 2.0}
-"""Temporaries of one tensor's step, in copies of that tensor, at the step that refreshes the projection.
+"""Temporaries of one tensor's step, in copies of that tensor, at the step that refreshes the projection;
+APOLLO-Mini's in copies of one block of APOLLO_BLOCK_ELEMENTS (or of the tensor, where it is smaller).
 
-Measured with the tracker on CPU (torch 2.13, a 1024 x 512 fp32 weight, default settings, the
+Measured with the tracker on CPU (torch 2.13, a 1024 x 512 weight, default settings, the
 projection refreshed at that step; the same in backward): GaLore 3.26 (the SVD's factors, the
-projected-back update and its scaled copy), APOLLO 2.88 at rank 128 and 2.01 at rank 1 (the scaled
-gradient and its limited copy), Adam-mini 2.01 (the squared gradient, the update). Not measured:
-GaLore 8-bit (one more copy: it clones the weight around bitsandbytes' step) and torchao's compiled
-4-bit step (taken as two copies, the dequantized moments of one tensor).
+projected-back update and its scaled copy), Adam-mini 2.01 (the squared gradient, the update).
+APOLLO's step is memfit's (memfit.techniques.apollo_step, tests/unit/techniques/test_apollo_step.py):
+a block of the scaled gradient and the low-rank tensors, 1.1 blocks at rank 1; at rank 128 the
+largest tensor is the head, which APOLLO leaves unprojected, and its AdamW step holds sqrt(v): 1.0.
+(apollo-torch's own step: 2.88 at rank 128 and 2.01 at rank 1, the scaled gradient and its limited
+copy.) Not measured: GaLore 8-bit (one more copy: it clones the weight around bitsandbytes' step) and
+torchao's compiled 4-bit step (taken as two copies, the dequantized moments of one tensor).
 """
+
+APOLLO_BLOCK_ELEMENTS = 1 << 22
+"""Elements of a projected gradient memfit's APOLLO step scales at a time (8 MiB in bf16)."""
 
 
 def step_temporary_bytes(optimizer: str, largest_numel: int, param_bytes: int) -> int:
     """Bytes one step allocates on top of the state: these optimizers work a tensor at a time."""
-    return int(STEP_TEMPORARY_FACTOR[optimizer] * param_bytes * largest_numel)
+    copied = min(largest_numel, APOLLO_BLOCK_ELEMENTS) if optimizer == "apollo-mini" else largest_numel
+    return int(STEP_TEMPORARY_FACTOR[optimizer] * param_bytes * copied)
 
 
 SVD_FLOP_RATE = 0.05

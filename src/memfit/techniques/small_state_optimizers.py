@@ -137,7 +137,9 @@ def _classes(optimizer: str) -> type[torch.optim.Optimizer]:
         return GaLore
     from apollo_torch import APOLLOAdamW
 
-    class Apollo(_PlainStateDict, APOLLOAdamW):
+    from memfit.techniques.apollo_step import InPlaceApolloStep
+
+    class Apollo(_PlainStateDict, InPlaceApolloStep, APOLLOAdamW):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             self.seeds = {p: state["seed"] for p, state in self.state.items() if "seed" in state}
