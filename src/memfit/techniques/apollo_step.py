@@ -140,3 +140,4 @@ class InPlaceApolloStep:
             if not self.scale_front:
                 block *= root_scale
             parameter_rows.add_(block, alpha=-step_size)
+            del block  # before the next block is made: one block at a time
