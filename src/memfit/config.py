@@ -169,6 +169,10 @@ class MemoryConfig:
     """Offload only the first N transformer blocks' saved inputs (the later blocks and the output head keep theirs on the device, where backward needs them first); turns on --activation-offload; needs --gradient-checkpointing full or auto; default: offload everything saved."""
     optimizer_offload: bool = False
     """Keep optimizer state and run the optimizer step on the CPU (CUDA; with --optimizer-in-backward on any device)."""
+    embedding_on_host: bool = False
+    """Keep a frozen, untied input embedding in host memory: the lookup runs there and only the looked-up rows go to the device (LoRA/QLoRA; saves vocab x hidden x its bytes on the device; costs a host round trip of the ids and rows per forward)."""
+    expert_dequant_group: int = 0
+    """Dequantize QLoRA's NF4 expert stacks this many experts at a time for their grouped matmul instead of whole (0: whole; --quantize 4bit; saves that share of one dequantized stack; costs more, smaller matmuls)."""
     memory_cap: int | None = field(default=None, metadata=SIZE)
     """Behave as if the device had only this much memory (e.g. 16GiB), to rehearse a smaller GPU."""
     memory_budget: int | None = field(default=None, metadata=SIZE)
@@ -469,6 +473,7 @@ class TrainConfig:
         if not 0 <= o.warmup_ratio < 1:
             problems.append(f"--warmup-ratio must be at least 0 and below 1 (a share of the steps), got {o.warmup_ratio}")
         problems.extend(_small_state_optimizer_problems(o, lo, m.optimizer_offload))
+        problems.extend(_frozen_weight_problems(m, lo))
         if m.activation_offload_blocks is not None:
             if m.activation_offload_blocks < 0:
                 problems.append(f"--activation-offload-blocks must be 0 or more, got {m.activation_offload_blocks}")
@@ -506,6 +511,18 @@ class TrainConfig:
         problems.extend(self.task.problems())
         if problems:
             raise UsageError("; ".join(problems))
+
+
+def _frozen_weight_problems(m: MemoryConfig, lo: LoraConfig) -> list[str]:
+    """--embedding-on-host and --expert-dequant-group act on frozen weights (techniques/host_embedding.py, expert_dequant_groups.py)."""
+    problems = []
+    if m.embedding_on_host and lo.lora_r == 0:
+        problems.append("--embedding-on-host keeps a frozen embedding in host memory: add --lora-r (a full fine-tune trains it)")
+    if m.expert_dequant_group < 0:
+        problems.append(f"--expert-dequant-group must be 0 (whole stacks) or more experts, got {m.expert_dequant_group}")
+    elif m.expert_dequant_group and lo.quantize != "4bit":
+        problems.append("--expert-dequant-group splits the dequantization of NF4 expert stacks: add --quantize 4bit")
+    return problems
 
 
 def _small_state_optimizer_problems(o: OptimizerConfig, lo: LoraConfig, optimizer_offload: bool) -> list[str]:

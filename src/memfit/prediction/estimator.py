@@ -71,6 +71,7 @@ from memfit.prediction.estimate_result import (  # noqa: F401  (re-exported: mem
 from memfit.prediction.experts import balancing_loss_bytes, moe_details, with_nf4_experts
 from memfit.prediction.in_backward import untied_edge_steps
 from memfit.prediction.padding_mask import padding_mask
+from memfit.prediction.qlora_levers import with_qlora_levers
 from memfit.prediction.run_shape import (
     RunShape,
     apply_sharding,
@@ -145,6 +146,8 @@ def estimate(
     inventory = parameter_inventory(hf_config, run.lora_r)
     parts = state_parts(config, run, inventory)
     parts = with_nf4_experts(parts, run.quantize, inventory, run.lora_r, run.weight_bytes, precision_of(run).compute)
+    parts = with_qlora_levers(parts, config, hf_config, inventory, run.lora_r, run.quantize, run.weight_bytes,
+                              precision_of(run).compute)  # embedding on host, grouped expert dequantization
     if method == "analytical":
         moment, per_layer, notes = _analytical_peak(config, run, hf_config, inventory, parts, sharding)
     else:
@@ -169,6 +172,8 @@ def estimate(
     if host_activations is None:
         host_activations = _host_activations(config, run, hf_config)
     host = host_breakdown(run, parts, host_activations)
+    if parts["embedding_host_bytes"]:
+        host["embedding"] = parts["embedding_host_bytes"]
     if config.output.async_save:
         # --async-save copies the checkpoint to host memory and writes it while training goes on: the trainable
         # weights in their dtype and the whole optimizer state, held until the write ends

@@ -31,6 +31,8 @@ import copy
 import torch
 from torch import nn
 
+from memfit.techniques.expert_dequant_groups import dequant_group, grouped_nf4_mm
+
 NF4_BLOCK = 64
 """Weights per absmax block, as bitsandbytes' Linear4bit uses for QLoRA."""
 
@@ -121,11 +123,17 @@ class _Nf4GroupedMm(torch.autograd.Function):
         # the tracker) must not copy or count the frozen weight as an activation
         ctx.weight, ctx.transposed, ctx.dtype, ctx.input_dtype = weight, transposed, dtype, x.dtype
         ctx.save_for_backward(offsets)
+        if dequant_group(weight):  # a group of experts dequantized at a time (techniques/expert_dequant_groups.py)
+            return grouped_nf4_mm(x, weight, offsets, dtype, lambda s: _as_in_out(s, transposed), _grouped_mm)
         return _grouped_mm(x, _as_in_out(dequantized(weight, dtype), transposed), offsets)
 
     @staticmethod
     def backward(ctx, grad_output):
         (offsets,) = ctx.saved_tensors
+        if dequant_group(ctx.weight):
+            grad_input = grouped_nf4_mm(grad_output, ctx.weight, offsets, ctx.dtype,
+                                        lambda s: _as_in_out(s, ctx.transposed).transpose(-2, -1), _grouped_mm)
+            return grad_input.to(ctx.input_dtype), None, None, None, None
         stack = _as_in_out(dequantized(ctx.weight, ctx.dtype), ctx.transposed)  # dequantized again, then dropped
         grad_input = _grouped_mm(grad_output.to(ctx.dtype), stack.transpose(-2, -1), offsets)
         return grad_input.to(ctx.input_dtype), None, None, None, None

@@ -271,6 +271,14 @@ def apply_model_techniques(config: TrainConfig, model: torch.nn.Module,
             from memfit.techniques.efficient_lora import apply_efficient_lora
 
             log.info("memfit: efficient LoRA: %s", apply_efficient_lora(model))
+    if config.memory.embedding_on_host:  # the frozen input embedding's lookup in host memory
+        from memfit.techniques.host_embedding import embedding_to_host
+
+        log.info("memfit: embedding on host: %s", embedding_to_host(model))
+    if config.memory.expert_dequant_group:  # NF4 expert stacks dequantized a group of experts at a time
+        from memfit.techniques.expert_dequant_groups import set_dequant_group
+
+        log.info("memfit: expert dequant group: %s", set_dequant_group(model, config.memory.expert_dequant_group))
     from memfit.techniques.tiled_mlp import apply_tiled_mlp, tiles_for
 
     tiles = tiles_for(config.data.seq_len, config.memory.tiled_mlp)
