@@ -11,6 +11,7 @@ import pytest
 from memfit.config_loading import load_config
 from memfit.errors import DoesNotFitError
 from memfit.gpus import GpuSpec
+from memfit.models import optimizer_state
 from memfit.prediction.estimate_result import CUDA_CONTEXT_BYTES
 from memfit.prediction.estimator import estimate
 from memfit.prediction.planner import plan
@@ -38,14 +39,14 @@ def test_the_frontier_plan_pages_nothing_and_allocates_less_than_torchtune(front
     # the tensors alive at the peak (what torch.cuda.max_memory_allocated counts) stay under torchtune's figure;
     # memfit's device peak adds the CUDA context and the allocator's slack to them
     assert est.details["allocated_peak_bytes"] < TORCHTUNE_PEAK
-    # what bounds it: the weights, and the head's gradient with APOLLO-Mini's two step temporaries (3 head-sized
-    # tensors) at the head's step in backward, with every checkpoint offloaded; the loss chunks add no head-sized
-    # sums (the head's gradient is accumulated in place: one head gradient and one chunk's logits)
+    # what bounds it: the weights and one head-sized gradient with every checkpoint offloaded; APOLLO-Mini's step
+    # scales the head's gradient a block at a time (apollo-torch's own step adds two head-sized temporaries, 1.96
+    # GiB, which would fail this), and the loss chunks add no head-sized sums (accumulated in place)
     head = 128256 * 4096 * 2
-    assert est.details["allocated_peak_bytes"] < est.breakdown["parameters"] + 3 * head + 0.2 * GIB
-    assert est.breakdown["gradients"] == head  # one head-sized gradient, no chunk sums
-    # + the CUDA context measured on an H100 (0.85 GiB) and 5 % slack
-    assert frontier.estimated_peak_bytes < 20 * GIB
+    assert est.details["allocated_peak_bytes"] < est.breakdown["parameters"] + head + 0.6 * GIB
+    assert est.breakdown["gradients"] < 1.5 * head
+    # with the CUDA context measured on an H100 (0.85 GiB) and 5 % slack, the device peak too
+    assert frontier.estimated_peak_bytes < TORCHTUNE_PEAK
     compared = [line for line in frontier.trades if line.startswith("nothing paged to the host")]
     assert compared and float(compared[0].split("expected ")[1].split("x")[0]) > 1.1
 
@@ -56,7 +57,7 @@ def test_the_frontier_plan_names_its_allocated_peak(frontier):
 
 
 @pytest.mark.slow
-def test_the_frontier_estimate_follows_the_tracker_at_1_1024_scale(tmp_path):
+def test_the_frontier_estimate_follows_the_tracker_at_1_1024_scale(tmp_path, monkeypatch):
     """Llama-3.1-8B's shape at 1/1024 of its bytes: what the estimate puts at the peak is what the tracker finds.
 
     Width 128, 32 blocks, a 4008-token vocabulary and 128 tokens a step keep the 8B run's proportions (checkpoints,
@@ -85,6 +86,8 @@ def test_the_frontier_estimate_follows_the_tracker_at_1_1024_scale(tmp_path):
         "log_every": 1000, "output_dir": str(tmp_path / "run"), "report": False, "dtype": "bf16",
         "gradient_checkpointing": "full", "optimizer": "apollo-mini", "optim_target_modules": "all",
         "loss_chunk_size": 32, "optimizer_in_backward": True, "max_grad_norm": 0.0})
+    # APOLLO's step scales the gradient in blocks (8 MiB in bf16): 1/1024 of them too
+    monkeypatch.setattr(optimizer_state, "APOLLO_BLOCK_ELEMENTS", optimizer_state.APOLLO_BLOCK_ELEMENTS // 1024)
     est = estimate(config)
     tracked = profile_run(config)[0].to_dict()
     print(f"tracked {tracked['peak_bytes'] / MIB:.2f} MiB {tracked['breakdown']}, estimated {est.peak_bytes / MIB:.2f}"

@@ -85,11 +85,11 @@ def test_a_halved_update_fails_the_comparison():
                                    rtol=1e-6, atol=1e-6)
 
 
-def _step_temporaries(cls, name: str, dtype: torch.dtype) -> float:
+def _step_temporaries(cls, name: str, dtype: torch.dtype, projected: bool = True) -> float:
     """Bytes one refreshing step allocates beyond what was live before it, in copies of the weight (blocks of a
     sixteenth of it: the 8B head's 525M values in blocks of 4M are 1/125 each)."""
     layer = torch.nn.Linear(512, 1024, bias=False).to(dtype)
-    optimizer = _optimizer(cls, layer.weight, name, gap=1)
+    optimizer = _optimizer(cls, layer.weight, name, gap=1) if projected else cls([layer.weight], lr=1e-2)
     tracker = MemoryTracker("cpu")
     tracker.attach(layer, optimizer)
     weight_bytes = layer.weight.numel() * layer.weight.element_size()
@@ -112,3 +112,10 @@ def test_a_step_allocates_a_small_fraction_of_the_weight_where_the_library_alloc
     assert ours < 0.1  # a block (1/16) and the low-rank tensors
     assert theirs >= 1.9  # the library's scaled gradient and its limited copy (bf16: and the float32 copy)
     assert _step_temporaries(_classes("apollo-adamw"), "apollo-adamw", dtype) < 0.1
+
+
+def test_an_unprojected_matrix_steps_with_one_temporary_where_the_library_makes_two():
+    """APOLLO leaves the head unprojected at rank 128 (its largest tensor): AdamW's update, sqrt(v) the only copy."""
+    ours = _step_temporaries(_classes("apollo-adamw"), "apollo-adamw", torch.float32, projected=False)
+    theirs = _step_temporaries(apollo.APOLLOAdamW, "apollo-adamw", torch.float32, projected=False)
+    assert 0.9 < ours < 1.1 and theirs > 1.9
