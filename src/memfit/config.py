@@ -169,6 +169,8 @@ class MemoryConfig:
     """Offload only the first N transformer blocks' saved inputs (the later blocks and the output head keep theirs on the device, where backward needs them first); turns on --activation-offload; needs --gradient-checkpointing full or auto; default: offload everything saved."""
     optimizer_offload: bool = False
     """Keep optimizer state and run the optimizer step on the CPU (CUDA; with --optimizer-in-backward on any device)."""
+    expert_offload: bool = False
+    """Keep a mixture of experts' frozen expert weights in host memory and copy each layer's to the device just before it runs (LoRA; needs checkpointing; costs the experts' bytes over the host link twice a micro-batch)."""
     embedding_on_host: bool = False
     """Keep a frozen, untied input embedding in host memory: the lookup runs there and only the looked-up rows go to the device (LoRA/QLoRA; saves vocab x hidden x its bytes on the device; costs a host round trip of the ids and rows per forward)."""
     expert_dequant_group: int = 0
@@ -474,6 +476,7 @@ class TrainConfig:
             problems.append(f"--warmup-ratio must be at least 0 and below 1 (a share of the steps), got {o.warmup_ratio}")
         problems.extend(_small_state_optimizer_problems(o, lo, m.optimizer_offload))
         problems.extend(_frozen_weight_problems(m, lo))
+        problems.extend(_expert_offload_problems(m, lo))
         if m.activation_offload_blocks is not None:
             if m.activation_offload_blocks < 0:
                 problems.append(f"--activation-offload-blocks must be 0 or more, got {m.activation_offload_blocks}")
@@ -511,6 +514,24 @@ class TrainConfig:
         problems.extend(self.task.problems())
         if problems:
             raise UsageError("; ".join(problems))
+
+
+def _expert_offload_problems(m: MemoryConfig, lo: LoraConfig) -> list[str]:
+    """--expert-offload streams frozen experts, brought again by the recompute (techniques/expert_streaming.py)."""
+    if not m.expert_offload:
+        return []
+    problems = []
+    if lo.lora_r == 0:
+        problems.append("--expert-offload streams frozen expert weights: add --lora-r (a full fine-tune trains them)")
+    if m.gradient_checkpointing == "off":
+        problems.append("--expert-offload needs --gradient-checkpointing full (without it autograd keeps every layer's"
+                        " streamed experts on the device until backward)")
+    if m.compile:
+        problems.append("--expert-offload cannot run with --compile (compiled blocks capture the streamed weights)")
+    if lo.merge_adapter:
+        problems.append("--expert-offload keeps the experts in host memory: drop --merge-adapter and merge the saved"
+                        " adapter afterwards")
+    return problems
 
 
 def _frozen_weight_problems(m: MemoryConfig, lo: LoraConfig) -> list[str]:

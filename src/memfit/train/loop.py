@@ -321,6 +321,7 @@ def run_facts(session: TrainingSession) -> dict[str, Any]:
     """What really runs: recorded in the metrics' start and summary lines."""
     from memfit.models.experts import experts_facts
     from memfit.techniques.expert_quant import experts_precision
+    from memfit.techniques.expert_streaming import expert_streaming_facts
     from memfit.techniques.lora import lora_facts
     from memfit.techniques.tiled_experts import tiled_experts_facts
 
@@ -348,6 +349,7 @@ def run_facts(session: TrainingSession) -> dict[str, Any]:
         "experts": experts_facts(session.model),  # MoE: the experts implementation that ran, active parameters
         "experts_weights": experts_precision(session.model),  # MoE: "experts nf4" (QLoRA) or the load dtype
         "tiled_experts": tiled_experts_facts(session.model),  # MoE layers whose experts ran over token tiles
+        "expert_offload": expert_streaming_facts(session.model),  # --expert-offload: host bytes, bytes streamed
     }
 
 

@@ -271,6 +271,10 @@ def apply_model_techniques(config: TrainConfig, model: torch.nn.Module,
             from memfit.techniques.efficient_lora import apply_efficient_lora
 
             log.info("memfit: efficient LoRA: %s", apply_efficient_lora(model))
+    if config.memory.expert_offload:  # frozen experts in host memory, brought per layer (before tiled experts wrap it)
+        from memfit.techniques.expert_streaming import apply_expert_streaming
+
+        log.info("memfit: expert offload: %s", apply_expert_streaming(model))
     if config.memory.embedding_on_host:  # the frozen input embedding's lookup in host memory
         from memfit.techniques.host_embedding import embedding_to_host
 

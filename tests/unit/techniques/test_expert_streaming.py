@@ -1,0 +1,268 @@
+"""Expert streaming (--expert-offload): frozen experts in host memory, brought to the device per layer call.
+
+Reference: the same model with its experts resident (fp32, checkpointed, LoRA). Streaming copies the same
+values, so loss and the adapters' gradients match exactly, and an SGD step (no clipping) leaves the same
+adapters. The tracker sees the experts' bytes move from device to host, and the step's device peak keep
+about one layer's experts. Fault twins: a layer whose experts are left in host memory during its call, and
+a device copy kept from an earlier call after the host weights changed, are both caught.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import AutoModelForCausalLM
+
+from memfit.config import LoraConfig, MemoryConfig, TrainConfig
+from memfit.errors import UsageError
+from memfit.memory.tracker import MemoryTracker
+from memfit.techniques import expert_streaming
+from memfit.techniques.checkpointing import apply_gradient_checkpointing
+from memfit.techniques.expert_streaming import (
+    ExpertStreamer,
+    apply_expert_streaming,
+    expert_streaming_facts,
+    find_expert_layers,
+)
+from memfit.techniques.host_memory import is_marked_host
+from memfit.techniques.lora import apply_lora
+from model_zoo import ZOO, build_model
+
+pytest.importorskip("peft")
+
+
+class ListMoe(nn.Module):
+    """A mixture of experts kept as a list of expert MLPs (the older Mixtral layout), top-2 routing."""
+
+    def __init__(self, hidden: int, width: int, experts: int = 4, seed: int = 0) -> None:
+        super().__init__()
+        generator = torch.Generator().manual_seed(seed)
+        self.gate = nn.Linear(hidden, experts, bias=False)
+        self.experts = nn.ModuleList(
+            nn.Sequential(nn.Linear(hidden, width, bias=False), nn.SiLU(), nn.Linear(width, hidden, bias=False))
+            for _ in range(experts))
+        with torch.no_grad():
+            for parameter in self.parameters():
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.2)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        flat = hidden_states.reshape(-1, hidden_states.shape[-1])
+        weights, chosen = torch.topk(self.gate(flat).softmax(-1), 2, dim=-1)
+        out = torch.zeros_like(flat)
+        for slot in range(2):
+            for index, expert in enumerate(self.experts):
+                rows = chosen[:, slot] == index
+                out = out + rows.unsqueeze(-1) * weights[:, slot:slot + 1] * expert(flat)
+        return out.view_as(hidden_states)
+
+
+def _model(family: str, layers: int = 2):
+    """The tiny checkpointed LoRA model; two builds are equal (a deep copy would share split LoRA's forwards)."""
+    torch.manual_seed(0)
+    config = ZOO["llama" if family == "list" else family]()
+    config.num_hidden_layers = layers
+    model = AutoModelForCausalLM.from_config(config)
+    targets = "auto"  # the fused experts get adapters: split LoRA
+    if family == "list":
+        for index, layer in enumerate(model.model.layers):
+            layer.mlp = ListMoe(model.config.hidden_size, 48, seed=index)
+        targets = "q_proj,v_proj"
+    apply_gradient_checkpointing(model, "full")
+    model, _ = apply_lora(model, LoraConfig(lora_r=2, lora_targets=targets), gradient_checkpointing=True)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # B starts at zero: give the adapters something to differentiate
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.2)
+    return model.train()
+
+
+TOKENS = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
+
+
+def _step(model, optimizer=None):
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=TOKENS, labels=TOKENS).loss
+    loss.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    if optimizer is not None:
+        optimizer.step()
+    return loss.detach(), grads
+
+
+def _sgd(model):
+    return torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+
+
+def _assert_same(actual, expected) -> None:
+    (loss, grads), (expected_loss, expected_grads) = actual, expected
+    torch.testing.assert_close(loss, expected_loss, rtol=0, atol=0)
+    assert grads.keys() == expected_grads.keys() and expected_grads
+    for name, grad in expected_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def _expert_bytes(model) -> int:
+    return sum(host.nbytes for layer in find_expert_layers(model) for _, _, host in layer.weights) or sum(
+        p.nbytes for n, p in model.named_parameters() if ".experts." in n and "lora_" not in n)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "list"])
+def test_streamed_experts_give_the_resident_loss_gradients_and_update(family):
+    layers = 4 if family == "list" else 2  # as many blocks as experts: the longest list is the blocks
+    model, reference = _model(family, layers), _model(family, layers)
+    line = apply_expert_streaming(model)
+    assert f"in {layers} MoE layers kept in host memory" in line, line
+    optimizer, reference_optimizer = _sgd(model), _sgd(reference)
+    for _ in range(2):  # the second step runs on the adapters the first SGD step changed
+        _assert_same(_step(model, optimizer), _step(reference, reference_optimizer))
+    if family != "list":  # split LoRA's adapters on the streamed experts were compared
+        assert any(".experts." in name and "lora_" in name for name in _step(reference)[1])
+    facts = expert_streaming_facts(model)
+    # two forwards and their recomputes of every layer's experts
+    assert facts["streamed_bytes"] == 2 * facts["bytes_per_micro_batch"] == 4 * facts["host_bytes"] > 0
+
+
+class _HostReads(TorchDispatchMode):
+    """Operators (other than the copies that bring a weight) that read a tensor in host memory."""
+
+    COPIES = {"aten.clone.default", "aten._to_copy.default", "aten.copy_.default", "aten.detach.default"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if str(func) not in self.COPIES:
+            for value in torch.utils._pytree.tree_leaves((args, kwargs or {})):
+                if isinstance(value, torch.Tensor) and is_marked_host(value.untyped_storage()):
+                    self.reads.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def _host_reads(model) -> list[str]:
+    with _HostReads() as mode:
+        _step(model)
+    return mode.reads
+
+
+def test_no_operator_reads_an_expert_weight_in_host_memory():
+    model = _model("qwen3_moe")
+    apply_expert_streaming(model)
+    assert _host_reads(model) == []
+
+
+def test_fault_twin_a_layer_left_in_host_memory_is_caught(monkeypatch):
+    model = _model("qwen3_moe")
+    apply_expert_streaming(model)
+    bring = ExpertStreamer.bring
+
+    def skips_layer_one(self, index, backward):
+        if index != 1:
+            bring(self, index, backward)
+
+    monkeypatch.setattr(ExpertStreamer, "bring", skips_layer_one)
+    assert _host_reads(model), "a layer computing on its host weights went unnoticed"
+
+
+def _changed_host_weights(model, factor: float) -> None:
+    """Change every frozen expert weight where it lives (host copies when streamed), as loading another base would."""
+    streamer = getattr(model.get_base_model(), expert_streaming.STREAMER_ATTRIBUTE, None)
+    with torch.no_grad():
+        if streamer is not None:
+            for layer in streamer.layers:
+                for _, _, host in layer.weights:
+                    host.data.mul_(factor)
+        else:
+            for name, parameter in model.named_parameters():
+                if ".experts." in name and "lora_" not in name:
+                    parameter.mul_(factor)
+
+
+def _after_change(model, reference):
+    _step(model), _step(reference)
+    _changed_host_weights(model, 1.5)
+    _changed_host_weights(reference, 1.5)
+    return _step(model), _step(reference)
+
+
+def test_a_change_of_the_host_weights_reaches_the_next_call():
+    model, reference = _model("qwen3_moe"), _model("qwen3_moe")
+    apply_expert_streaming(model)
+    streamed, resident = _after_change(model, reference)
+    _assert_same(streamed, resident)
+
+
+def test_fault_twin_a_stale_device_copy_is_caught(monkeypatch):
+    model, reference = _model("qwen3_moe"), _model("qwen3_moe")
+    apply_expert_streaming(model)
+    copy_of = ExpertStreamer._copy
+    kept: dict[int, list] = {}
+
+    def keeps_first_copy(self, layer):  # the fault: a device copy reused across calls
+        return kept.setdefault(layer.index, copy_of(self, layer))
+
+    monkeypatch.setattr(ExpertStreamer, "_copy", keeps_first_copy)
+    streamed, resident = _after_change(model, reference)
+    with pytest.raises(AssertionError):
+        _assert_same(streamed, resident)
+
+
+def _tracked(model) -> tuple[int, int, int]:
+    """(device bytes before the step, the step's device peak, host bytes) of one tracked step."""
+    tracker = MemoryTracker("cpu")
+    tracker.attach(model)
+    with tracker:
+        before = tracker.current_bytes
+        with tracker.phase("forward"):
+            loss = model(input_ids=TOKENS, labels=TOKENS).loss
+        with tracker.phase("backward"):
+            loss.backward()
+        memory = tracker.end_step()
+        host = tracker.host_bytes
+    tracker.detach()
+    model.zero_grad(set_to_none=True)
+    return before, memory.peak_bytes, host
+
+
+def test_tracker_sees_the_experts_move_to_host_and_one_layer_on_the_device():
+    layers = 6
+    model = _model("qwen3_moe", layers=layers)
+    experts = _expert_bytes(model)
+    resident_before, resident_peak, resident_host = _tracked(model)
+    apply_expert_streaming(model)
+    assert _expert_bytes(model) == experts
+    before, peak, host = _tracked(model)
+    assert host - resident_host == experts
+    assert resident_before - before == experts
+    one_layer = experts // layers
+    saved = resident_peak - peak
+    print(f"experts {experts} B ({one_layer} B a layer); device peak {resident_peak} -> {peak} B")
+    # every layer's experts but the one running (and its recompute's saved copy) leave the device peak
+    assert experts - 1.5 * one_layer <= saved <= experts
+
+
+def test_trainable_experts_and_unchecked_layers_are_refused():
+    full = build_model("qwen3_moe")
+    apply_gradient_checkpointing(full, "full")
+    with pytest.raises(UsageError, match="trains in full"):
+        apply_expert_streaming(full)
+    model = build_model("qwen3_moe")
+    model, _ = apply_lora(model, LoraConfig(lora_r=2), gradient_checkpointing=False)
+    with pytest.raises(UsageError, match="not checkpointed"):
+        apply_expert_streaming(model)
+    with pytest.raises(UsageError, match="no mixture-of-experts"):
+        apply_expert_streaming(build_model("llama"))
+
+
+@pytest.mark.parametrize(("memory", "lora", "needs"), [
+    ({"gradient_checkpointing": "off"}, {"lora_r": 8}, "--gradient-checkpointing full"),
+    ({"gradient_checkpointing": "full"}, {"lora_r": 0}, "add --lora-r"),
+    ({"gradient_checkpointing": "full", "compile": True}, {"lora_r": 8}, "--compile"),
+])
+def test_config_refuses_what_streaming_cannot_run_with(memory, lora, needs):
+    config = TrainConfig(memory=MemoryConfig(expert_offload=True, **memory), lora=LoraConfig(**lora))
+    with pytest.raises(UsageError, match=needs):
+        config.validate()
