@@ -18,6 +18,9 @@ def time_steps(session: Any, cap: int | None) -> tuple[float, int]:
     from memfit.train.loop import _activation_offload_context
     from memfit.train.step import StepRunner
 
+    # As the loop does: a model loaded by from_pretrained is in eval mode, where Hugging Face blocks skip
+    # gradient checkpointing (and dropout): a checkpointed plan would be timed and capped without its recompute
+    session.model.train()
     micro = session.config.training.batch_size
     accumulation = session.accumulation_steps
     indices = session.schedule.batch_indices(0)

@@ -186,3 +186,13 @@ def test_trials_go_to_plans_of_different_shapes_first():
     assert [r["plan"] for r in order] == [chunked[0]["plan"], SMALL, chunked[1]["plan"]]
     lossy = {"plan": SMALL | {"optimizer": "apollo-mini"}, "step_seconds": 0.05, "estimated_peak_bytes": 1}
     assert lossy not in trials.comparable([chunked[0], lossy])  # never chosen over AdamW for a few measured percent
+
+
+def test_a_checkpointed_trial_runs_with_its_checkpointing(llama_dir, text_file, tmp_path):
+    """The trial trains the model as the run does (train mode): at the same micro-batch, checkpointing lowers
+    the trial's tracked peak. A trial of a model left in eval mode skips Hugging Face checkpointing and
+    measures the plain peak: the checkpointed plan was then timed without its recompute and dropped as over cap."""
+    config = _config(llama_dir, text_file, tmp_path / "run")
+    plain = _measured_peak(config, BIG)
+    checkpointed = _measured_peak(config, {**BIG, "gradient_checkpointing": "full"})
+    assert checkpointed < 0.9 * plain, (checkpointed, plain)
