@@ -51,6 +51,7 @@ def technique_grid(mode: str, config: TrainConfig, gpu: GpuSpec | None, seq_len:
     where the speed model measured its gain, the run is long enough to repay the compile time
     and it can run (`speed_model.compile_planned`; needs `hf_config`), unless the user chose.
     """
+    from memfit.prediction.qlora_levers import lever_changes
     from memfit.prediction.run_shape import resolve_mlp_tiles, tiled_mlp_available
     from memfit.prediction.speed_model import compile_planned
     from memfit.techniques.loss import DEFAULT_LOSS_CHUNK_TOKENS
@@ -99,6 +100,9 @@ def technique_grid(mode: str, config: TrainConfig, gpu: GpuSpec | None, seq_len:
             # In backward an untied head is stepped with every checkpoint live: offloading them all lowers that
             # moment, where the fewest blocks that fit (the planner's default) would leave them on the device
             grid.append({**changes, "activation_offload_blocks": None})
+    levers = lever_changes(mode, config, hf_config, user_set)  # frozen weights off the device (prediction/qlora_levers.py)
+    if levers:  # tried with full checkpointing and a chunked loss, where the rest of memory is already smallest
+        grid += [{**c, **levers} for c in grid if c["gradient_checkpointing"] == "full" and c["loss_chunk_size"]]
     if not cuda and config.memory.precision == "auto" and not user_set(config, "precision"):
         from memfit.prediction.calibration import native_bf16
 

@@ -53,3 +53,45 @@ def with_qlora_levers(parts: dict[str, Any], config: TrainConfig, hf_config: Any
         parts["experts_dequantized_bytes"] = max(
             (dequantized_bytes(size, experts, compute_bytes, group) for size, experts in stacks), default=0)
     return parts
+
+
+def lever_changes(mode: str, config: TrainConfig, hf_config: Any, user_set: Any) -> dict[str, Any]:
+    """The frozen-weight levers a LoRA/QLoRA plan may turn on for this model (empty where none applies or the user chose).
+
+    The embedding goes to host memory where it is untied; a QLoRA mixture of experts dequantizes an eighth of each
+    stack's experts at a time (at least one). `user_set(config, name)`: whether the user chose `name`.
+    """
+    from memfit.prediction.encoders import architecture_for
+
+    if mode == "full" or hf_config is None:
+        return {}
+    changes: dict[str, Any] = {}
+    arch = architecture_for(hf_config)
+    if not arch.tied_embeddings and arch.vocab and not user_set(config, "embedding_on_host"):
+        changes["embedding_on_host"] = True
+    experts = _experts_of(hf_config)
+    if mode == "qlora" and experts > 1 and not user_set(config, "expert_dequant_group"):
+        changes["expert_dequant_group"] = max(1, experts // 8)
+    return changes
+
+
+def _experts_of(hf_config: Any) -> int:
+    for name in ("num_local_experts", "num_experts", "n_routed_experts"):
+        value = getattr(hf_config, name, None)
+        if isinstance(value, int):
+            return value
+    return 0
+
+
+def lever_trades(changes: dict[str, Any], est: Any, hf_config: Any) -> list[str]:
+    """What the frozen-weight levers of a plan cost, in words (memfit.prediction.trade_offs lists them)."""
+    lines = []
+    if changes.get("embedding_on_host") and est.host_breakdown.get("embedding"):
+        lines.append(f"embedding on host: the frozen input embedding ({est.host_breakdown['embedding'] / 2**30:.2f} GiB)"
+                     " stays in host memory; each forward sends the token ids to the host and their rows back")
+    group = changes.get("expert_dequant_group")
+    if group and changes.get("quantize") == "4bit":
+        experts = _experts_of(hf_config)
+        lines.append(f"expert dequantization {group} of {experts} experts at a time: {-(-experts // group)} grouped"
+                     " matmuls per projection instead of one, and the expert offsets read on the host each call")
+    return lines

@@ -16,6 +16,7 @@ from memfit.models.optimizer_state import PLANNING
 from memfit.prediction.activations import architecture_of
 from memfit.prediction.estimate_result import CUDA_CONTEXT_BYTES, FRAGMENTATION, Estimate
 from memfit.prediction.plan_result import Candidate
+from memfit.prediction.qlora_levers import lever_trades
 from memfit.units import GIB
 
 
@@ -56,6 +57,7 @@ def trade_offs(candidate: Candidate, config: TrainConfig, hf_config: Any, gpu: G
         lines.append(f"{what}: {est.host_breakdown.get('activations', 0) / GIB:.1f} GiB of pinned host memory;"
                      f" {moved / GIB:.1f} GiB over the host link per micro-batch ({moved / link:.2f} s at"
                      f" {link / 1e9:.0f} GB/s, overlapped with compute where the copies allow)")
+    lines += lever_trades(c, est, hf_config)  # embedding on host, grouped expert dequantization
     if c.get("gradient_checkpointing") == "full":
         lines.append("full checkpointing: each block's forward runs again in backward (about +33 % compute)")
     elif c.get("gradient_checkpointing") == "selective":

@@ -89,14 +89,14 @@ def grouped_nf4_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
 def set_dequant_group(model: nn.Module, group: int) -> str:
     """Dequantize each NF4 expert stack of `model` `group` experts at a time (0: whole); one line saying where."""
     from memfit.models.experts import EXPERT_PARAMETERS
-    from memfit.techniques.expert_quant import is_nf4
 
     stacks, whole = 0, []
     for name, module in model.named_modules():
         for attribute in EXPERT_PARAMETERS:
             weight = getattr(module, attribute, None)
-            if not is_nf4(weight):
-                continue
+            state = getattr(weight, "quant_state", None)
+            if type(weight).__name__ != "Params4bit" or state is None or len(state.shape) != 3:
+                continue  # not an NF4 expert stack (expert_quant.is_nf4's test; that module imports this one)
             if not groupable(weight):
                 whole.append(f"{name}.{attribute}")
                 continue
