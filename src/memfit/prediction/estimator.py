@@ -68,6 +68,7 @@ from memfit.prediction.estimate_result import (  # noqa: F401  (re-exported: mem
     FRAGMENTATION,
     Estimate,
 )
+from memfit.prediction.expert_streaming import streaming_host_and_notes, with_streamed_experts
 from memfit.prediction.experts import balancing_loss_bytes, moe_details, with_nf4_experts
 from memfit.prediction.in_backward import untied_edge_steps
 from memfit.prediction.padding_mask import padding_mask
@@ -148,6 +149,8 @@ def estimate(
     parts = with_nf4_experts(parts, run.quantize, inventory, run.lora_r, run.weight_bytes, precision_of(run).compute)
     parts = with_qlora_levers(parts, config, hf_config, inventory, run.lora_r, run.quantize, run.weight_bytes,
                               precision_of(run).compute)  # embedding on host, grouped expert dequantization
+    parts = with_streamed_experts(parts, config, inventory, hf_config, run.lora_r, run.quantize, run.weight_bytes,
+                                  run.device_type)  # --expert-offload: frozen experts in host memory
     if method == "analytical":
         moment, per_layer, notes = _analytical_peak(config, run, hf_config, inventory, parts, sharding)
     else:
@@ -174,6 +177,9 @@ def estimate(
     host = host_breakdown(run, parts, host_activations)
     if parts["embedding_host_bytes"]:
         host["embedding"] = parts["embedding_host_bytes"]
+    streamed_host, streamed_notes = streaming_host_and_notes(parts)
+    host.update(streamed_host)
+    notes.update(streamed_notes)
     if config.output.async_save:
         # --async-save copies the checkpoint to host memory and writes it while training goes on: the trainable
         # weights in their dtype and the whole optimizer state, held until the write ends

@@ -29,9 +29,11 @@ from memfit.models.optimizer_state import PLANNING, distance_from_adamw
 from memfit.prediction.activations import architecture_of
 from memfit.prediction.candidates import modes_of, technique_grid, user_set
 from memfit.prediction.estimator import estimate
+from memfit.prediction.expert_streaming import prefer_resident
 from memfit.prediction.plan_result import Candidate, PlanResult, plan_to_overrides  # noqa: F401  (plan_to_overrides: re-exported with plan)
 from memfit.prediction.speed_model import estimated_step_seconds
 from memfit.prediction.trade_offs import trade_offs, train_command
+from memfit.prediction.trial_order import shapes_first
 from memfit.units import GIB
 
 MARGIN = 0.05
@@ -287,7 +289,7 @@ def plan(
                                                  1, 1, config.data.seq_len)]
         else:
             found = _fastest(search, mode, effective)
-            fitting = [c for c in found if search.fits(c)]
+            fitting = prefer_resident([c for c in found if search.fits(c)])  # experts streamed only when needed
         everything += found
         chosen += fitting
         if allow == "auto" and fitting:
@@ -310,7 +312,7 @@ def plan(
     best = chosen[0]
     alternatives = [_describe(c, best) for c in _distinct(chosen)[1:3]]
     ranked = [{"plan": dict(c.changes), "step_seconds": c.step_seconds, "estimated_peak_bytes": c.estimate.peak_bytes}
-              for c in _distinct(chosen)[:TRIAL_CANDIDATES]]  # what trials may time (memfit.train.trials)
+              for c in shapes_first(_distinct(chosen), lambda c: c.changes)[:TRIAL_CANDIDATES]]  # for trials
     if config.model.rope_scale is not None:  # the planned positions need the scaled model: the command carries it
         best.changes["rope_scale"] = config.model.rope_scale
         if config.model.rope_scaling != "auto":

@@ -189,12 +189,17 @@ def estimated_step_seconds(changes: dict[str, Any], config: TrainConfig, est: Es
             seconds *= 1.01
     if changes.get("optimizer", config.optimizer.optimizer) in SMALL_STATE_OPTIMIZERS:
         seconds += small_state_step_flops(changes, config, hf_config) / rate  # projections, SVDs, quantization
+    compute_seconds = seconds
     link = (gpu.host_link_gbps if gpu is not None else 16.0) * 1e9
     if changes.get("optimizer_offload"):
         seconds += 8 * trainable / link + trainable / 2e9  # gradients down, weights up, CPU AdamW
     if changes.get("activation_offload"):
         # the estimate's traffic counts only the offloaded blocks' inputs (activation_offload_blocks)
         seconds += accumulation * est.details.get("pcie_bytes_per_micro_batch", 0) / link
+    if changes.get("expert_offload"):  # the frozen experts cross the link per layer, beside the compute
+        from memfit.prediction.expert_streaming import stream_seconds
+
+        seconds += stream_seconds(est, link, compute_seconds, accumulation)
     if changes.get("optimizer") == "paged-adamw-8bit" and gpu is not None:
         # the state pages come in for the step and go out again for the next forward
         seconds += 2 * est.host_breakdown.get("optimizer_states", 0) / link

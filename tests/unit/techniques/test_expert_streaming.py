@@ -9,6 +9,8 @@ a device copy kept from an earlier call after the host weights changed, are both
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -266,3 +268,56 @@ def test_config_refuses_what_streaming_cannot_run_with(memory, lora, needs):
     config = TrainConfig(memory=MemoryConfig(expert_offload=True, **memory), lora=LoraConfig(**lora))
     with pytest.raises(UsageError, match=needs):
         config.validate()
+
+
+def _wide_experts():
+    """Experts dominate the weights: 8 experts of width 128 on a 64-wide stream, top-2, four layers."""
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model("qwen3_moe", vocab_size=257, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                                num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, num_experts_per_tok=2,
+                                intermediate_size=128, moe_intermediate_size=128, num_experts=8)
+
+
+def _train_config(offload: bool):
+    from memfit.config_loading import load_config
+
+    return load_config(overrides={"seq_len": 256, "batch_size": 1, "gradient_checkpointing": "full", "lora_r": 8,
+                                  "dtype": "bf16", "expert_offload": offload})
+
+
+@pytest.fixture(scope="module")
+def tracked_and_estimated() -> dict[bool, tuple[int, int, int, int]]:
+    """offload -> (tracked device peak, tracked host peak, estimated peak, estimated host bytes) of a real CPU step."""
+    from memfit.prediction.estimator import estimate
+    from memfit.prediction.run_shape import resolve_run
+    from memfit.prediction.traced import StepSetup
+    from memfit.train.traced import trace_step
+
+    found = {}
+    for offload in (False, True):
+        config, hf_config = _train_config(offload), _wide_experts()
+        run = resolve_run(config, hf_config, None)
+        setup = StepSetup(config.training.batch_size, config.data.seq_len, torch.bfloat16, None, run.attention,
+                          run.checkpointing, run.checkpoint_every, run.loss_chunk_size, torch.device("cpu"))
+        traced = trace_step(copy.deepcopy(hf_config), config, setup, fake=False)
+        predicted = estimate(config, hf_config=hf_config, method="analytical")
+        found[offload] = (traced.peak_bytes, traced.host_peak_bytes, predicted.peak_bytes, predicted.host_bytes)
+    return found
+
+
+def test_estimate_of_streamed_experts_follows_the_tracker(tracked_and_estimated):
+    from memfit.prediction.estimator import ERROR_BAND
+
+    resident, streamed = tracked_and_estimated[False], tracked_and_estimated[True]
+    experts = 4 * 2 * 8 * 3 * 64 * 128  # layers x bf16 bytes x experts x (gate, up, down) x hidden x width
+    print(f"tracked peak {resident[0]} -> {streamed[0]} B, host {streamed[1]} B; "
+          f"estimate {resident[2]} -> {streamed[2]} B, host {streamed[3]} B")
+    assert streamed[1] - resident[1] == experts  # the tracker files every expert byte as host memory
+    assert streamed[3] == experts  # and the estimate's host term says the same
+    band = ERROR_BAND["analytical"]
+    assert streamed[2] / streamed[0] - 1 == pytest.approx(0, abs=band), (streamed[2], streamed[0])
+    # the device saving: all layers' experts but the one running, in both
+    tracked_saving, estimated_saving = resident[0] - streamed[0], resident[2] - streamed[2]
+    assert estimated_saving == experts * 3 // 4
+    assert tracked_saving == pytest.approx(estimated_saving, rel=0.1)
