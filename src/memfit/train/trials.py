@@ -42,6 +42,7 @@ import torch
 from memfit.config import TrainConfig
 from memfit.memory.cap import is_out_of_memory
 from memfit.prediction import calibration
+from memfit.prediction.trial_order import shapes_first
 from memfit.train.trial_steps import time_steps
 from memfit.units import format_bytes
 
@@ -201,19 +202,11 @@ def comparable(ranked: list[dict[str, Any]]) -> list[dict[str, Any]]:
             all(a <= b for a, b in zip(family(r["plan"]), family(first), strict=True))]
 
 
-SHAPE_KEYS = ("batch_size", "gradient_checkpointing", "optimizer_in_backward", "precision", "dtype")
-
-
 def diverse(ranked: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """`ranked` with the best of each shape (micro-batch, checkpointing, in backward, precision) first, in rank
-    order, and the rest after: the trials' few slots go to plans whose speed differs, not to one plan's loss-chunk
-    variants (which run at its speed, and over the cap where it does)."""
-    seen, first, rest = set(), [], []
-    for r in ranked:
-        shape = tuple(r["plan"].get(k) for k in SHAPE_KEYS)
-        (rest if shape in seen else first).append(r)
-        seen.add(shape)
-    return first + rest
+    """`ranked` with the best of each shape (micro-batch, checkpointing, in backward, precision, dtype, compile)
+    first, in rank order, and the rest after: the trials' few slots go to plans whose speed differs, not to one
+    plan's loss-chunk variants (which run at its speed, and over the cap where it does)."""
+    return shapes_first(ranked)
 
 
 def _trial_cost_guess(trial: Trial, config: TrainConfig) -> float:
