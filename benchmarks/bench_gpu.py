@@ -170,7 +170,7 @@ def optimizer_offload() -> list[list[str]]:
     import torch
 
     from memfit.config import OptimizerConfig
-    from memfit.techniques.offload import optimizer_offload as offload
+    from memfit.techniques.optimizer_offload import optimizer_offload as offload
 
     allocated = {}
     parameter_bytes = 0

@@ -31,7 +31,8 @@ from contextlib import contextmanager
 
 import torch
 
-__all__ = ["allocating_on_host", "host_allocations", "is_marked_host", "mark_host"]
+__all__ = ["allocating_on_host", "empty_host_like", "host_allocations", "is_marked_host", "mark_host",
+           "mark_host_all"]
 
 _state = threading.local()
 # storage key (UntypedStorage._cdata) -> weak reference to the storage: the key alone
@@ -64,6 +65,25 @@ def mark_host(tensor: torch.Tensor) -> torch.Tensor:
     for listener in list(_listeners):
         listener.storage_marked_host(storage, tensor)
     return tensor
+
+
+def mark_host_all(tensors) -> None:
+    """`mark_host` each tensor among `tensors` (other values are skipped): for tensors made outside
+    `host_allocations`, e.g. an optimizer's state made from Python numbers."""
+    for tensor in tensors:
+        if isinstance(tensor, torch.Tensor):
+            mark_host(tensor)
+
+
+def empty_host_like(tensor: torch.Tensor, pin: bool) -> torch.Tensor:
+    """An empty host tensor shaped like `tensor` (contiguous), filed as host memory.
+
+    Filed both ways: allocated inside `host_allocations` for a counter running now, and
+    marked for one that starts later (an optimizer is built before tracking starts).
+    """
+    with host_allocations():
+        host = torch.empty(tensor.size(), dtype=tensor.dtype, device="cpu", pin_memory=pin)
+    return mark_host(host)
 
 
 def _forget(key: int, reference: weakref.ref) -> None:

@@ -1,4 +1,4 @@
-"""Offloading to host memory: activations saved for backward, and optimizer state.
+"""Offloading to host memory: the activations saved for backward.
 
 Activation offload (`--activation-offload`)
     Saves: every tensor autograd saves for backward outside a checkpoint's recompute
@@ -28,55 +28,24 @@ Partial offload (`--activation-offload-blocks N`, with checkpointing)
     so a GPU with memory to spare keeps the rest of its blocks and the host holds less.
     The numerics are those of the plain run (a tensor comes back bit for bit).
 
-Optimizer offload (`--optimizer-offload`, CUDA only, needs torchao)
-    Saves: the optimizer state (8 bytes per parameter for AdamW) and the fp32 master
-    copy used by the step live in host memory; the step runs on the CPU.
-    Costs: each gradient crosses to the host in backward and each parameter comes back
-    after the step (2 x 4 bytes per parameter over PCIe per step), and the CPU AdamW
-    step time. Gradient clipping cannot be used: the gradients are copied to the host
-    as they are produced, before the loop could clip them (`check_optimizer_offload`).
-    With `--optimizer-in-backward` see `HostSteppedOptimizer` (any device).
+Optimizer offload: memfit.techniques.optimizer_offload.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 import weakref
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from memfit.config import OptimizerConfig
-from memfit.errors import UsageError
 from memfit.techniques.checkpointing import transformer_blocks
-from memfit.techniques.host_memory import host_allocations, mark_host
+from memfit.techniques.host_memory import empty_host_like
 
-OPTIMIZER_NO_EFFECT_ON_CPU = "optimizer offload has no effect on CPU: optimizer state already lives in host memory"
 DEFAULT_MIN_OFFLOAD_BYTES = 1 << 16  # smaller tensors cost more in copy latency than they free
-
-
-def _mark_host(tensors) -> None:
-    """File tensors made outside `host_allocations` (e.g. from Python numbers) as host memory."""
-    for tensor in tensors:
-        if isinstance(tensor, torch.Tensor):
-            mark_host(tensor)
-
-
-def _to_host(tensor: torch.Tensor, pin: bool) -> torch.Tensor:
-    """An empty host tensor shaped like `tensor` (contiguous), filed as host memory.
-
-    Filed both ways: allocated inside `host_allocations` for a counter running now, and
-    marked for one that starts later (an optimizer is built before tracking starts).
-    """
-    with host_allocations():
-        host = torch.empty(tensor.size(), dtype=tensor.dtype, device="cpu", pin_memory=pin)
-    _mark_host([host])
-    return host
 
 
 @dataclass(eq=False)
@@ -237,7 +206,7 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
 
     def _copy_out(self, tensor: torch.Tensor) -> _Offloaded:
         stream = self._side_stream(tensor.device)
-        host = _to_host(tensor, pin=stream is not None)
+        host = empty_host_like(tensor, pin=stream is not None)
         record = _Offloaded(host, tensor.device, self._generation, len(self._records))
         if stream is None:
             host.copy_(tensor)
@@ -342,150 +311,3 @@ def activation_offload(
             return (ActivationOffload(None, min_bytes=min_bytes, device=device),
                     f"no list of transformer blocks to count {blocks} of: every saved tensor is offloaded")
     return ActivationOffload(model, min_bytes=min_bytes, device=device, blocks=blocks), None
-
-
-def check_optimizer_offload(device: torch.device | str, max_grad_norm: float) -> None:
-    """Raise UsageError for settings that optimizer offload on CUDA would silently ignore."""
-    if torch.device(device).type == "cuda" and max_grad_norm > 0:
-        raise UsageError(
-            "--optimizer-offload copies gradients to the CPU as backward produces them, before clipping:"
-            " set --max-grad-norm 0, or drop --optimizer-offload"
-        )
-
-
-# Options of a device optimizer that must not be carried to its CPU twin.
-_DEVICE_ONLY_OPTIONS = ("fused", "foreach", "capturable", "differentiable")
-
-
-def optimizer_offload(
-    optimizer: torch.optim.Optimizer,
-    groups: list[dict[str, Any]],
-    optimizer_config: OptimizerConfig | None,
-    device: torch.device | str,
-) -> tuple[torch.optim.Optimizer, str | None]:
-    """The same optimizer with its state and step on the CPU, or `optimizer` and why not.
-
-    Args:
-        optimizer: the optimizer built for the device (its state is created lazily, so
-            it has cost nothing yet); its class and options are reused.
-        groups: the parameter groups it was built from.
-        optimizer_config: checked for gradient clipping (see `check_optimizer_offload`).
-        device: the training device.
-    Returns:
-        On CUDA, torchao's `CPUOffloadOptimizer` (parameters under 4096 elements stay on
-        the GPU with an ordinary optimizer) and None. Otherwise `optimizer` unchanged and
-        the reason: CPU (no effect), torchao missing, or an optimizer class that is not
-        one of torch's. The result works with LR schedulers, `state_dict()`, `zero_grad()`.
-    Raises:
-        UsageError: gradient clipping is on (CUDA only).
-    """
-    device = torch.device(device)
-    if device.type != "cuda":
-        if device.type == "cpu":
-            return optimizer, OPTIMIZER_NO_EFFECT_ON_CPU
-        return optimizer, f"optimizer offload supports CUDA only, not {device.type}"
-    if optimizer_config is not None:
-        check_optimizer_offload(device, optimizer_config.max_grad_norm)
-    optimizer_class = type(optimizer)
-    if not optimizer_class.__module__.startswith("torch.optim"):
-        return (
-            optimizer,
-            f"optimizer offload runs torch optimizers on the CPU; {optimizer_class.__name__} stays on the GPU",
-        )
-    try:
-        from torchao.optim import CPUOffloadOptimizer
-    except ImportError:
-        return (
-            optimizer,
-            "torchao is not installed, so the optimizer state stays on the GPU (pip install memfit[torchao])",
-        )
-    accepted = inspect.signature(optimizer_class.__init__).parameters
-    options = {
-        key: value
-        for key, value in optimizer.defaults.items()
-        if key in accepted and key not in _DEVICE_ONLY_OPTIONS  # AdamW's defaults hold more than it takes
-    }
-    # torchao takes the "params" out of the groups it is given: hand it copies.
-    own_groups = [{**group, "params": list(group["params"])} for group in groups]
-    return CPUOffloadOptimizer(own_groups, optimizer_class, offload_gradients=False, **options), None
-
-
-class HostSteppedOptimizer:
-    """The optimizer of one parameter, stepping a host copy of it: optimizer offload in backward.
-
-    Built by `OptimizerInBackward` through `host_stepped(make_optimizer, device)`, once per
-    trainable parameter. When backward completes the parameter's gradient, `step()`
-    copies the gradient to host memory, runs the wrapped optimizer on the host copy of
-    the parameter (its state is created there), and copies the result back; the caller
-    then frees the device gradient.
-
-    Device memory: the parameters and one gradient at a time. Host memory: a copy of
-    each parameter and of its gradient (pinned on CUDA) and the optimizer state.
-    Costs: per step, each gradient crosses to the host and each parameter back (on the
-    compute stream: backward waits for the copy and the host step of each parameter);
-    the step itself runs on the CPU. The numbers are the wrapped optimizer's on that
-    CPU: on a CPU run they equal the plain run's exactly.
-
-    The host copy follows the parameter: if anything else writes the parameter (loading
-    a checkpoint), the next step starts from the parameter's new value.
-    """
-
-    def __init__(self, parameter: nn.Parameter, make_optimizer: Callable, pin: bool):
-        self.parameter = parameter
-        self._pin = pin
-        master = _to_host(parameter, pin)
-        master.copy_(parameter.detach())
-        self.master = nn.Parameter(master)
-        self.master.grad = _to_host(parameter, pin)
-        with host_allocations():
-            self.inner = make_optimizer([self.master])
-        self._synced_version = parameter._version
-
-    @property
-    def param_groups(self) -> list[dict]:
-        return self.inner.param_groups
-
-    @property
-    def state(self):
-        return self.inner.state
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        parameter = self.parameter
-        if parameter.grad is None:
-            return None
-        if parameter._version != self._synced_version:
-            self.master.copy_(parameter)
-        self.master.grad.copy_(parameter.grad)  # blocking on CUDA: the host step reads it next
-        with host_allocations():  # the optimizer's state and temporaries are host memory
-            self.inner.step()
-        _mark_host(value for state in self.inner.state.values() for value in state.values())
-        parameter.copy_(self.master, non_blocking=self._pin)
-        self._synced_version = parameter._version
-        return None
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.parameter.grad = None
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.inner.state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        with host_allocations():
-            self.inner.load_state_dict(state_dict)
-        _mark_host(value for state in self.inner.state.values() for value in state.values())
-
-
-def host_stepped(make_optimizer: Callable, device: torch.device | str) -> Callable:
-    """A per-parameter optimizer factory for `OptimizerInBackward` that steps on the host.
-
-    `make_optimizer` builds the optimizer of a one-element parameter list, as for
-    `OptimizerInBackward`; it receives the host copy of the parameter.
-    """
-    pin = torch.device(device).type == "cuda"
-
-    def make(params: list[nn.Parameter]) -> HostSteppedOptimizer:
-        (parameter,) = params
-        return HostSteppedOptimizer(parameter, make_optimizer, pin)
-
-    return make

@@ -12,7 +12,7 @@ what needs all gradients at once: gradient accumulation over micro-batches, glob
 gradient-norm clipping, and fp16 loss scaling (see `check_optimizer_in_backward`).
 
 With `--optimizer-offload` too, each per-parameter optimizer steps a host copy of its
-parameter (`memfit.techniques.offload.host_stepped`): the device then holds no optimizer
+parameter (`memfit.techniques.optimizer_offload.host_stepped`): the device then holds no optimizer
 state either, only the weights and one gradient at a time.
 
 The loop uses `OptimizerInBackward` like any optimizer: it calls `loss.backward()`, then

@@ -330,14 +330,14 @@ def _build_optimizer(
 
         offload = config.memory.optimizer_offload  # each parameter's step then runs on a host copy of it
         if offload:
-            from memfit.techniques.offload import host_stepped
+            from memfit.techniques.optimizer_offload import host_stepped
         # The groups' options (no weight decay on norms and biases) are applied to each per-parameter optimizer.
         optimizer = OptimizerInBackward(groups, host_stepped(make, device) if offload else make)
         name = (made[0].name if made else config.optimizer.optimizer) + " in backward" + (" on the host" if offload else "")
         return OptimizerChoice(optimizer, name, made[0].reason if made else "")
     choice = build_optimizer(groups, config.optimizer, device)
     if config.memory.optimizer_offload:
-        from memfit.techniques.offload import optimizer_offload
+        from memfit.techniques.optimizer_offload import optimizer_offload
 
         offloaded, reason = optimizer_offload(choice.optimizer, groups, config.optimizer, device)
         if reason:

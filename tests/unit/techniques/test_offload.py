@@ -10,13 +10,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from memfit.config import OptimizerConfig
 from memfit.errors import UsageError
-from memfit.techniques.offload import (
-    OPTIMIZER_NO_EFFECT_ON_CPU,
-    ActivationOffload,
-    activation_offload,
-    check_optimizer_offload,
-    optimizer_offload,
-)
+from memfit.techniques.offload import ActivationOffload, activation_offload
+from memfit.techniques.optimizer_offload import OPTIMIZER_NO_EFFECT_ON_CPU, check_optimizer_offload, optimizer_offload
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

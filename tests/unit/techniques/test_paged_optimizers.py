@@ -10,8 +10,8 @@ from transformers import LlamaForCausalLM
 
 from memfit.config import OptimizerConfig
 from memfit.memory.tracker import MemoryTracker
-from memfit.techniques.offload import HostSteppedOptimizer, host_stepped
 from memfit.techniques.optimizer_in_backward import OptimizerInBackward
+from memfit.techniques.optimizer_offload import HostSteppedOptimizer, host_stepped
 from memfit.techniques.optimizers import build_optimizer
 from tiny_llama import tiny_llama as shared_tiny_llama
 
