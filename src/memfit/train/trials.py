@@ -135,10 +135,10 @@ def probe_scale(device: str) -> float:
     if device != "cpu" or calibration.calibrated(device):
         return 1.0
     from memfit.models.flops import device_peak
-    from memfit.prediction.speed_model import NOMINAL_TFLOPS, UTILISATION
+    from memfit.prediction.speed_model import CPU_PROBE_UTILISATION, NOMINAL_TFLOPS, UTILISATION
 
     peak = device_peak(torch.device("cpu"), torch.float32).flops_per_second
-    return NOMINAL_TFLOPS * 1e12 * UTILISATION / max(peak * UTILISATION, 1.0)
+    return NOMINAL_TFLOPS * 1e12 * UTILISATION / max(peak * CPU_PROBE_UTILISATION, 1.0)
 
 
 def with_trials(config: TrainConfig, result: Any, hf_config: Any = None) -> tuple[TrainConfig, list[Trial], str]:

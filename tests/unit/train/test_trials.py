@@ -196,3 +196,17 @@ def test_a_checkpointed_trial_runs_with_its_checkpointing(llama_dir, text_file, 
     plain = _measured_peak(config, BIG)
     checkpointed = _measured_peak(config, {**BIG, "gradient_checkpointing": "full"})
     assert checkpointed < 0.9 * plain, (checkpointed, plain)
+
+
+def test_probe_scale_predicts_a_cpu_step_at_the_measured_share_of_the_matmul_probe(monkeypatch):
+    """Before calibration a trial's prediction is the model's FLOPs at CPU_PROBE_UTILISATION of the probe's rate
+    (0.7, measured on the bench model): with the GPU's 0.45 the bench predicted 3.85 s/step for 2.28 s measured."""
+    from memfit.models import flops
+    from memfit.prediction import speed_model
+
+    monkeypatch.setattr(flops, "device_peak", lambda device, dtype=None: flops.DevicePeak(130e9, "probe"))
+    step_flops = 208.6e9  # the bench model's 2 x 4 step (50.9 MFLOPs per token, 4096 tokens)
+    nominal_seconds = step_flops / (speed_model.NOMINAL_TFLOPS * 1e12 * speed_model.UTILISATION)
+    predicted = nominal_seconds * trials.probe_scale("cpu")
+    assert predicted == pytest.approx(step_flops / (130e9 * 0.7), rel=1e-6)
+    assert 2.0 < predicted < 2.6  # the lead's quiet bench run measured 2.28 s
