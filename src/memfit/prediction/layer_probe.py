@@ -64,9 +64,11 @@ def probed_layer_parts(hf_config: Any, weight_bytes: int, autocast: bool, attent
     attention = supported_attention(hf_config, attention)
     # FlexAttention (gpt-oss on CUDA: models.attention_support) cannot run on fake CPU tensors: probe
     # eager attention and keep its constant and per-token parts without the s x s scores, which flex
-    # never keeps. Eager's per-token part holds K and V repeated to every query head where flex keeps
-    # them narrow, so this bounds flex's bytes from above; the sinks' renormalisation keeps the
-    # attention output once more (q_width) and a few per-head values, added here.
+    # never keeps. FlexAttention saves query, key, value, its output and two fp32 values per head and
+    # token (logsumexp and the row maxima: torch's FlexAttentionAutogradOp); the output and those are
+    # added here. Eager's per-token part holds K and V repeated to every query head, which flex keeps
+    # narrow where transformers runs it with enable_gqa (a power-of-two number of query heads; others
+    # are repeated before the kernel as in eager): that difference comes off.
     scores = attention != "flex"
     probed = "eager" if attention == "flex" else attention
     per_token = [_measure(key, weight_bytes, autocast, probed, s, lora_r, efficient_norm, efficient_lora,
@@ -80,8 +82,21 @@ def probed_layer_parts(hf_config: Any, weight_bytes: int, autocast: bool, attent
     if not scores:
         heads = getattr(hf_config, "num_attention_heads", 0)
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // max(1, heads)
-        parts[0] += (2 if autocast else weight_bytes) * heads * (head_dim + 4) + 4 * heads
+        element = 2 if autocast else weight_bytes
+        parts[0] += element * heads * (head_dim + 4) + 4 * heads
+        parts[0] -= flex_narrow_key_value_saving(hf_config, element)
     return tuple(parts)
+
+
+def flex_narrow_key_value_saving(hf_config: Any, element_bytes: int) -> int:
+    """Bytes a token's K and V repeated to every query head (what eager saves) hold beyond the narrow K and V
+    FlexAttention saves when transformers runs it with enable_gqa: 0 where it repeats them too."""
+    heads = getattr(hf_config, "num_attention_heads", 0)
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    if not heads or heads & (heads - 1):
+        return 0  # transformers repeats K and V before flex where the heads are not a power of two
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    return 2 * element_bytes * (heads - kv_heads) * head_dim
 
 
 def _parabola_through(xs: tuple[int, ...], ys: list[float], x: int, quadratic_term: bool = True) -> float:

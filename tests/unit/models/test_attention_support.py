@@ -55,3 +55,33 @@ def test_a_preset_of_a_family_without_sdpa_loads_with_the_kernel_it_runs(caplog)
         assert _family_kernel(ZOO["gpt_oss"](), choice, torch.device("cpu")) == "eager"
     assert "gpt_oss has no sdpa attention" in caplog.text
     assert _family_kernel(ZOO["llama"](), choice, torch.device("cpu")) == "sdpa"
+
+
+def test_flex_keeps_key_and_value_narrow_where_eager_saves_them_repeated_to_every_head():
+    """The probe runs eager attention for gpt-oss; FlexAttention (CUDA) saves K and V as the model makes them.
+
+    Eager saves the query and K and V repeated to the 4 query heads (each [heads, s, head_dim] after matmul folds
+    the batch); flex with enable_gqa saves query, key and value with K and V on their 2 heads. The estimate takes
+    off the difference, computed from the config: here it is checked against the tensors eager really saves.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from memfit.prediction.layer_probe import flex_narrow_key_value_saving
+
+    config = ZOO["gpt_oss"]()
+    config.num_hidden_layers, config.layer_types = 1, config.layer_types[:1]
+    heads, kv_heads, head_dim, tokens = config.num_attention_heads, config.num_key_value_heads, config.head_dim, 64
+    assert kv_heads < heads
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    saved = []
+    ids = torch.randint(0, config.vocab_size, (1, tokens))
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        model(input_ids=ids, labels=ids)
+    per_head = [t for t in saved if t.numel() == heads * tokens * head_dim and heads in t.shape]
+    assert len(per_head) == 3  # the query, K and V repeated to every head
+    repeated = sum(t.numel() * t.element_size() for t in per_head) * 2 // 3  # all but the query
+    narrow = 2 * kv_heads * tokens * head_dim * 4
+    assert flex_narrow_key_value_saving(config, 4) * tokens == repeated - narrow
+    config.num_attention_heads = 6  # not a power of two: transformers repeats K and V before flex as well
+    assert flex_narrow_key_value_saving(config, 4) == 0
