@@ -1,5 +1,5 @@
-"""Device bytes of the frozen-weight levers of a LoRA/QLoRA run: the input embedding in host memory and the
-NF4 expert stacks dequantized a group of experts at a time.
+"""Device bytes of the frozen-weight levers of a LoRA/QLoRA run: the input embedding in host memory, the
+NF4 expert stacks dequantized a group of experts at a time, and the output head in NF4.
 
 - `--embedding-on-host` (techniques/host_embedding.py): the frozen, untied input embedding leaves the device
   (vocab x hidden x the load dtype's bytes) and is held in host memory instead; its looked-up rows are the
@@ -7,6 +7,8 @@ NF4 expert stacks dequantized a group of experts at a time.
 - `--expert-dequant-group G` (techniques/expert_dequant_groups.py): the dequantized copy of a stack during its
   grouped matmul holds G of its experts instead of all, plus the fp32 absmax of the whole stack (4 bytes a
   64-weight block) made once per call.
+- `--quantize-head` (techniques/nf4_head.py): the frozen untied head in NF4 (about 0.52 byte a weight) instead of
+  the load dtype; while the loss projects, one tile of its rows is dequantized beside the head's fp32 absmax.
 """
 
 from __future__ import annotations
@@ -37,6 +39,23 @@ def embedding_host_bytes(config: TrainConfig, hf_config: Any, lora_r: int, weigh
     return arch.vocab * arch.hidden * weight_bytes
 
 
+def nf4_head_saving(config: TrainConfig, hf_config: Any, lora_r: int, quantize: str, weight_bytes: int,
+                    compute_bytes: int) -> tuple[int, int] | None:
+    """Under --quantize-head: (device bytes the NF4 head saves, bytes of one dequantized tile and the absmax)."""
+    from memfit.prediction.encoders import architecture_for
+    from memfit.prediction.experts import nf4_stack_bytes
+    from memfit.techniques.nf4_head import tile_rows
+
+    if not getattr(config.lora, "quantize_head", False) or quantize != "4bit" or not lora_r:
+        return None
+    arch = architecture_for(hf_config)
+    if arch.tied_embeddings or not arch.vocab or arch.hidden % 2:
+        return None  # the technique leaves a tied head (or an odd width) as it is
+    weights = arch.vocab * arch.hidden
+    tile = min(arch.vocab, tile_rows(arch.hidden)) * arch.hidden * compute_bytes
+    return weights * weight_bytes - nf4_stack_bytes(weights), tile + 4 * (weights // NF4_BLOCK)
+
+
 def with_qlora_levers(parts: dict[str, Any], config: TrainConfig, hf_config: Any, inventory: Any, lora_r: int,
                       quantize: str, weight_bytes: int, compute_bytes: int) -> dict[str, Any]:
     """The state parts with the embedding off the device and the grouped expert dequantization counted.
@@ -47,6 +66,11 @@ def with_qlora_levers(parts: dict[str, Any], config: TrainConfig, hf_config: Any
     host = embedding_host_bytes(config, hf_config, lora_r, weight_bytes)
     parts["parameters"] -= host
     parts["embedding_host_bytes"] = host
+    head = nf4_head_saving(config, hf_config, lora_r, quantize, weight_bytes, compute_bytes)
+    if head:
+        parts["parameters"] -= head[0]
+        # one tile of the head dequantized (and the head's fp32 absmax) while the loss projects a chunk
+        parts["experts_dequantized_bytes"] = max(parts.get("experts_dequantized_bytes", 0), head[1])
     group = getattr(config.memory, "expert_dequant_group", 0)
     if quantize == "4bit" and lora_r and group:
         stacks = [((a[0] // lora_r) * a[1] * b[0], a[0] // lora_r) for _, a, b in inventory.expert_adapters]
@@ -58,7 +82,7 @@ def with_qlora_levers(parts: dict[str, Any], config: TrainConfig, hf_config: Any
 def lever_changes(mode: str, config: TrainConfig, hf_config: Any, user_set: Any) -> dict[str, Any]:
     """The frozen-weight levers a LoRA/QLoRA plan may turn on for this model (empty where none applies or the user chose).
 
-    The embedding goes to host memory where it is untied; a QLoRA mixture of experts dequantizes an eighth of each
+    The embedding goes to host memory and a QLoRA head to NF4 where they are untied; a QLoRA mixture of experts dequantizes an eighth of each
     stack's experts at a time (at least one). `user_set(config, name)`: whether the user chose `name`.
     """
     from memfit.prediction.encoders import architecture_for
@@ -69,6 +93,8 @@ def lever_changes(mode: str, config: TrainConfig, hf_config: Any, user_set: Any)
     arch = architecture_for(hf_config)
     if not arch.tied_embeddings and arch.vocab and not user_set(config, "embedding_on_host"):
         changes["embedding_on_host"] = True
+    if mode == "qlora" and not arch.tied_embeddings and arch.vocab and not user_set(config, "quantize_head"):
+        changes["quantize_head"] = True
     experts = _experts_of(hf_config)
     if mode == "qlora" and experts > 1 and not user_set(config, "expert_dequant_group"):
         changes["expert_dequant_group"] = max(1, experts // 8)
@@ -89,6 +115,9 @@ def lever_trades(changes: dict[str, Any], est: Any, hf_config: Any) -> list[str]
     if changes.get("embedding_on_host") and est.host_breakdown.get("embedding"):
         lines.append(f"embedding on host: the frozen input embedding ({est.host_breakdown['embedding'] / 2**30:.2f} GiB)"
                      " stays in host memory; each forward sends the token ids to the host and their rows back")
+    if changes.get("quantize_head") and changes.get("quantize") == "4bit":
+        lines.append("NF4 output head: the frozen head's weights rounded to 4 bits like the linears, dequantized a tile"
+                     " of rows at a time in each loss chunk's forward and backward; no fused linear cross-entropy")
     group = changes.get("expert_dequant_group")
     if group and changes.get("quantize") == "4bit":
         experts = _experts_of(hf_config)

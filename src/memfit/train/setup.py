@@ -275,6 +275,10 @@ def apply_model_techniques(config: TrainConfig, model: torch.nn.Module,
         from memfit.techniques.expert_streaming import apply_expert_streaming
 
         log.info("memfit: expert offload: %s", apply_expert_streaming(model))
+    if config.lora.quantize_head:  # the frozen head in NF4, projected a tile of vocabulary rows at a time
+        from memfit.techniques.nf4_head import quantize_head
+
+        log.info("memfit: NF4 head: %s", quantize_head(model))
     if config.memory.embedding_on_host:  # the frozen input embedding's lookup in host memory
         from memfit.techniques.host_embedding import embedding_to_host
 

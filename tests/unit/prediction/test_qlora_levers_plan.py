@@ -1,6 +1,6 @@
-"""The planner's frozen-weight levers (--embedding-on-host, --expert-dequant-group) on a tiny gpt-oss under QLoRA.
+"""The planner's frozen-weight levers (--embedding-on-host, --quantize-head, --expert-dequant-group) on a tiny gpt-oss under QLoRA.
 
-They are tried only where they apply (an untied embedding; NF4 experts), left off when the budget is roomy, and
+They are tried only where they apply (an untied embedding and head; NF4 experts), left off when the budget is roomy, and
 turned on, with what each trades said, when the smallest configuration without them does not fit.
 """
 
@@ -20,7 +20,7 @@ SETTINGS = {"model": "tiny", "seq_len": 64, "batch_size": 1, "lora_r": 2, "quant
 def test_levers_apply_to_untied_embeddings_and_nf4_experts_only():
     config = load_config(overrides=SETTINGS)
     assert lever_changes("qlora", config, ZOO["gpt_oss"](), lambda c, n: False) == {
-        "embedding_on_host": True, "expert_dequant_group": 1}
+        "embedding_on_host": True, "quantize_head": True, "expert_dequant_group": 1}
     assert lever_changes("lora", config, ZOO["gpt_oss"](), lambda c, n: False) == {"embedding_on_host": True}
     assert lever_changes("full", config, ZOO["gpt_oss"](), lambda c, n: False) == {}
     tied = ZOO["llama"]()
@@ -43,7 +43,8 @@ def test_the_planner_turns_the_levers_on_only_when_the_budget_needs_them():
         peaks["embedding_on_host" in changes].append(peak)
     assert min(peaks[True]) < min(peaks[False])
     tight = plan(config, budget_bytes=int(min(peaks[False]) / (1 - MARGIN)) - 1, allow="qlora", hf_config=hf_config)
-    assert tight.plan["embedding_on_host"] and tight.plan["expert_dequant_group"] == 1
+    assert tight.plan["embedding_on_host"] and tight.plan["quantize_head"] and tight.plan["expert_dequant_group"] == 1
+    assert any(line.startswith("NF4 output head: the frozen head's weights rounded") for line in tight.trades)
     assert any(line.startswith("embedding on host: the frozen input embedding") for line in tight.trades)
     assert any(line.startswith("expert dequantization 1 of 4 experts at a time") for line in tight.trades)
     assert "--embedding-on-host" in tight.command and "--expert-dequant-group 1" in tight.command
