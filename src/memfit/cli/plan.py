@@ -72,6 +72,8 @@ def _describe(changes: dict) -> str:
             parts.append(text)
     if changes.get("activation_offload") and changes.get("activation_offload_blocks") is not None:
         parts[-1] += f" (first {changes['activation_offload_blocks']} blocks)"
+    if changes.get("expert_offload"):
+        parts.append("experts streamed from host")
     if changes.get("tiled_mlp"):
         parts.append(f"tiled MLP x{changes['tiled_mlp']}")
     if changes.get("rope_scale"):
