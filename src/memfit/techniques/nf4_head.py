@@ -141,7 +141,7 @@ def quantize_head(model: nn.Module) -> str:
     lm.set_output_embeddings(Nf4Head(weight, head.bias))
     after = nf4_head_bytes(weight)
     return (f"output head {tuple(state.shape)} in NF4 ({before / 2**30:.2f} -> {after / 2**30:.2f} GiB), projected"
-            f" {tile_rows(state.shape[1])} vocabulary rows at a time")
+            f" {min(state.shape[0], tile_rows(state.shape[1]))} vocabulary rows at a time")
 
 
 def nf4_head_bytes(weight: torch.Tensor) -> int:
