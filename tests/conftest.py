@@ -29,21 +29,26 @@ def _speed_cache_of_this_test(tmp_path_factory, monkeypatch):
 
 
 # Under pytest-xdist (`make test` runs `-n auto --dist loadgroup`), what shares an expensive fixture runs in one
-# worker: a test file's tests together (its module fixtures: saved models, reference runs), and all of
-# tests/distributed together (its torchrun launches are session fixtures that several files read).
+# worker: a test file's tests together (its module fixtures: saved models, reference runs), and every file that
+# reads the shared torchrun launches of tests/distributed/conftest.py together (session fixtures that several
+# files read). The other files of tests/distributed (their own launches) are groups of their own, so the two
+# workers can run them beside the shared launch.
 SHARED_LAUNCH_GROUP = "torchrun-launches"
+SHARED_LAUNCH_FIXTURES = frozenset({"references", "shared_launch"})
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups into the test ids
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
-    distributed = Path(__file__).parent / "distributed"
+    # A whole file joins the shared group when any of its tests reads a shared launch (its module fixtures
+    # stay in one worker).
+    sharing = {item.path for item in items if SHARED_LAUNCH_FIXTURES & set(getattr(item, "fixturenames", ()))}
     for item in items:
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip_gpu)
         if item.get_closest_marker("xdist_group") is None:
-            in_distributed = distributed in Path(item.path).parents
-            item.add_marker(pytest.mark.xdist_group(SHARED_LAUNCH_GROUP if in_distributed else item.nodeid.split("::")[0]))
+            group = SHARED_LAUNCH_GROUP if item.path in sharing else item.nodeid.split("::")[0]
+            item.add_marker(pytest.mark.xdist_group(group))
 
 
 def _save_model(directory: Path, config) -> Path:

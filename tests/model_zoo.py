@@ -191,3 +191,7 @@ def _serve(spec: Path) -> None:
 
 if __name__ == "__main__":
     _serve(Path(sys.argv[1]))
+    # Skip the interpreter's teardown of torch's and transformers' modules (seconds): the results are written.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

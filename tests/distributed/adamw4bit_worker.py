@@ -18,7 +18,7 @@ from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # exactness_worker
 
-from exactness_worker import _run_logged  # noqa: E402
+from exactness_worker import _run_logged, exit_now  # noqa: E402
 
 from memfit.distributed.fsdp import FullyShardedEngine  # noqa: E402
 
@@ -64,4 +64,4 @@ def run_all() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run_all())
+    exit_now(run_all())

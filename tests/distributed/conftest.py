@@ -2,9 +2,10 @@
 
 Starting two ranks (interpreters importing torch and transformers, a process group) costs
 more than a 3-step run of the tiny model, so the runs of test_exactness.py and
-test_torchrun.py share launches: one for the DDP and FSDP2 runs, one for the runs that
-need an earlier run's output (OOM recovery calibrated on a tracked run, resuming a
-checkpoint), one for DeepSpeed. Each run keeps its own flags and output directory. The
+test_torchrun.py share one launch: the DDP and FSDP2 runs, the DeepSpeed runs, then the runs
+that need an earlier run's output (OOM recovery calibrated on a tracked run, resuming a
+checkpoint), which the worker starts once those runs are done on every rank. Each run keeps its own flags and
+output directory. The
 launches also carry a tiny BERT-like sequence classifier's runs, and its regression, token classification and
 masked-LM runs with a tiny ESM's sequence classifier (encoder_tasks.py; test_encoder_torchrun.py).
 """
@@ -20,7 +21,6 @@ from torchrun_helpers import checkpoint_copy, deepspeed_available, run_many
 
 from fault_injection import SGD_FLAGS
 from memfit.distributed.parallel import CAP_RANK_ENV
-from memfit.train.metrics import read_metrics
 from model_zoo import save_family
 from tiny_encoders import dna_rows, save_encoder, write_csv
 
@@ -127,14 +127,11 @@ def sgd_single(references) -> Path:
 ENGINES = {"ddp": ["--sharding", "ddp"], "fsdp": ["--sharding", "fsdp"]}
 
 
-@pytest.fixture(scope="session")
-def engine_runs(run_args, sgd_args, reshard_args, encoder_sgd_args, encoder_tasks_args, moe_sgd_args,
-                tmp_path_factory) -> dict[str, Path]:
-    """One torchrun launch: per engine an SGD run and its twin with the fault; the AdamW runs of test_torchrun.py;
-    reshard-two, the 2-rank run that test_reshard_resume.py resumes in one process; encoder-fsdp and its twin,
-    the sequence classifier under FSDP2; encoder-KEY-fsdp and their twins, the other encoder tasks; moe-fsdp (memory
-    tracked) and its twin, the tiny Qwen3-MoE with its experts sharded."""
-    root = tmp_path_factory.mktemp("engines")
+def _engine_runs(run_args, sgd_args, reshard_args, encoder_sgd_args, encoder_tasks_args, moe_sgd_args) -> list[dict]:
+    """Per engine an SGD run and its twin with the fault; the AdamW runs of test_torchrun.py; reshard-two, the
+    2-rank run that test_reshard_resume.py resumes in one process; encoder-fsdp and its twin, the sequence classifier
+    under FSDP2; encoder-KEY-fsdp and their twins, the other encoder tasks; moe-fsdp (memory tracked) and its twin,
+    the tiny Qwen3-MoE with its experts sharded."""
     runs = []
     for engine, flags in ENGINES.items():
         for scale in (None, FAULT):
@@ -155,68 +152,17 @@ def engine_runs(run_args, sgd_args, reshard_args, encoder_sgd_args, encoder_task
     runs += [{"name": "moe-fsdp" if scale is None else "moe-fsdp-fault", "grad_scale": scale,
               "args": [*moe_sgd_args, "--batch-size", "4", "--sharding", "fsdp",
                        *(["--track-memory"] if scale is None else [])]} for scale in (None, FAULT)]
-    for run in runs:
-        run["args"] += ["--output-dir", str(root / run["name"])]
-    run_many(runs, root)
-    return {run["name"]: root / run["name"] for run in runs}
+    return runs
 
 
-def steps_of(out: Path) -> list[dict]:
-    return [r for r in read_metrics(out / "metrics.jsonl") if "event" not in r]
-
-
-def state_bytes(rank: dict) -> int:
-    return rank["parameters"] + rank["gradients"] + rank["optimizer_states"]
-
-
-def rank1_split_cap(tracked_run: Path) -> int:
-    """A memory cap for rank 1 that fits a micro-batch of 2, not of 4 (from a --track-memory run)."""
-    steps = steps_of(tracked_run)
-    static = state_bytes(steps[-1]["ranks"][1])
-    peak = max(s["ranks"][1]["tracked_peak_bytes"] for s in steps)
-    return static + int(0.8 * (peak - static))
-
-
-@pytest.fixture(scope="session")
-def later_runs(engine_runs, references, run_args, sgd_args, reshard_args, tmp_path_factory) -> dict:
-    """One launch with a memory cap on rank 1 only (MEMFIT_MEMORY_CAP_RANK=1), for the runs that need engine_runs.
-
-    capped / capped-fault: SGD under DDP, rank 1 splits its micro-batch of 4 (the fault: gradients 2x);
-    adamw-capped: the same under AdamW; adamw-fsdp-resumed: the step-2 checkpoint of adamw-fsdp resumed
-    in a copy of its output directory; reshard-one-to-two: the step-2 checkpoint of the one-process reshard-one
-    resumed on 2 FSDP2 ranks (these two have no --memory-cap: the cap rank does not apply).
-    """
-    root = tmp_path_factory.mktemp("later")
-    resumed = checkpoint_copy(engine_runs["adamw-fsdp"], root / "adamw-fsdp-resumed", 3)
-    one_to_two = checkpoint_copy(references["reshard-one"], root / "reshard-one-to-two", 4)
-    sgd_cap, adamw_cap = rank1_split_cap(engine_runs["ddp"]), rank1_split_cap(engine_runs["adamw-ddp"])
-    runs = [
-        {"name": "capped", "args": [*sgd_args, "--memory-cap", str(sgd_cap)]},
-        {"name": "capped-fault", "args": [*sgd_args, "--memory-cap", str(sgd_cap)], "grad_scale": 2.0},
-        {"name": "adamw-capped", "args": [*run_args, "--memory-cap", str(adamw_cap)]},
-    ]
-    for run in runs:
-        run["args"] += ["--batch-size", "4", "--sharding", "ddp", "--output-dir", str(root / run["name"])]
-    runs.append({"name": "adamw-fsdp-resumed", "args": [*run_args, "--batch-size", "4", "--sharding", "fsdp",
-                                                        "--resume", "auto", "--output-dir", str(resumed)]})
-    runs.append({"name": "reshard-one-to-two", "args": [*reshard_args, "--sharding", "fsdp", "--resume", "auto",
-                                                        "--output-dir", str(one_to_two)]})
-    logs = run_many(runs, root, env={CAP_RANK_ENV: "1"})
-    return {**{run["name"]: root / run["name"] for run in runs}, "logs": logs}
-
-
-@pytest.fixture(scope="session")
-def zero_runs(run_args, sgd_args, encoder_sgd_args, encoder_tasks_args, tmp_path_factory) -> dict[str, Path]:
-    """One launch: ZeRO-2 and ZeRO-3 + CPU offload under SGD, each with its faulty twin; then under AdamW;
-    encoder-zero2 and its twin, the sequence classifier under ZeRO-2; encoder-KEY-zero2, the other encoder tasks
-    (their twins run under FSDP2).
+def _zero_runs(run_args, sgd_args, encoder_sgd_args, encoder_tasks_args, root: Path) -> list[dict]:
+    """ZeRO-2 and ZeRO-3 + CPU offload under SGD, each with its faulty twin; then under AdamW; encoder-zero2 and its
+    twin, the sequence classifier under ZeRO-2; encoder-KEY-zero2, the other encoder tasks (their twins run under
+    FSDP2).
 
     The ZeRO-2 pair also compiles its blocks (--compile): DeepSpeed's engine around compiled blocks
     must still give the single-process update.
     """
-    if not deepspeed_available():
-        pytest.skip("deepspeed is not installed (pip install memfit[deepspeed]; make test installs it)")
-    root = tmp_path_factory.mktemp("zero")
     zero = {"zero2": ["--zero-stage", "2", "--compile"], "zero3-offload": ["--zero-stage", "3", "--zero-offload"]}
     runs = []
     for name, flags in zero.items():
@@ -242,7 +188,69 @@ def zero_runs(run_args, sgd_args, encoder_sgd_args, encoder_tasks_args, tmp_path
          "args": [*run_args, "--batch-size", "2", "--gradient-accumulation-steps", "2", "--deepspeed", str(ds_file)]},
         {"name": "adamw-zero3-offload", "args": [*run_args, "--batch-size", "4", "--zero-stage", "3", "--zero-offload"]},
     ]
+    return runs
+
+
+def _later_runs(references, run_args, sgd_args, reshard_args, root: Path) -> list[dict]:
+    """The runs that read the engine runs' output, with a memory cap on rank 1 only (MEMFIT_MEMORY_CAP_RANK=1).
+
+    capped / capped-fault: SGD under DDP, rank 1 splits its micro-batch of 4 (the fault: gradients 2x), under a cap
+    calibrated on the tracked ddp run; adamw-capped: the same under AdamW (calibrated on adamw-ddp);
+    adamw-fsdp-resumed: the step-2 checkpoint of adamw-fsdp resumed in a copy of its output directory;
+    reshard-one-to-two: the step-2 checkpoint of the one-process reshard-one resumed on 2 FSDP2 ranks (these two
+    have no --memory-cap: the cap rank does not apply). The launch's worker copies and calibrates once the runs
+    named in "after" are done on every rank (exactness_worker.py).
+    """
+    one_to_two = checkpoint_copy(references["reshard-one"], root / "reshard-one-to-two", 4)
+    runs = [
+        {"name": "capped", "args": sgd_args, "after": ["ddp"], "cap_from": str(root / "ddp")},
+        {"name": "capped-fault", "args": sgd_args, "grad_scale": 2.0, "after": ["ddp"], "cap_from": str(root / "ddp")},
+        {"name": "adamw-capped", "args": run_args, "after": ["adamw-ddp"], "cap_from": str(root / "adamw-ddp")},
+    ]
     for run in runs:
-        run["args"] += ["--output-dir", str(root / run["name"])]
-    run_many(runs, root)
-    return {run["name"]: root / run["name"] for run in runs}
+        run["args"] = [*run["args"], "--batch-size", "4", "--sharding", "ddp"]
+    runs.append({"name": "adamw-fsdp-resumed", "after": ["adamw-fsdp"],
+                 "checkpoint_copy": [str(root / "adamw-fsdp"), str(root / "adamw-fsdp-resumed"), 3],
+                 "args": [*run_args, "--batch-size", "4", "--sharding", "fsdp", "--resume", "auto"]})
+    runs.append({"name": one_to_two.name, "args": [*reshard_args, "--sharding", "fsdp", "--resume", "auto"]})
+    for run in runs:
+        run["env"] = {CAP_RANK_ENV: "1"}
+    return runs
+
+
+@pytest.fixture(scope="session")
+def shared_launch(references, run_args, sgd_args, reshard_args, encoder_sgd_args, encoder_tasks_args, moe_sgd_args,
+                  tmp_path_factory) -> dict:
+    """One torchrun launch for the engine runs, the DeepSpeed runs (when deepspeed imports) and the later runs
+    that read the engine runs' output: starting the ranks (interpreters, imports, the process group) costs more
+    than all their 3-step runs. {"dirs": {NAME: output directory}, "logs": {NAME: rank 0's log}, "zero": bool}."""
+    root = tmp_path_factory.mktemp("engines")
+    zero = deepspeed_available()
+    runs = _engine_runs(run_args, sgd_args, reshard_args, encoder_sgd_args, encoder_tasks_args, moe_sgd_args)
+    runs += _zero_runs(run_args, sgd_args, encoder_sgd_args, encoder_tasks_args, root) if zero else []
+    runs += _later_runs(references, run_args, sgd_args, reshard_args, root)
+    for run in runs:
+        run["args"] = [*run["args"], "--output-dir", str(root / run["name"])]
+    logs = run_many(runs, root, timeout=1800)
+    dirs = {run["name"]: Path(run["args"][-1]) for run in runs}
+    return {"dirs": dirs, "logs": logs, "zero": zero}
+
+
+@pytest.fixture(scope="session")
+def engine_runs(shared_launch) -> dict[str, Path]:
+    """The engine runs of the shared launch (_engine_runs): NAME -> output directory."""
+    return shared_launch["dirs"]
+
+
+@pytest.fixture(scope="session")
+def later_runs(shared_launch) -> dict:
+    """The later runs of the shared launch (_later_runs): NAME -> output directory, and "logs": NAME -> rank 0's log."""
+    return {**shared_launch["dirs"], "logs": shared_launch["logs"]}
+
+
+@pytest.fixture(scope="session")
+def zero_runs(shared_launch) -> dict[str, Path]:
+    """The DeepSpeed runs of the shared launch (_zero_runs): NAME -> output directory."""
+    if not shared_launch["zero"]:
+        pytest.skip("deepspeed is not installed (pip install memfit[deepspeed]; make test installs it)")
+    return shared_launch["dirs"]

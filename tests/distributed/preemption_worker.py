@@ -16,7 +16,7 @@ import os
 import sys
 from pathlib import Path
 
-from exactness_worker import _run_logged
+from exactness_worker import _run_logged, exit_now
 
 from fault_injection import half_applied_step_after_sigterm
 
@@ -42,4 +42,4 @@ def run_all() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run_all())
+    exit_now(run_all())

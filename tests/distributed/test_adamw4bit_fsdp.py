@@ -10,15 +10,12 @@ where every shard boundary falls on a block boundary of the whole tensor. All ru
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torchrun_helpers
-from torchrun_helpers import REPO, final_weights, run_many
+from torchrun_helpers import final_weights, run_many
 
 pytestmark = pytest.mark.distributed
 pytest.importorskip("torchao", reason="--optimizer adamw-4bit needs torchao (pip install 'memfit[lowmem-optim]')")
@@ -36,7 +33,7 @@ def _args(llama_dir: Path, text_file: Path) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def runs(llama_dir, text_file, tmp_path_factory) -> dict:
+def runs(llama_dir, text_file, warm_memfit, tmp_path_factory) -> dict:
     """One launch: ddp2 / fsdp2 (2 steps each, ddp2 checkpointed at step 2); fsdp4 (4 steps, checkpoints at 2
     and 4); fsdp4-resumed from fsdp4's step-2 checkpoint; fsdp4-zeroed, the same with the 4-bit moments zeroed
     after loading (the fault); ddp-to-fsdp, ddp2's whole-tensor checkpoint resumed on FSDP2 shards (refused).
@@ -60,9 +57,8 @@ def runs(llama_dir, text_file, tmp_path_factory) -> dict:
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(torchrun_helpers, "WORKER", WORKER)  # run_many's spec format, with this file's faults
         logs = run_many(specs, root / "launch", nproc=RANKS)
-    one = subprocess.run([sys.executable, "-m", "memfit", "train", *base, "--max-steps", "4", "--resume", step2,
-                          "--output-dir", str(root / "one-process")],
-                         capture_output=True, text=True, timeout=300, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    # Forked from the session's warm server (tests/memfit_cli.py): a process of its own without importing torch again
+    one = warm_memfit.run("train", *base, "--max-steps", "4", "--resume", step2, "--output-dir", root / "one-process")
     return {"root": root, "logs": logs, "one": one}
 
 

@@ -51,6 +51,24 @@ def checkpoint_copy(source: Path, target: Path, last_step: int) -> Path:
     return target
 
 
+def steps_of(out: Path) -> list[dict]:
+    from memfit.train.metrics import read_metrics
+
+    return [r for r in read_metrics(out / "metrics.jsonl") if "event" not in r]
+
+
+def state_bytes(rank: dict) -> int:
+    return rank["parameters"] + rank["gradients"] + rank["optimizer_states"]
+
+
+def rank1_split_cap(tracked_run: Path) -> int:
+    """A memory cap for rank 1 that fits a micro-batch of 2, not of 4 (from a --track-memory run)."""
+    steps = steps_of(tracked_run)
+    static = state_bytes(steps[-1]["ranks"][1])
+    peak = max(s["ranks"][1]["tracked_peak_bytes"] for s in steps)
+    return static + int(0.8 * (peak - static))
+
+
 def final_weights(output_dir: Path) -> dict:
     return load_file(str(output_dir / "final" / "model.safetensors"))
 
