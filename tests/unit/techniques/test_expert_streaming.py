@@ -17,6 +17,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM
 
+import model_zoo
 from memfit.config import LoraConfig, MemoryConfig, TrainConfig
 from memfit.errors import UsageError
 from memfit.memory.tracker import MemoryTracker
@@ -321,3 +322,39 @@ def test_estimate_of_streamed_experts_follows_the_tracker(tracked_and_estimated)
     tracked_saving, estimated_saving = resident[0] - streamed[0], resident[2] - streamed[2]
     assert estimated_saving == experts * 3 // 4
     assert tracked_saving == pytest.approx(estimated_saving, rel=0.1)
+
+
+zoo_model_dirs = model_zoo.zoo_model_dirs  # the session fixture: tiny models saved by transformers
+
+
+def test_memfit_train_streams_the_experts_and_says_so(zoo_model_dirs, text_file, tmp_path, caplog):
+    """Through memfit's loop (LoRA, full checkpointing, SGD without clipping): the adapter equals the resident run's."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from fault_injection import SGD_NO_CLIPPING
+    from memfit.config_loading import load_config
+    from memfit.train.loop import train
+
+    def run(out, offload):
+        config = load_config(overrides=dict(
+            model=str(zoo_model_dirs["qwen3_moe"]), dataset=str(text_file), seq_len=32, batch_size=2, max_steps=2,
+            packing=False, loss_chunk_size=0, output_dir=str(out), lr=1.0, report=False, lora_r=2,
+            gradient_checkpointing="full", expert_offload=offload, **SGD_NO_CLIPPING))
+        result = train(config)
+        adapter = load_file(str(next(result.final_dir.glob("adapter_model.safetensors"))))
+        lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        return adapter, [line["expert_offload"] for line in lines if "expert_offload" in line]
+
+    torch.set_num_threads(1)
+    resident, facts_off = run(tmp_path / "resident", False)
+    with caplog.at_level("INFO", logger="memfit"):
+        streamed, facts = run(tmp_path / "streamed", True)
+    assert resident.keys() == streamed.keys() and any("experts" in name for name in resident)
+    for name, tensor in resident.items():
+        torch.testing.assert_close(streamed[name], tensor, rtol=0, atol=1e-6, msg=name)
+    assert all(fact is None for fact in facts_off)
+    assert facts and facts[-1]["layers"] == 2 and facts[-1]["streamed_bytes"] >= 2 * facts[-1]["bytes_per_micro_batch"]
+    assert any("expert offload:" in record.getMessage() and "kept in host memory" in record.getMessage()
+               for record in caplog.records)
