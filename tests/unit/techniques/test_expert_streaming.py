@@ -358,3 +358,14 @@ def test_memfit_train_streams_the_experts_and_says_so(zoo_model_dirs, text_file,
     assert facts and facts[-1]["layers"] == 2 and facts[-1]["streamed_bytes"] >= 2 * facts[-1]["bytes_per_micro_batch"]
     assert any("expert offload:" in record.getMessage() and "kept in host memory" in record.getMessage()
                for record in caplog.records)
+
+
+def test_traced_estimate_runs_the_streamed_step(tracked_and_estimated):
+    """The traced estimate runs memfit's step on fake tensors, streaming included: the tracked peak, host term alike."""
+    import memfit.train.traced  # noqa: F401  (registers the step the traced estimate runs)
+    from memfit.prediction.estimator import ERROR_BAND, estimate
+
+    traced = estimate(_train_config(True), hf_config=_wide_experts(), method="traced")
+    tracked = tracked_and_estimated[True][0]
+    assert traced.peak_bytes / tracked - 1 == pytest.approx(0, abs=ERROR_BAND["traced"]), (traced.peak_bytes, tracked)
+    assert traced.host_breakdown["experts"] == tracked_and_estimated[True][3]
