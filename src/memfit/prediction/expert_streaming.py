@@ -3,15 +3,18 @@
 Weights: the routed experts' frozen bytes (bf16 stacks, or NF4's packed bytes; its statistics stay) leave the
 device's parameter term for host memory; the device keeps one layer's worth while it runs, and on CUDA a second,
 the next layer's copy prefetched on a side stream (on a CPU the copies are made one at a time: one layer).
-Time: the streamed bytes cross the host link twice a micro-batch (forward and the recompute); the copies run
-beside the layers' compute, so only what the forward and recompute passes cannot hide is added.
+Time: the streamed bytes cross the host link twice a micro-batch (forward and the recompute), once a tile each
+under tiled experts (each tile's call brings its layer); the copies run beside the layers' compute, so only what
+the forward and recompute passes cannot hide is added.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from memfit.config import TrainConfig
+from memfit.prediction.run_shape import resolve_mlp_tiles
 
 HIDING_SHARE = 0.5
 """Share of a step's compute the copies can overlap: forward and recompute (backward reads no new layer first)."""
@@ -42,6 +45,9 @@ def with_streamed_experts(parts: dict[str, Any], config: TrainConfig, inventory:
     parts["parameters"] -= total - on_device
     parts["experts_host_bytes"] = total
     parts["experts_streamed_layer_bytes"] = per_layer
+    # tiled experts call each layer's experts once a tile, forward and recompute: each call brings the layer
+    tiles = resolve_mlp_tiles(config.memory.tiled_mlp, config.data.seq_len) if config.data.seq_len else 0
+    parts["experts_stream_calls"] = 2 * max(1, tiles)
     return parts
 
 
@@ -50,7 +56,7 @@ def streaming_host_and_notes(parts: dict[str, Any]) -> tuple[dict[str, int], dic
     total = int(parts.get("experts_host_bytes", 0))
     if not total:
         return {}, {}
-    return {"experts": total}, {"expert_stream_bytes_per_micro_batch": 2 * total,
+    return {"experts": total}, {"expert_stream_bytes_per_micro_batch": parts["experts_stream_calls"] * total,
                                 "expert_stream_layer_bytes": int(parts["experts_streamed_layer_bytes"])}
 
 
@@ -60,10 +66,13 @@ def stream_seconds(est: Any, link_bytes_per_second: float, compute_seconds: floa
     return max(0.0, moved / link_bytes_per_second - HIDING_SHARE * compute_seconds)
 
 
-def streaming_changes(mode: str, config: TrainConfig, hf_config: Any) -> dict[str, Any]:
-    """The plan's expert-offload lever: LoRA/QLoRA on a mixture of experts, unless the user chose."""
+def streaming_changes(mode: str, config: TrainConfig, hf_config: Any, user_set: Callable[[Any, str], bool]
+                      ) -> dict[str, Any]:
+    """The plan's expert-offload lever: LoRA/QLoRA on a mixture of experts, unless the user chose.
+
+    `user_set(config, name)`: whether the user gave `name` (candidates.user_set, passed in: candidates imports this).
+    """
     from memfit.models.experts import moe_shape
-    from memfit.prediction.candidates import user_set
 
     if mode == "full" or hf_config is None or moe_shape(hf_config) is None or user_set(config, "expert_offload"):
         return {}

@@ -7,7 +7,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from memfit.config_loading import load_config
-from memfit.prediction.candidates import technique_grid
+from memfit.prediction.candidates import technique_grid, user_set
 from memfit.prediction.estimator import estimate
 from memfit.prediction.expert_streaming import stream_seconds, streaming_changes
 from memfit.prediction.planner import MARGIN, plan
@@ -19,13 +19,13 @@ SETTINGS = {"model": "tiny", "seq_len": 64, "batch_size": 1, "lora_r": 2, "dtype
 
 def test_the_lever_applies_to_lora_on_experts_only():
     config = load_config(overrides=SETTINGS)
-    assert streaming_changes("lora", config, ZOO["qwen3_moe"]()) == {"expert_offload": True, "compile": False}
-    assert streaming_changes("qlora", config, ZOO["qwen3_moe"]())["expert_offload"]
-    assert streaming_changes("full", config, ZOO["qwen3_moe"]()) == {}
-    assert streaming_changes("lora", config, ZOO["llama"]()) == {}
+    assert streaming_changes("lora", config, ZOO["qwen3_moe"](), user_set) == {"expert_offload": True, "compile": False}
+    assert streaming_changes("qlora", config, ZOO["qwen3_moe"](), user_set)["expert_offload"]
+    assert streaming_changes("full", config, ZOO["qwen3_moe"](), user_set) == {}
+    assert streaming_changes("lora", config, ZOO["llama"](), user_set) == {}
     chosen = load_config(overrides={**SETTINGS, "expert_offload": False})
     chosen.user_set = {"expert_offload"}
-    assert streaming_changes("lora", chosen, ZOO["qwen3_moe"]()) == {}  # the user chose
+    assert streaming_changes("lora", chosen, ZOO["qwen3_moe"](), user_set) == {}  # the user chose
 
 
 def test_link_time_counts_only_what_compute_does_not_hide():
@@ -59,3 +59,16 @@ def test_qwen3_30b_a3b_bf16_lora_fits_below_63_gb_with_the_experts_streamed():
     assert result.fits and result.plan["expert_offload"]
     assert result.estimated_peak_bytes <= 63 * 10**9 * (1 - MARGIN)
     assert result.host_bytes > 54 * GIB  # 29B expert weights in bf16
+
+
+def test_each_tile_of_tiled_experts_brings_its_layer_again():
+    hf_config = ZOO["qwen3_moe"]()
+    settings = {**SETTINGS, "gradient_checkpointing": "full", "expert_offload": True}
+    untiled = estimate(load_config(overrides={**settings, "tiled_mlp": 0}), hf_config=hf_config)
+    tiled = estimate(load_config(overrides={**settings, "tiled_mlp": 4}), hf_config=hf_config)
+    experts = untiled.host_breakdown["experts"]
+    assert experts == 2 * 4 * 3 * 32 * 32 * 2  # layers x experts x (gate, up, down) x hidden x width x bf16 bytes
+    assert untiled.details["expert_stream_bytes_per_micro_batch"] == 2 * experts  # forward and recompute
+    assert tiled.details["expert_stream_bytes_per_micro_batch"] == 2 * 4 * experts
+    assert not any(c.get("expert_offload") and c["tiled_mlp"]
+                   for c in technique_grid("lora", load_config(overrides=SETTINGS), None, 8192, 1, hf_config=hf_config))
