@@ -27,7 +27,6 @@ from memfit.techniques.expert_streaming import (
     ExpertStreamer,
     apply_expert_streaming,
     expert_streaming_facts,
-    find_expert_layers,
 )
 from memfit.techniques.host_memory import is_marked_host
 from memfit.techniques.lora import apply_lora
@@ -108,8 +107,7 @@ def _assert_same(actual, expected) -> None:
 
 
 def _expert_bytes(model) -> int:
-    return sum(host.nbytes for layer in find_expert_layers(model) for _, _, host in layer.weights) or sum(
-        p.nbytes for n, p in model.named_parameters() if ".experts." in n and "lora_" not in n)
+    return sum(p.nbytes for n, p in model.named_parameters() if ".experts." in n and "lora_" not in n)
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "list"])
@@ -172,7 +170,7 @@ def test_fault_twin_a_layer_left_in_host_memory_is_caught(monkeypatch):
 
 def _changed_host_weights(model, factor: float) -> None:
     """Change every frozen expert weight where it lives (host copies when streamed), as loading another base would."""
-    streamer = getattr(model.get_base_model(), expert_streaming.STREAMER_ATTRIBUTE, None)
+    streamer = getattr(model, expert_streaming.STREAMER_ATTRIBUTE, None)
     with torch.no_grad():
         if streamer is not None:
             for layer in streamer.layers:
@@ -369,3 +367,23 @@ def test_traced_estimate_runs_the_streamed_step(tracked_and_estimated):
     tracked = tracked_and_estimated[True][0]
     assert traced.peak_bytes / tracked - 1 == pytest.approx(0, abs=ERROR_BAND["traced"]), (traced.peak_bytes, tracked)
     assert traced.host_breakdown["experts"] == tracked_and_estimated[True][3]
+
+
+def test_nf4_experts_stream_their_packed_bytes_and_give_the_resident_result():
+    """QLoRA's NF4 expert stacks: the packed weights go to host memory, the quantization state stays."""
+    pytest.importorskip("bitsandbytes")
+    from memfit.techniques.expert_lora import quantize_fused_experts
+    from memfit.techniques.expert_quant import is_nf4
+
+    model, reference = _model("qwen3_moe"), _model("qwen3_moe")
+    for each in (model, reference):
+        assert quantize_fused_experts(each).startswith("experts nf4 in 2 of 2")
+    apply_expert_streaming(model)
+    streamer = getattr(model, expert_streaming.STREAMER_ATTRIBUTE)
+    hosts = [host for layer in streamer.layers for _, _, host in layer.weights]
+    assert hosts and all(is_nf4(host) and host.dtype == torch.uint8 for host in hosts)
+    assert not any(is_marked_host(host.quant_state.absmax.untyped_storage()) for host in hosts)
+    optimizer, reference_optimizer = _sgd(model), _sgd(reference)
+    for _ in range(2):
+        _assert_same(_step(model, optimizer), _step(reference, reference_optimizer))
+    assert _host_reads(model) == []
