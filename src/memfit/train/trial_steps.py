@@ -9,11 +9,12 @@ import torch
 
 
 def time_steps(session: Any, cap: int | None) -> tuple[float, int]:
-    """(seconds of one optimizer step at the plan's accumulation, peak bytes) from three short steps.
+    """(seconds of one optimizer step at the plan's accumulation, peak bytes) from four short steps.
 
-    The first step (two micro-batches where the plan accumulates: gradients held across them) runs
-    under the cap and measures the peak; it also warms up allocations and kernel choices. The timed
-    steps run without the tracker, whose bookkeeping would slow every operator.
+    A step of one micro-batch makes the optimizer's state (and warms up allocations and kernel choices).
+    The next (two micro-batches where the plan accumulates: gradients held across them) runs under the
+    cap with that state live, as every step of the run after its first, and measures the peak. The
+    timed steps run without the tracker, whose bookkeeping would slow every operator.
     """
     from memfit.train.loop import _activation_offload_context
     from memfit.train.step import StepRunner
@@ -29,6 +30,13 @@ def time_steps(session: Any, cap: int | None) -> tuple[float, int]:
     first = two if accumulation > 1 else one
     cuda = session.device.type == "cuda"
     with _activation_offload_context(session):
+        # One step before the measured one: the optimizer makes its state on its first step, and every step of the
+        # run after the first holds it; a peak measured without it passes a cap that the run's second step breaks
+        warm_up = StepRunner.from_session(session, micro_batch_size=micro, oom_recovery=False)
+        try:
+            warm_up.run(one)
+        finally:
+            warm_up.close()
         if not cuda:
             from memfit.memory.tracker import MemoryTracker
 

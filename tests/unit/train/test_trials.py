@@ -210,3 +210,18 @@ def test_probe_scale_predicts_a_cpu_step_at_the_measured_share_of_the_matmul_pro
     predicted = nominal_seconds * trials.probe_scale("cpu")
     assert predicted == pytest.approx(step_flops / (130e9 * 0.7), rel=1e-6)
     assert 2.0 < predicted < 2.6  # the lead's quiet bench run measured 2.28 s
+
+
+def test_trial_peak_holds_the_optimizer_state_as_the_run_s_later_steps(llama_dir, text_file, tmp_path):
+    """AdamW makes its state on the first step; a trial's measured peak is that of a later step of the run
+    (memfit profile's second step), state included, not the first step's (without it a trial passed a cap
+    that the run's second step broke)."""
+    from memfit.train.profiling import profile_run
+
+    plan = {"batch_size": 4, "gradient_accumulation_steps": 2, "gradient_checkpointing": "off"}
+    config = _config(llama_dir, text_file, tmp_path / "run", optimizer="adamw", **plan)
+    trial_peak = _measured_peak(config, plan)
+    report, _ = profile_run(config.replace(max_steps=2))
+    first_step, later_step = report.step_peak_bytes
+    assert later_step > first_step  # the state the first step made
+    assert abs(trial_peak - later_step) <= 0.02 * later_step, (trial_peak, first_step, later_step)
