@@ -105,6 +105,7 @@ def spearman(a: list[float], b: list[float]) -> float | None:
 def memfit_worker(spec: dict[str, Any]) -> dict[str, Any]:
     from memfit.train import trials
 
+    share = trials.TRIAL_SHARE
     if spec["trial_share"] is not None:  # None: the default share, as a user's run has it
         trials.TRIAL_SHARE = spec["trial_share"]
     shown: dict[str, Any] = {}
@@ -119,7 +120,7 @@ def memfit_worker(spec: dict[str, Any]) -> dict[str, Any]:
     try:
         return _memfit_run(spec, shown)
     finally:  # --quick runs several workers in one process: the next one wraps the original again
-        trials.with_trials = original
+        trials.with_trials, trials.TRIAL_SHARE = original, share
 
 
 def _memfit_run(spec: dict[str, Any], shown: dict[str, Any]) -> dict[str, Any]:
@@ -318,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
             memfit_jobs.append((isa, planned(f"memfit planned, {isa} ISA, empty cache (trials run)", budget, cache,
                                              isa, True, 1e6)))
             if isa == isas[0]:
-                memfit_jobs.append(("default", planned(f"memfit planned, {isa} ISA, empty cache, default trial share",
+                memfit_jobs.append(("user", planned(f"memfit planned, {isa} ISA, empty cache, default trial share",
                                                        budget, work / "cache-default-share", isa, True, None)))
                 memfit_jobs.append(("warm", planned(f"memfit planned, {isa} ISA, cache from the run before", budget,
                                                     cache, isa, False, 1e6)))
@@ -334,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
             again = results[len(memfit_jobs)] if best else None
         else:
             again = run(*again_job)[0] if best else None
-    cold, warm, default = runs[isas[0]], runs["warm"], runs["default"]
+    cold, warm, default = runs[isas[0]], runs["warm"], runs["user"]
     rows = []
     for r in [plain, *tried, *([again] if again else [])]:
         rows.append([r["label"] + (" **(fastest that fits)**" if r is best else ""),
