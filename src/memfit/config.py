@@ -478,6 +478,9 @@ class TrainConfig:
             problems.append(f"--warmup-ratio must be at least 0 and below 1 (a share of the steps), got {o.warmup_ratio}")
         problems.extend(_small_state_optimizer_problems(o, lo, m.optimizer_offload))
         problems.extend(_frozen_weight_problems(m, lo))
+        if m.embedding_on_host and (world_size > 1 or self.distributed.deepspeed):
+            problems.append("--embedding-on-host runs in one process (DDP, FSDP2 and DeepSpeed keep every parameter on"
+                            " the device): drop it or train on one GPU")
         problems.extend(_expert_offload_problems(m, lo))
         if m.activation_offload_blocks is not None:
             if m.activation_offload_blocks < 0:

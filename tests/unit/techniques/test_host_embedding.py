@@ -101,3 +101,10 @@ def test_a_trained_tied_or_subclassed_embedding_stays_where_it_is():
 def test_embedding_on_host_without_lora_is_refused_in_one_line():
     with pytest.raises(UsageError, match="--embedding-on-host keeps a frozen embedding in host memory: add --lora-r"):
         TrainConfig.from_flat(dict(model="tiny", embedding_on_host=True)).validate()
+
+
+def test_embedding_on_host_under_several_ranks_is_refused_in_one_line():
+    config = TrainConfig.from_flat(dict(model="tiny", lora_r=2, embedding_on_host=True))
+    config.validate()
+    with pytest.raises(UsageError, match="--embedding-on-host runs in one process"):
+        config.validate(world_size=2)
