@@ -7,25 +7,26 @@ from __future__ import annotations
 import json
 
 import pytest
-from torchrun_helpers import assert_same_weights, checkpoint_copy, final_weights, run_many
+from torchrun_helpers import assert_same_weights, checkpoint_copy, final_weights
 
 pytestmark = pytest.mark.distributed
 
 
 @pytest.fixture(scope="module")
-def resharded(references, engine_runs, later_runs, reshard_args, tmp_path_factory):
+def resharded(references, engine_runs, later_runs, reshard_args, warm_memfit, tmp_path_factory):
     """Starting ranks costs more than these 4-step runs, so three of the four share the session's launches
     (conftest.py): the one-process run `one` with the references, the 2-rank run `two` with engine_runs, `one`'s
     step-2 checkpoint resumed on 2 ranks (`one-to-two`) with later_runs. Only `two`'s checkpoint resumed in one
-    process (`two-to-one`) needs a launch of its own."""
+    process (`two-to-one`) runs on its own, in a child forked from the session's warm server (tests/memfit_cli.py)."""
     root = tmp_path_factory.mktemp("reshard")
     for name, source in (("one", references["reshard-one"]), ("two", engine_runs["reshard-two"]),
                          ("one-to-two", later_runs["reshard-one-to-two"])):
         (root / name).symlink_to(source, target_is_directory=True)
     two_to_one = checkpoint_copy(root / "two", root / "two-to-one", 4)
-    logs = run_many([{"name": "two-to-one", "args": [*reshard_args, "--gradient-accumulation-steps", "2", "--resume",
-                                                    "auto", "--output-dir", str(two_to_one)]}], root / "l3", nproc=1)
-    return root, {**logs, "one-to-two": later_runs["logs"]["reshard-one-to-two"]}
+    done = warm_memfit.run("train", *reshard_args, "--gradient-accumulation-steps", "2", "--resume", "auto",
+                           "--output-dir", two_to_one)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return root, {"two-to-one": done.stderr, "one-to-two": later_runs["logs"]["reshard-one-to-two"]}
 
 
 def test_two_ranks_to_one(resharded):
