@@ -43,6 +43,7 @@ from torch import nn
 from memfit.errors import UsageError
 from memfit.models.experts import is_fused_experts
 from memfit.techniques.host_memory import host_allocations, mark_host
+from memfit.units import format_bytes
 
 log = logging.getLogger("memfit")
 
@@ -236,9 +237,9 @@ def apply_expert_streaming(model: nn.Module) -> str:
         _install(streamer, layer)
     setattr(model, STREAMER_ATTRIBUTE, streamer)
     per_layer = max(layer.nbytes for layer in layers)
-    return (f"{streamer.host_bytes / 2**30:.2f} GiB of frozen experts in {len(layers)} MoE layers kept in host memory"
-            f"{' (pinned)' if device.type == 'cuda' else ''}, streamed per layer ({per_layer / 2**20:.1f} MiB each,"
-            f" {2 * streamer.host_bytes / 2**30:.2f} GiB a micro-batch: forward and recompute"
+    return (f"{format_bytes(streamer.host_bytes)} of frozen experts in {len(layers)} MoE layers kept in host memory"
+            f"{' (pinned)' if device.type == 'cuda' else ''}, streamed per layer ({format_bytes(per_layer)} each,"
+            f" {format_bytes(2 * streamer.host_bytes)} a micro-batch: forward and recompute"
             f"{'; the next layer prefetched on a side stream' if device.type == 'cuda' else ''})")
 
 
