@@ -481,6 +481,9 @@ class TrainConfig:
         if m.embedding_on_host and (world_size > 1 or self.distributed.deepspeed):
             problems.append("--embedding-on-host runs in one process (DDP, FSDP2 and DeepSpeed keep every parameter on"
                             " the device): drop it or train on one GPU")
+        if lo.quantize_head and (self.distributed.sharding == "fsdp" or self.distributed.zero_stage == 3):
+            problems.append("--quantize-head cannot be sharded (FSDP2 and ZeRO-3 would split the packed NF4 head from"
+                            " its quantization state): drop it or use --sharding ddp")
         problems.extend(_expert_offload_problems(m, lo))
         if m.activation_offload_blocks is not None:
             if m.activation_offload_blocks < 0:

@@ -117,3 +117,9 @@ def test_a_trained_or_tied_head_stays_and_bad_flags_are_refused():
     assert "tied to the input embedding" in quantize_head(tied)
     with pytest.raises(UsageError, match="--quantize-head holds the frozen head in NF4 beside the 4-bit linears"):
         TrainConfig.from_flat(dict(model="tiny", lora_r=2, quantize_head=True)).validate()
+
+
+def test_a_sharded_nf4_head_is_refused_in_one_line():
+    with pytest.raises(UsageError, match="--quantize-head cannot be sharded"):
+        TrainConfig.from_flat(dict(model="tiny", lora_r=2, quantize="4bit", quantize_head=True,
+                                   sharding="fsdp")).validate(world_size=2)
