@@ -8,10 +8,11 @@ planner's best distinct configurations (PlanResult.ranked) runs a few real micro
 same memory cap (the tracker's emulated cap on a CPU, the allocator's on CUDA: the cap given, else
 the budget), and the fastest measured wins. A trial that runs out of memory is dropped.
 
-What a trial times: one warm-up step of one micro-batch, then one step of one micro-batch (t1) and,
-where the plan accumulates, one of two (t2). A micro-batch costs m = t2 - t1 and the optimizer
-step o = t1 - m, so a step of `a` micro-batches costs a*m + o: three short steps whatever the
-accumulation. Trials run eager (a compiled plan keeps --compile; its gain is the same factor on
+What a trial runs: one step of one micro-batch (the optimizer's state made, kernels warmed up), one
+tracked under the cap (two micro-batches where the plan accumulates) for the peak, then one step of
+one micro-batch (t1) and, where the plan accumulates, one of two (t2). A micro-batch costs
+m = t2 - t1 and the optimizer step o = t1 - m, so a step of `a` micro-batches costs a*m + o: four
+short steps whatever the accumulation. Trials run eager (a compiled plan keeps --compile; its gain is the same factor on
 every candidate in the speed model).
 
 The cost is bounded: the trials stop once they would pass TRIAL_SHARE of the run's predicted
@@ -209,10 +210,12 @@ def diverse(ranked: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return shapes_first(ranked)
 
 
-def _trial_cost_guess(trial: Trial, config: TrainConfig) -> float:
+def _trial_cost_guess(trial: Trial, config: TrainConfig, build_seconds: float = BUILD_SECONDS_GUESS) -> float:
+    """Seconds a trial takes: its session's build, and its steps' micro-batches (trial_steps.time_steps: 3 of
+    one micro-batch, 6 where the plan accumulates) at the predicted rate."""
     accumulation = trial.plan.get("gradient_accumulation_steps", 1)
-    micro_batches = 2 + min(accumulation, 2)
-    return BUILD_SECONDS_GUESS + trial.predicted_seconds * micro_batches / accumulation
+    micro_batches = 3 * min(accumulation, 2)
+    return build_seconds + trial.predicted_seconds * micro_batches / accumulation
 
 
 def _chosen(config: TrainConfig, result: Any, trials: list[Trial], key: str,
@@ -305,9 +308,7 @@ def _run_trials(config: TrainConfig, trials: list[Trial], cap: int | None, budge
     with _rng_kept():
         for index, trial in enumerate(trials):
             spent = time.perf_counter() - started
-            guess = _trial_cost_guess(trial, config) if build_seconds is None else (
-                build_seconds + trial.predicted_seconds * (2 + min(trial.plan.get("gradient_accumulation_steps", 1), 2))
-                / trial.plan.get("gradient_accumulation_steps", 1))
+            guess = _trial_cost_guess(trial, config, build_seconds or BUILD_SECONDS_GUESS)
             if index >= 2 and spent + guess > budget:
                 log.info("memfit: trials: stopped after %d (%.1f s spent of %.1f s)", index, spent, budget)
                 break

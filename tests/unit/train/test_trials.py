@@ -225,3 +225,23 @@ def test_trial_peak_holds_the_optimizer_state_as_the_run_s_later_steps(llama_dir
     first_step, later_step = report.step_peak_bytes
     assert later_step > first_step  # the state the first step made
     assert abs(trial_peak - later_step) <= 0.02 * later_step, (trial_peak, first_step, later_step)
+
+
+@pytest.mark.parametrize("step_seconds", [0.05, 2.3, 60.0])
+def test_a_12_step_run_skips_trials_it_cannot_repay_and_a_long_one_would_not(llama_dir, text_file, tmp_path,
+                                                                          monkeypatch, step_seconds):
+    """Two trials cost two session builds and 3 + 6 micro-batches; 10 % of a 12-step run is 1.2 steps: whatever the
+    step time, a 12-step run (the bench's) skips them. 2000 steps repay them: the trials would run (not run here)."""
+    timed = []
+    monkeypatch.setattr(trials, "time_trial", lambda config, trial, cap: timed.append(trial) or None)
+    monkeypatch.setattr(trials, "TRIAL_SHARE", 0.1)
+    monkeypatch.setattr(trials, "probe_scale", lambda device: 1.0)
+    two_by_four = {"batch_size": 2, "gradient_accumulation_steps": 4, "gradient_checkpointing": "off"}
+    four_by_two = {"batch_size": 4, "gradient_accumulation_steps": 2, "gradient_checkpointing": "selective"}
+    ranked = _ranked(two_by_four, four_by_two, seconds=(step_seconds, step_seconds * 0.98))
+    config = _config(llama_dir, text_file, tmp_path / "run", max_steps=12)
+    _, shown, why = trials.with_trials(config, _result(ranked, 1 << 40))
+    assert why == "too short to repay trials" and not timed
+    config = _config(llama_dir, text_file, tmp_path / "long", max_steps=2000)
+    trials.with_trials(config, _result(ranked, 1 << 40))
+    assert len(timed) == 2
