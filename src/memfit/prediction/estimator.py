@@ -457,6 +457,8 @@ def _traced_peak(config, run: RunShape, hf_config, inventory, parts) -> tuple[di
         traced_config = traced_config.replace(quantize="none")
     step = step_tracer()(hf_config, traced_config, setup, fake=True)  # memfit.train.traced: the real step
     moment = {k: float(v) for k, v in step.breakdown.items()}
+    if config.accumulation_for() > 1 and not run.optimizer_in_backward:  # one micro-batch is traced: from the
+        moment["gradients"] = max(moment["gradients"], parts["gradients"])  # second on, every gradient is live
     if quantized:
         moment["parameters"] += parts["parameters"] - (inventory.total * 2 + 4 * parts["trainable_count"])
     if run.optimizer_offload or run.paged_optimizer:
