@@ -453,6 +453,8 @@ def _traced_peak(config, run: RunShape, hf_config, inventory, parts) -> tuple[di
     )
     traced_config = config.replace(optimizer_impl="fused") if (
         run.device_type == "cuda" and getattr(config.optimizer, "optimizer_impl", "auto") == "auto") else config
+    # the frozen-weight levers run on real weights only: traced without them, their bytes taken from the parts
+    traced_config = traced_config.replace(embedding_on_host=False, quantize_head=False, expert_dequant_group=0)
     if quantized:
         traced_config = traced_config.replace(quantize="none")
     step = step_tracer()(hf_config, traced_config, setup, fake=True)  # memfit.train.traced: the real step
@@ -461,6 +463,8 @@ def _traced_peak(config, run: RunShape, hf_config, inventory, parts) -> tuple[di
         moment["gradients"] = max(moment["gradients"], parts["gradients"])  # second on, every gradient is live
     if quantized:
         moment["parameters"] += parts["parameters"] - (inventory.total * 2 + 4 * parts["trainable_count"])
+    else:  # the quantized parts above already leave the embedding out
+        moment["parameters"] -= parts["embedding_host_bytes"]
     if run.optimizer_offload or run.paged_optimizer:
         moment["optimizer_states"] = 0
     arch = architecture_for(hf_config)

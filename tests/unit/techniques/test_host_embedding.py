@@ -67,6 +67,7 @@ def test_fault_twin_a_lookup_of_the_wrong_rows_is_caught(monkeypatch):
 
 
 def test_the_device_peak_drops_by_the_embedding_which_the_tracker_files_as_host_bytes():
+    import memfit.train.traced  # noqa: F401  (registers the step the traced estimate runs)
     from memfit.prediction.estimator import estimate
 
     plain, moved = _lora("gpt_oss"), _lora("gpt_oss")
@@ -82,6 +83,9 @@ def test_the_device_peak_drops_by_the_embedding_which_the_tracker_files_as_host_
     on_host = estimate(TrainConfig.from_flat({**settings, "embedding_on_host": True}), hf_config=hf_config)
     assert base.breakdown["parameters"] - on_host.breakdown["parameters"] == embedding_bytes
     assert on_host.host_breakdown["embedding"] == embedding_bytes
+    traced = [estimate(TrainConfig.from_flat({**settings, "embedding_on_host": on}), hf_config=hf_config,
+                       method="traced") for on in (False, True)]  # traced without it, its bytes from the parts
+    assert traced[0].breakdown["parameters"] - traced[1].breakdown["parameters"] == embedding_bytes
 
 
 def test_a_trained_tied_or_subclassed_embedding_stays_where_it_is():
