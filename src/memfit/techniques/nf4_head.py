@@ -136,6 +136,9 @@ def quantize_head(model: nn.Module) -> str:
     before = head.weight.nbytes
     packed, state = bnb_functional.quantize_4bit(head.weight.detach().contiguous(), blocksize=64,
                                                  compress_statistics=True, quant_type="nf4", quant_storage=torch.uint8)
+    # rows x columns/2 (two weights a byte, exact for an even width): the weight's first dimension stays the
+    # vocabulary, which the default loss chunk and the tracker's logits category read from the head
+    packed = packed.view(state.shape[0], state.shape[1] // 2)
     weight = Params4bit(packed, requires_grad=False, quant_state=state, blocksize=64, compress_statistics=True,
                         quant_type="nf4", quant_storage=torch.uint8, bnb_quantized=True)
     lm.set_output_embeddings(Nf4Head(weight, head.bias))

@@ -71,7 +71,8 @@ def _same(model) -> bool:
 @pytest.mark.parametrize("family", ["llama", "gpt_oss"])
 def test_the_nf4_head_gives_the_dequantized_heads_loss_and_adapter_gradients(family):
     model = _qlora(family, True)
-    assert isinstance(model.get_base_model().lm_head, Nf4Head)
+    head = model.get_base_model().lm_head
+    assert isinstance(head, Nf4Head) and head.weight.shape == (257, 16)  # the vocabulary first, as the tracker reads
     assert _same(model)
 
 
