@@ -120,11 +120,47 @@ def save_family(family: str, directory: Path) -> Path:
     return directory
 
 
+# Each test module that imports a fixture below holds its own copy of it for pytest (a fixture is registered per
+# module that names it), so a session fixture would run once per module: what they build is kept here instead,
+# once per process.
+_BUILT: dict[str, object] = {}
+
+
 @pytest.fixture(scope="session")
 def zoo_model_dirs(tmp_path_factory) -> dict[str, Path]:
     """family -> a directory with its tiny model (save_pretrained) and the byte tokenizer, saved once."""
-    root = tmp_path_factory.mktemp("zoo")
-    return {family: save_family(family, root / family) for family in ZOO}
+    if "dirs" not in _BUILT:
+        root = tmp_path_factory.mktemp("zoo")
+        _BUILT["dirs"] = {family: save_family(family, root / family) for family in ZOO}
+    return _BUILT["dirs"]
+
+
+ZOO_GROUP = "model-zoo"
+"""The pytest-xdist group of the test files that read `zoo_commands`: one worker builds it once."""
+
+
+@pytest.fixture(scope="session")
+def zoo_commands(request, zoo_model_dirs, text_file, tmp_path_factory) -> dict[str, dict]:
+    """{module's name: {key: result of its command}}: the commands of every module of ZOO_GROUP, run in ONE process.
+
+    Each module names its commands with `zoo_commands_of(zoo_model_dirs, text_file, out) -> {key: argv}`. Sharing
+    the process saves a start and every per-process cache the commands fill: a family's layer probe (Jamba's Mamba
+    scan on fake tensors: tens of seconds), measured by `memfit estimate` and read again by `memfit train`'s
+    speed prediction.
+    """
+    if "commands" in _BUILT:
+        return _BUILT["commands"]
+    out = tmp_path_factory.mktemp("zoo-runs")
+    modules = {item.module.__name__: item.module for item in request.session.items
+               if (group := item.get_closest_marker("xdist_group")) is not None and group.args[0] == ZOO_GROUP}
+    keyed = [(name, key, argv) for name, module in sorted(modules.items())
+             for key, argv in module.zoo_commands_of(zoo_model_dirs, text_file, out).items()]
+    results = run_in_one_process([argv for _, _, argv in keyed], timeout=1800)
+    shared: dict[str, dict] = {name: {} for name in modules}
+    for (name, key, _), result in zip(keyed, results, strict=True):
+        shared[name][key] = result
+    _BUILT["commands"] = shared
+    return shared
 
 
 def run_in_one_process(commands: list[list[str]], timeout: int = 600) -> list[dict]:

@@ -2,7 +2,8 @@
 
 A technique that is on by default must never break a model transformers trains: each command ends with exit 0,
 and nothing anywhere in its output is a traceback, stderr included (a library logging one through its own
-handler counts). All commands share one process, so torch and transformers are imported once.
+handler counts). All commands share one process with tests/unit/prediction/test_zoo_estimates.py's (model_zoo.zoo_commands), so
+torch and transformers are imported once and each family's layer probe runs once.
 """
 
 from __future__ import annotations
@@ -13,9 +14,11 @@ from pathlib import Path
 import pytest
 
 import model_zoo
-from model_zoo import MOE_FAMILIES, ZOO, run_in_one_process
+from model_zoo import MOE_FAMILIES, ZOO
 
-zoo_model_dirs = model_zoo.zoo_model_dirs  # the session fixture, visible to this module's tests
+zoo_model_dirs = model_zoo.zoo_model_dirs  # the session fixtures, visible to this module's tests
+zoo_commands = model_zoo.zoo_commands
+pytestmark = pytest.mark.xdist_group(model_zoo.ZOO_GROUP)  # with test_zoo_estimates.py: one process for both
 
 # --no-report: the HTML page is the same code for every family and costs more than the tiny step
 LEGS = {
@@ -25,17 +28,18 @@ LEGS = {
 }
 
 
+def zoo_commands_of(zoo_model_dirs, text_file, out) -> dict[tuple[str, str], list[str]]:
+    """(family, leg) -> its `memfit` command (model_zoo.zoo_commands runs them)."""
+    return {(family, leg): [*head, "--model", str(directory), "--dataset", str(text_file), "--seq-len", "32",
+                            "--batch-size", "2", "--max-steps", "1", "--output-dir", str(out / f"{family}-{leg}")]
+            for family, directory in zoo_model_dirs.items() for leg, head in LEGS.items()}
+
+
 @pytest.fixture(scope="module")
-def zoo_runs(zoo_model_dirs, text_file, tmp_path_factory) -> dict[tuple[str, str], dict]:
-    """(family, leg) -> the result of that command, all run in one process."""
-    out = tmp_path_factory.mktemp("zoo-runs")
-    keys, commands = [], []
-    for family, directory in zoo_model_dirs.items():
-        for leg, head in LEGS.items():
-            keys.append((family, leg))
-            commands.append([*head, "--model", str(directory), "--dataset", str(text_file), "--seq-len", "32",
-                             "--batch-size", "2", "--max-steps", "1", "--output-dir", str(out / f"{family}-{leg}")])
-    return dict(zip(keys, run_in_one_process(commands), strict=True))
+def zoo_runs(zoo_commands) -> dict[tuple[str, str], dict]:
+    """(family, leg) -> the result of that command, run in the zoo's one process with test_zoo_estimates.py's
+    commands (the runs' speed predictions and the estimates read the same layer probes)."""
+    return zoo_commands[__name__]
 
 
 def _failure(result: dict) -> str:

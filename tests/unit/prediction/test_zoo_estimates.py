@@ -4,7 +4,8 @@ and bf16 weights, full training and LoRA.
 Each command ends with exit 0 and prints no traceback anywhere, stderr included (torch logs a failing meta
 kernel's traceback through its own logger: that counts). The analytical estimate lies within the bands of the two
 methods of the traced one (the traced step is checked against the tracker on real steps in test_moe_estimate.py
-and docs/accuracy.md). All commands share one process, so torch and transformers are imported once.
+and docs/accuracy.md). All commands share one process with tests/unit/models/test_model_zoo.py's (model_zoo.zoo_commands), so torch
+and transformers are imported once and each family's layer probe runs once.
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ import pytest
 
 import model_zoo
 from memfit.prediction.estimator import ERROR_BAND
-from model_zoo import ZOO, run_in_one_process
+from model_zoo import ZOO
 
-zoo_model_dirs = model_zoo.zoo_model_dirs  # the session fixture, visible to this module's tests
+zoo_model_dirs = model_zoo.zoo_model_dirs  # the session fixtures, visible to this module's tests
+zoo_commands = model_zoo.zoo_commands
+pytestmark = pytest.mark.xdist_group(model_zoo.ZOO_GROUP)  # with test_model_zoo.py: one process for both
 
 VARIANTS = {
     "fp32": ["--dtype", "fp32"],
@@ -34,19 +37,24 @@ HYBRID_AGREEMENT = {"jamba": 0.20}
 """Mamba layers' reference scan keeps what the probe's one forward at 64 and 128 tokens extrapolates loosely."""
 
 
-@pytest.fixture(scope="module")
-def zoo_estimates(zoo_model_dirs) -> dict[tuple[str, str, str], dict]:
-    """(family, variant, method) -> the result of `memfit estimate ... --json`, all run in one process."""
-    keys, commands = [], []
+def zoo_commands_of(zoo_model_dirs, text_file, out) -> dict[tuple[str, str, str], list[str]]:
+    """(family, variant, method) -> `memfit estimate ... --json` (model_zoo.zoo_commands runs them)."""
+    commands = {}
     for family, directory in zoo_model_dirs.items():
         for variant, flags in VARIANTS.items():
             for method in METHODS:
                 if method == "traced" and family not in TRACED_VARIANTS[variant]:
                     continue
-                keys.append((family, variant, method))
-                commands.append(["estimate", "--model", str(directory), "--method", method, "--seq-len", "32",
-                                 "--batch-size", "2", "--json", *flags])
-    return dict(zip(keys, run_in_one_process(commands), strict=True))
+                commands[family, variant, method] = ["estimate", "--model", str(directory), "--method", method,
+                                                     "--seq-len", "32", "--batch-size", "2", "--json", *flags]
+    return commands
+
+
+@pytest.fixture(scope="module")
+def zoo_estimates(zoo_commands) -> dict[tuple[str, str, str], dict]:
+    """(family, variant, method) -> the result of its command, run in the zoo's one process (with test_model_zoo's
+    commands, which read the layer probes these fill)."""
+    return zoo_commands[__name__]
 
 
 @pytest.mark.parametrize("family", sorted(ZOO))
