@@ -22,6 +22,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from memfit.techniques.nf4_state import block_absmax
+
 GROUP_ATTRIBUTE = "memfit_dequant_group"
 
 
@@ -30,25 +32,16 @@ def dequant_group(weight: torch.Tensor) -> int:
     return getattr(weight, GROUP_ATTRIBUTE, 0)
 
 
-def _absmax(state) -> torch.Tensor:
-    """The fp32 absmax of every 64-weight block of a (double-quantized) NF4 stack."""
-    import bitsandbytes.functional as bnb_functional
-
-    if state.nested:
-        return bnb_functional.dequantize_blockwise(state.absmax, state.state2) + state.offset
-    return state.absmax.float()
-
-
 def dequantized_experts(weight: torch.Tensor, first: int, last: int, dtype: torch.dtype,
                         absmax: torch.Tensor | None = None) -> torch.Tensor:
-    """Experts [first, last) of an NF4 stack, dequantized to `dtype` (absmax: `_absmax` of its state, if made)."""
+    """Experts [first, last) of an NF4 stack, dequantized to `dtype` (absmax: `block_absmax` of its state, if made)."""
     import bitsandbytes.functional as bnb_functional
     from bitsandbytes.functional import QuantState
 
     state = weight.quant_state
     _, rows, columns = state.shape
     blocks = rows * columns // state.blocksize
-    absmax = _absmax(state) if absmax is None else absmax
+    absmax = block_absmax(state) if absmax is None else absmax
     part = QuantState(absmax=absmax[first * blocks:last * blocks], shape=torch.Size((last - first, rows, columns)),
                       code=state.code, blocksize=state.blocksize, quant_type=state.quant_type, dtype=dtype)
     return bnb_functional.dequantize_4bit(weight.data[first:last], part)
@@ -69,7 +62,7 @@ def grouped_nf4_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
     """
     experts = weight.quant_state.shape[0]
     group = dequant_group(weight)
-    absmax = _absmax(weight.quant_state)
+    absmax = block_absmax(weight.quant_state)
     ends = [0] + offsets.tolist()  # each expert's rows end here; read once on the host for the slices
     out = None
     for first in range(0, experts, group):

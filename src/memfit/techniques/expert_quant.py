@@ -144,13 +144,6 @@ def nf4_grouped_mm(x: torch.Tensor, weight: torch.Tensor, transposed: bool, offs
     return _Nf4GroupedMm.apply(x, weight, transposed, offsets, _compute_dtype(x, weight))
 
 
-def nf4_stack_bytes(weight: torch.Tensor) -> int:
-    """Bytes an NF4 expert weight holds: the packed weights and every tensor of its QuantState."""
-    state = weight.quant_state
-    tensors = [weight.data, state.absmax, state.code, state.offset]
-    if state.state2 is not None:
-        tensors += [state.state2.absmax, state.state2.code]
-    return sum(t.nbytes for t in tensors if isinstance(t, torch.Tensor))
 
 
 def quantize_experts_module(experts: nn.Module, names: tuple[str, ...]) -> tuple[int, str | None]:

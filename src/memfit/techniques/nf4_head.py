@@ -21,6 +21,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from memfit.techniques.nf4_state import block_absmax, nf4_bytes
+
 HEAD_TILE_WEIGHTS = 1 << 24
 """Weights of one dequantized tile of the head (32 MiB in bf16); rounded down to a multiple of 64 rows."""
 
@@ -28,14 +30,6 @@ HEAD_TILE_WEIGHTS = 1 << 24
 def tile_rows(hidden: int) -> int:
     """Vocabulary rows of one tile: a multiple of 64, so each tile starts on an NF4 block boundary."""
     return max(64, HEAD_TILE_WEIGHTS // hidden // 64 * 64)
-
-
-def _absmax(state) -> torch.Tensor:
-    import bitsandbytes.functional as bnb_functional
-
-    if state.nested:
-        return bnb_functional.dequantize_blockwise(state.absmax, state.state2) + state.offset
-    return state.absmax.float()
 
 
 def dequantized_rows(weight: torch.Tensor, first: int, last: int, dtype: torch.dtype,
@@ -46,7 +40,7 @@ def dequantized_rows(weight: torch.Tensor, first: int, last: int, dtype: torch.d
 
     state = weight.quant_state
     hidden, block = state.shape[1], state.blocksize
-    absmax = _absmax(state) if absmax is None else absmax
+    absmax = block_absmax(state) if absmax is None else absmax
     part = QuantState(absmax=absmax[first * hidden // block:-(-last * hidden // block)],
                       shape=torch.Size((last - first, hidden)), code=state.code, blocksize=block,
                       quant_type=state.quant_type, dtype=dtype)
@@ -66,7 +60,7 @@ class _Nf4HeadProjection(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, dtype):
         ctx.weight, ctx.dtype, ctx.input_dtype = weight, dtype, hidden.dtype
-        absmax = _absmax(weight.quant_state)
+        absmax = block_absmax(weight.quant_state)
         x = hidden.to(dtype)
         out = x.new_empty((*x.shape[:-1], weight.quant_state.shape[0]))
         for first, last in _tiles(weight):
@@ -78,7 +72,7 @@ class _Nf4HeadProjection(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         weight = ctx.weight
-        absmax = _absmax(weight.quant_state)
+        absmax = block_absmax(weight.quant_state)
         grad = grad_out.to(ctx.dtype)
         grad_hidden = None
         for first, last in _tiles(weight):
@@ -142,15 +136,8 @@ def quantize_head(model: nn.Module) -> str:
     weight = Params4bit(packed, requires_grad=False, quant_state=state, blocksize=64, compress_statistics=True,
                         quant_type="nf4", quant_storage=torch.uint8, bnb_quantized=True)
     lm.set_output_embeddings(Nf4Head(weight, head.bias))
-    after = nf4_head_bytes(weight)
+    after = nf4_bytes(weight)
     return (f"output head {tuple(state.shape)} in NF4 ({before / 2**30:.2f} -> {after / 2**30:.2f} GiB), projected"
             f" {min(state.shape[0], tile_rows(state.shape[1]))} vocabulary rows at a time")
 
 
-def nf4_head_bytes(weight: torch.Tensor) -> int:
-    """Bytes an NF4 head holds: the packed weights and every tensor of its QuantState."""
-    state = weight.quant_state
-    tensors = [weight.data, state.absmax, state.code, state.offset]
-    if state.state2 is not None:
-        tensors += [state.state2.absmax, state.state2.code]
-    return sum(t.nbytes for t in tensors if isinstance(t, torch.Tensor))

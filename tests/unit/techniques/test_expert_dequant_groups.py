@@ -14,6 +14,7 @@ import torch
 from memfit.techniques import expert_dequant_groups
 from memfit.techniques.expert_dequant_groups import set_dequant_group
 from memfit.techniques.expert_quant import nf4_grouped_mm, quantize_expert_weight
+from memfit.techniques.nf4_state import block_absmax
 from model_zoo import build_model
 
 pytest.importorskip("peft")
@@ -75,7 +76,7 @@ def test_fault_twin_a_group_read_with_the_wrong_absmax_is_caught(saved, monkeypa
     real = expert_dequant_groups.dequantized_experts
 
     def shifted(weight, first, last, dtype, absmax=None):  # the absmax of the expert before: wrong scales
-        absmax = expert_dequant_groups._absmax(weight.quant_state)
+        absmax = block_absmax(weight.quant_state)
         return real(weight, first, last, dtype, torch.roll(absmax, absmax.numel() // weight.quant_state.shape[0]))
 
     monkeypatch.setattr(expert_dequant_groups, "dequantized_experts", shifted)

@@ -19,8 +19,9 @@ from torch import nn
 from memfit.config import LoraConfig
 from memfit.models.experts import EXPERT_PARAMETERS
 from memfit.techniques import expert_quant
-from memfit.techniques.expert_quant import dequantized, is_nf4, nf4_stack_bytes
+from memfit.techniques.expert_quant import dequantized, is_nf4
 from memfit.techniques.lora import apply_lora, quantization_config
+from memfit.techniques.nf4_state import nf4_bytes
 from model_zoo import ZOO, build_model
 from tracked_step import tracked_step
 
@@ -217,7 +218,7 @@ def test_nf4_bytes_are_the_estimates_to_the_byte_and_a_quarter_of_bf16():
             before = tracker.current_bytes
             nf4 = expert_quant.quantize_expert_weight(weight)
             measured = tracker.current_bytes - before
-        assert measured == nf4_stack_bytes(nf4) == predicted_bytes(weight.numel()), shape
+        assert measured == nf4_bytes(nf4) == predicted_bytes(weight.numel()), shape
         assert 0.25 < measured / weight.nbytes < 0.27 + 1100 / weight.nbytes, shape
         assert torch.equal(expert_quant.quantize_expert_weight(weight).data, nf4.data)  # deterministic: a resume rebuilds it
 

@@ -16,7 +16,8 @@ from memfit.config import LoraConfig, TrainConfig
 from memfit.errors import UsageError
 from memfit.techniques import nf4_head
 from memfit.techniques.loss import chunked_causal_lm_loss_sum
-from memfit.techniques.nf4_head import Nf4Head, dequantized_rows, nf4_head_bytes, quantize_head
+from memfit.techniques.nf4_head import Nf4Head, dequantized_rows, quantize_head
+from memfit.techniques.nf4_state import block_absmax, nf4_bytes
 from model_zoo import ZOO, build_model
 
 pytest.importorskip("peft")
@@ -80,7 +81,7 @@ def test_fault_twin_tiles_read_with_the_wrong_absmax_are_caught(monkeypatch):
     model = _qlora("llama", True)
     real = nf4_head.dequantized_rows
     monkeypatch.setattr(nf4_head, "dequantized_rows", lambda w, first, last, dtype, absmax=None: real(
-        w, first, last, dtype, torch.roll(nf4_head._absmax(w.quant_state), 3)))
+        w, first, last, dtype, torch.roll(block_absmax(w.quant_state), 3)))
     assert not _same(model)
 
 
@@ -100,7 +101,7 @@ def test_the_device_peak_drops_by_the_head_less_its_nf4_bytes_and_the_estimate_a
         finally:
             tracker.detach()
     head = model.get_base_model().lm_head.weight
-    saved = 257 * 32 * 4 - nf4_head_bytes(head)
+    saved = 257 * 32 * 4 - nf4_bytes(head)
     # the tiles' working bytes (one 64-row tile and the fp32 absmax) stay under the bytes the head no longer holds
     assert 0.5 * saved < peaks[False] - peaks[True] <= 1.01 * saved, (peaks, saved)
     hf_config = ZOO["gpt_oss"]()
