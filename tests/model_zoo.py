@@ -91,6 +91,16 @@ def build_model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32):
     return AutoModelForCausalLM.from_config(ZOO[family](), dtype=dtype)
 
 
+def randomize_adapters(model) -> None:
+    """Give every LoRA B matrix random values (seed 1, scale 0.2): B starts at zero, so an adapter's gradients
+    and outputs would not tell a wrong path from a right one."""
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.2)
+
+
 def check_trains_in_transformers(model) -> float:
     """One forward and backward in plain transformers: the loss is finite and gradients reach the weights.
 

@@ -85,7 +85,8 @@ def _prepared_args(run: dict, spec: Path, rank: int, world: int) -> list[str]:
 
 
 @contextlib.contextmanager
-def _environment(values: dict[str, str]):
+def environment(values: dict[str, str]):
+    """Set these environment variables inside, as they were after."""
     saved = {name: os.environ.get(name) for name in values}
     os.environ.update(values)
     try:
@@ -106,7 +107,7 @@ def run_all() -> int:
         log_path = spec.with_name(f"{run['name']}.rank{rank}.log")
         args = _prepared_args(run, spec, rank, world)
         with (scaled_gradients(scale) if scale is not None else contextlib.nullcontext(),
-              _environment(run.get("env") or {})):
+              environment(run.get("env") or {})):
             code = _run_logged(["train", *args], log_path)
         if code != 0:
             print(f"run {run['name']} (rank {rank}) exited {code}:\n{log_path.read_text()[-4000:]}", file=sys.stderr)

@@ -16,7 +16,7 @@ import os
 import sys
 from pathlib import Path
 
-from exactness_worker import _run_logged, exit_now
+from exactness_worker import _run_logged, environment, exit_now
 
 from fault_injection import half_applied_step_after_sigterm
 
@@ -25,18 +25,9 @@ def run_all() -> int:
     spec = Path(sys.argv[1])
     rank = os.environ.get("RANK", "0")
     for run in json.loads(spec.read_text()):
-        saved = {name: os.environ.get(name) for name in run.get("env", {})}
-        os.environ.update(run.get("env", {}))
         fault = half_applied_step_after_sigterm() if run.get("half_step") else contextlib.nullcontext()
-        try:
-            with fault:
-                code = _run_logged(["train", *run["args"]], spec.with_name(f"{run['name']}.rank{rank}.log"))
-        finally:
-            for name, value in saved.items():
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
+        with environment(run.get("env", {})), fault:
+            code = _run_logged(["train", *run["args"]], spec.with_name(f"{run['name']}.rank{rank}.log"))
         spec.with_name(f"{run['name']}.rank{rank}.code").write_text(str(code))
     return 0
 

@@ -15,7 +15,7 @@ from memfit.techniques import expert_dequant_groups
 from memfit.techniques.expert_dequant_groups import set_dequant_group
 from memfit.techniques.expert_quant import nf4_grouped_mm, quantize_expert_weight
 from memfit.techniques.nf4_state import block_absmax
-from model_zoo import build_model
+from model_zoo import build_model, randomize_adapters
 
 pytest.importorskip("peft")
 pytest.importorskip("bitsandbytes")
@@ -41,11 +41,7 @@ def _qlora(directory):
     base = AutoModelForCausalLM.from_pretrained(directory, quantization_config=quantization_config(lora, torch.float32),
                                                 device_map={"": "cpu"})
     model, _ = apply_lora(base, lora, gradient_checkpointing=False)
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if "lora_B" in name:
-                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.2)
+    randomize_adapters(model)
     return model
 
 

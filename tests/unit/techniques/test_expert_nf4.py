@@ -22,7 +22,7 @@ from memfit.techniques import expert_quant
 from memfit.techniques.expert_quant import dequantized, is_nf4
 from memfit.techniques.lora import apply_lora, quantization_config
 from memfit.techniques.nf4_state import nf4_bytes
-from model_zoo import ZOO, build_model
+from model_zoo import ZOO, build_model, randomize_adapters
 from tracked_step import tracked_step
 
 pytest.importorskip("peft")
@@ -54,16 +54,8 @@ def _qlora(directory, targets: str = "auto", caplog=None):
     base = AutoModelForCausalLM.from_pretrained(directory, quantization_config=quantization_config(lora, torch.float32),
                                                 device_map={"": "cpu"})
     model, _ = apply_lora(base, lora, gradient_checkpointing=False)
-    _randomize_adapters(model)
+    randomize_adapters(model)
     return model
-
-
-def _randomize_adapters(model) -> None:
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if "lora_B" in name:
-                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.2)
 
 
 def _nf4_stacks(model) -> list[torch.Tensor]:
@@ -234,7 +226,7 @@ def _big_experts_model():
     from memfit.techniques.expert_lora import quantize_fused_experts
 
     assert quantize_fused_experts(model).startswith("experts nf4 in 2 of 2")
-    _randomize_adapters(model)
+    randomize_adapters(model)
     return model
 
 

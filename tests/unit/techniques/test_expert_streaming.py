@@ -30,7 +30,7 @@ from memfit.techniques.expert_streaming import (
 )
 from memfit.techniques.host_memory import is_marked_host
 from memfit.techniques.lora import apply_lora
-from model_zoo import ZOO, build_model
+from model_zoo import ZOO, build_model, randomize_adapters
 
 pytest.importorskip("peft")
 
@@ -73,11 +73,7 @@ def _model(family: str, layers: int = 2):
         targets = "q_proj,v_proj"
     apply_gradient_checkpointing(model, "full")
     model, _ = apply_lora(model, LoraConfig(lora_r=2, lora_targets=targets), gradient_checkpointing=True)
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():  # B starts at zero: give the adapters something to differentiate
-        for name, parameter in model.named_parameters():
-            if "lora_B" in name:
-                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.2)
+    randomize_adapters(model)
     return model.train()
 
 

@@ -15,7 +15,7 @@ from memfit.config import LoraConfig, TrainConfig
 from memfit.errors import UsageError
 from memfit.techniques import host_embedding
 from memfit.techniques.host_embedding import embedding_on_host, embedding_to_host
-from model_zoo import ZOO, build_model
+from model_zoo import ZOO, build_model, randomize_adapters
 from tracked_step import tracked_step
 
 pytest.importorskip("peft")
@@ -25,11 +25,7 @@ def _lora(family: str):
     from memfit.techniques.lora import apply_lora
 
     model, _ = apply_lora(build_model(family), LoraConfig(lora_r=2), gradient_checkpointing=False)
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if "lora_B" in name:
-                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.2)
+    randomize_adapters(model)
     return model
 
 

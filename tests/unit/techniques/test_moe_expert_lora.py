@@ -15,7 +15,7 @@ import torch
 from memfit.config import LoraConfig
 from memfit.errors import UsageError
 from memfit.techniques.lora import apply_lora, resolve_targets
-from model_zoo import build_model
+from model_zoo import build_model, randomize_adapters
 from tracked_step import tracked_step
 
 pytest.importorskip("peft")
@@ -31,11 +31,7 @@ def _adapted_pair(family: str, targets: str = "experts"):
     """(split-LoRA model, PEFT-folded model) with the same adapters, B made non-zero so the adapters count."""
     # rank 2 against 4 experts: a rank/expert mix-up in the adapter's layout cannot cancel out
     split, _ = apply_lora(build_model(family), LoraConfig(lora_r=2, lora_targets=targets), gradient_checkpointing=False)
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, parameter in split.named_parameters():
-            if "lora_B" in name:
-                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.2)
+    randomize_adapters(split)
     folded = copy.deepcopy(split)
     for module in folded.modules():
         if "forward" in module.__dict__ and type(module).__name__ == "ParamWrapper":

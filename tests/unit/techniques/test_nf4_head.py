@@ -18,7 +18,7 @@ from memfit.techniques import nf4_head
 from memfit.techniques.loss import chunked_causal_lm_loss_sum
 from memfit.techniques.nf4_head import Nf4Head, dequantized_rows, quantize_head
 from memfit.techniques.nf4_state import block_absmax, nf4_bytes
-from model_zoo import ZOO, build_model
+from model_zoo import ZOO, build_model, randomize_adapters
 
 pytest.importorskip("peft")
 pytest.importorskip("bitsandbytes")
@@ -33,11 +33,7 @@ def _qlora(family: str, quantized: bool):
     from memfit.techniques.lora import apply_lora
 
     model, _ = apply_lora(build_model(family), LoraConfig(lora_r=2), gradient_checkpointing=False)
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if "lora_B" in name:
-                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.2)
+    randomize_adapters(model)
     if quantized:
         assert quantize_head(model).startswith("output head (257, 32) in NF4")
     return model

@@ -27,7 +27,7 @@ from memfit.techniques.tiled_experts import (
     tiled_experts_facts,
 )
 from memfit.train.traced import measure_step_with_tracker
-from model_zoo import build_model
+from model_zoo import build_model, randomize_adapters
 
 pytest.importorskip("peft")
 
@@ -43,11 +43,7 @@ def _model(family: str, mode: str):
     model = build_model(family)
     if mode == "lora":
         model, _ = apply_lora(model, LoraConfig(lora_r=2, lora_targets="experts"), gradient_checkpointing=False)
-        generator = torch.Generator().manual_seed(1)
-        with torch.no_grad():  # B starts at zero: give the adapters something to differentiate
-            for name, parameter in model.named_parameters():
-                if "lora_B" in name:
-                    parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.2)
+        randomize_adapters(model)
     return model.train()
 
 
