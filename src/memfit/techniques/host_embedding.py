@@ -35,11 +35,18 @@ def why_not_on_host(model: nn.Module) -> str | None:
         return f"the input embedding is a {type(embedding).__name__} with its own forward, not a plain nn.Embedding"
     if embedding.weight.requires_grad:
         return "the input embedding trains (a full fine-tune or a trained embedding): it stays on the device"
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    head_weight = getattr(head, "weight", None)
-    if head_weight is not None and head_weight.untyped_storage().data_ptr() == embedding.weight.untyped_storage().data_ptr():
+    if embedding_tied_to_head(model):
         return "the input embedding is tied to the output head, which projects with it on the device"
     return None
+
+
+def embedding_tied_to_head(model: nn.Module) -> bool:
+    """Whether the input embedding and the output head share one weight (then neither can move apart)."""
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    table, projection = getattr(embedding, "weight", None), getattr(head, "weight", None)
+    return (table is not None and projection is not None
+            and table.untyped_storage().data_ptr() == projection.untyped_storage().data_ptr())
 
 
 def _host_forward(self: nn.Embedding, input_ids: torch.Tensor) -> torch.Tensor:

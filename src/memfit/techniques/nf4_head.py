@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from memfit.techniques.host_embedding import embedding_tied_to_head
 from memfit.techniques.nf4_state import block_absmax, nf4_bytes
 
 HEAD_TILE_WEIGHTS = 1 << 24
@@ -106,9 +107,7 @@ def why_not_nf4_head(model: nn.Module) -> str | None:
         return f"the output head is a {type(head).__name__}, not a plain linear layer"
     if head.weight.requires_grad:
         return "the output head trains"
-    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    weight = getattr(embedding, "weight", None)
-    if weight is not None and weight.untyped_storage().data_ptr() == head.weight.untyped_storage().data_ptr():
+    if embedding_tied_to_head(model):
         return "the output head is tied to the input embedding, which looks up rows of it"
     if head.in_features % 2:
         return f"an odd input width ({head.in_features}) cannot pack two weights a byte"
