@@ -66,16 +66,17 @@ def with_qlora_levers(parts: dict[str, Any], config: TrainConfig, hf_config: Any
     host = embedding_host_bytes(config, hf_config, lora_r, weight_bytes)
     parts["parameters"] -= host
     parts["embedding_host_bytes"] = host
-    head = nf4_head_saving(config, hf_config, lora_r, quantize, weight_bytes, compute_bytes)
-    if head:
-        parts["parameters"] -= head[0]
-        # one tile of the head dequantized (and the head's fp32 absmax) while the loss projects a chunk
-        parts["experts_dequantized_bytes"] = max(parts.get("experts_dequantized_bytes", 0), head[1])
     group = getattr(config.memory, "expert_dequant_group", 0)
-    if quantize == "4bit" and lora_r and group:
+    if quantize == "4bit" and lora_r and group:  # a group of experts in place of the whole stack
         stacks = [((a[0] // lora_r) * a[1] * b[0], a[0] // lora_r) for _, a, b in inventory.expert_adapters]
         parts["experts_dequantized_bytes"] = max(
             (dequantized_bytes(size, experts, compute_bytes, group) for size, experts in stacks), default=0)
+    head = nf4_head_saving(config, hf_config, lora_r, quantize, weight_bytes, compute_bytes)
+    if head:
+        parts["parameters"] -= head[0]
+        # one tile of the head dequantized (and the head's fp32 absmax) while the loss projects a chunk: the larger
+        # of that and the experts' dequantized copy is the working set (they are never live together)
+        parts["experts_dequantized_bytes"] = max(parts.get("experts_dequantized_bytes", 0), head[1])
     return parts
 
 

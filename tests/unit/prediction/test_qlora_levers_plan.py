@@ -48,3 +48,21 @@ def test_the_planner_turns_the_levers_on_only_when_the_budget_needs_them():
     assert any(line.startswith("embedding on host: the frozen input embedding") for line in tight.trades)
     assert any(line.startswith("expert dequantization 1 of 4 experts at a time") for line in tight.trades)
     assert "--embedding-on-host" in tight.command and "--expert-dequant-group 1" in tight.command
+
+
+def test_the_dequantized_working_set_is_the_larger_of_a_head_tile_and_a_group_of_experts():
+    """With --quantize-head and --expert-dequant-group together, whichever dequantized copy is larger counts (here the
+    tiny head's one tile, 257 x 32 values, is larger than a group of the tiny experts): neither replaces the other."""
+    from memfit.models.state_bytes import parameter_inventory
+    from memfit.prediction.qlora_levers import nf4_head_saving, with_qlora_levers
+
+    hf_config = ZOO["gpt_oss"]()
+    config = load_config(overrides={**SETTINGS, "quantize_head": True, "expert_dequant_group": 1})
+    inventory = parameter_inventory(hf_config, 2)
+    parts = with_qlora_levers({"parameters": 10 * GIB, "experts_dequantized_bytes": GIB}, config, hf_config,
+                              inventory, 2, "4bit", 2, 2)
+    head_tile = nf4_head_saving(config, hf_config, 2, "4bit", 2, 2)[1]
+    grouped = with_qlora_levers({"parameters": 10 * GIB, "experts_dequantized_bytes": GIB},
+                                config.replace(quantize_head=False), hf_config, inventory, 2, "4bit", 2, 2)
+    assert 0 < grouped["experts_dequantized_bytes"] < head_tile  # the whole stack's GiB is replaced by a group
+    assert parts["experts_dequantized_bytes"] == head_tile
