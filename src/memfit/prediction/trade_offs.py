@@ -59,7 +59,7 @@ def trade_offs(candidate: Candidate, config: TrainConfig, hf_config: Any, gpu: G
                      f" {moved / GIB:.1f} GiB over the host link per micro-batch ({moved / link:.2f} s at"
                      f" {link / 1e9:.0f} GB/s, overlapped with compute where the copies allow)")
     lines += lever_trades(c, est, hf_config)  # embedding on host, grouped expert dequantization
-    lines += streaming_trades(c, est, (gpu.host_link_gbps if gpu is not None else 16.0) * 1e9)  # --expert-offload
+    lines += streaming_trades(c, est, link)  # --expert-offload
     if c.get("gradient_checkpointing") == "full":
         lines.append("full checkpointing: each block's forward runs again in backward (about +33 % compute)")
     elif c.get("gradient_checkpointing") == "selective":

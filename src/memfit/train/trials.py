@@ -308,7 +308,7 @@ def _run_trials(config: TrainConfig, trials: list[Trial], cap: int | None, budge
     with _rng_kept():
         for index, trial in enumerate(trials):
             spent = time.perf_counter() - started
-            guess = _trial_cost_guess(trial, config, build_seconds or BUILD_SECONDS_GUESS)
+            guess = _trial_cost_guess(trial, config, BUILD_SECONDS_GUESS if build_seconds is None else build_seconds)
             if index >= 2 and spent + guess > budget:
                 log.info("memfit: trials: stopped after %d (%.1f s spent of %.1f s)", index, spent, budget)
                 break
