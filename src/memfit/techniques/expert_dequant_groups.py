@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from memfit.techniques.nf4_state import block_absmax
+from memfit.techniques.nf4_state import block_absmax, is_nf4
 
 GROUP_ATTRIBUTE = "memfit_dequant_group"
 
@@ -87,9 +87,8 @@ def set_dequant_group(model: nn.Module, group: int) -> str:
     for name, module in model.named_modules():
         for attribute in EXPERT_PARAMETERS:
             weight = getattr(module, attribute, None)
-            state = getattr(weight, "quant_state", None)
-            if type(weight).__name__ != "Params4bit" or state is None or len(state.shape) != 3:
-                continue  # not an NF4 expert stack (expert_quant.is_nf4's test; that module imports this one)
+            if not is_nf4(weight):
+                continue
             if not groupable(weight):
                 whole.append(f"{name}.{attribute}")
                 continue

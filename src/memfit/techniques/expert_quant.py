@@ -32,15 +32,10 @@ import torch
 from torch import nn
 
 from memfit.techniques.expert_dequant_groups import dequant_group, grouped_nf4_mm
+from memfit.techniques.nf4_state import is_nf4
 
 NF4_BLOCK = 64
 """Weights per absmax block, as bitsandbytes' Linear4bit uses for QLoRA."""
-
-
-def is_nf4(weight: torch.Tensor) -> bool:
-    """Whether `weight` is a fused expert stack held in NF4 by `quantize_expert_weight`."""
-    state = getattr(weight, "quant_state", None)
-    return type(weight).__name__ == "Params4bit" and state is not None and len(state.shape) == 3
 
 
 def why_not_nf4(weight: torch.Tensor) -> str | None:

@@ -1,4 +1,4 @@
-"""What every NF4 tensor memfit holds outside bitsandbytes' linears shares: its blocks' absmax and its bytes.
+"""What the NF4 tensors memfit holds outside bitsandbytes' linears share: how to tell one, its blocks' absmax, its bytes.
 
 The NF4 expert stacks (expert_quant.py, expert_dequant_groups.py) and the NF4 output head (nf4_head.py) keep
 bitsandbytes' packed weights with a QuantState and dequantize slices of them; both read the fp32 absmax of each
@@ -8,6 +8,12 @@ bitsandbytes' packed weights with a QuantState and dequantize slices of them; bo
 from __future__ import annotations
 
 import torch
+
+
+def is_nf4(weight: torch.Tensor) -> bool:
+    """Whether `weight` is a fused expert stack held in NF4 (expert_quant.quantize_expert_weight)."""
+    state = getattr(weight, "quant_state", None)
+    return type(weight).__name__ == "Params4bit" and state is not None and len(state.shape) == 3
 
 
 def block_absmax(state) -> torch.Tensor:
