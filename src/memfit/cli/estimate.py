@@ -77,6 +77,17 @@ def render(result) -> str:
         if result.host_available_bytes is not None:
             verdict = "enough" if result.host_fits else "NOT enough"
             lines.append(f"  this machine has {format_bytes(result.host_available_bytes)} available: {verdict}")
+    if d.get("load_peak_bytes"):
+        staged = d.get("staged_load", "nothing")
+        how = (f"staged: {staged} in host memory until each takes its final form" if staged != "nothing"
+               else "loaded on the device as it is")
+        lines.append(f"  load (to the first step): {format_bytes(d['load_peak_bytes'])} device"
+                     f"{', ' + format_bytes(result.load_host_bytes) + ' host' if result.load_host_bytes else ''}"
+                     f" ({how}){'; the load is the peak' if d.get('peak_phase') == 'load' else ''}")
+        if result.load_host_bytes > result.host_bytes and result.host_available_bytes is not None:
+            verdict = "enough" if result.host_fits else "NOT enough"
+            lines.append(f"  this machine has {format_bytes(result.host_available_bytes)} available for the load:"
+                         f" {verdict}")
     for name in d.get("not_traced", []):
         lines.append(f"  not traced: {name} (the traced step runs without it: an upper bound; see --method analytical)")
     if result.budget_bytes is not None:

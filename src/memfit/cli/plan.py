@@ -88,6 +88,8 @@ def render(result) -> str:
     rows += [(_describe(a["plan"]), a["estimated_peak_bytes"], a["relative_speed"]) for a in result.alternatives]
     for rank, (text, peak, speed) in enumerate(rows, 1):
         host = f", host memory {format_bytes(result.host_bytes)}" if rank == 1 and result.host_bytes else ""
+        if rank == 1 and result.load_host_bytes > result.host_bytes:
+            host += f" ({format_bytes(result.load_host_bytes)} while it loads: the staged load)"
         lines.append(f"  {rank}. {text}\n     peak {format_bytes(peak)}{host}, relative speed {speed:.2f}")
     if result.trials:
         from memfit.train.trials import describe_trial

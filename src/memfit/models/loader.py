@@ -86,9 +86,12 @@ def load_tokenizer(name: str, trust_remote_code: bool):
 
 def load_model_and_tokenizer(
     config: TrainConfig, device: torch.device, attention: AttentionChoice, quantization_config=None,
-    auto_class: str = "AutoModelForCausalLM", head_config: dict | None = None,
+    auto_class: str = "AutoModelForCausalLM", head_config: dict | None = None, on_host: bool = False,
 ) -> LoadedModel:
     """Build or load the model on `device` in the configured weight dtype.
+
+    `on_host`: leave the model in host memory (bitsandbytes quantizes its linears there), for a staged load
+    that moves it to `device` itself (techniques/staged_weights.py).
 
     `auto_class`: the transformers class of the task's head (memfit.tasks), `head_config` its settings
     (num_labels, id2label, problem_type): a checkpoint without that head gets a new one, seeded by --seed.
@@ -124,7 +127,7 @@ def load_model_and_tokenizer(
         rope = apply_rope_scale(hf_config, scale, kind)
         # Random weights are made where they train: an 8B preset initialised on the host costs a minute of CPU
         # and a host copy of the whole model. A quantized run is built on the host, saved and reloaded quantized.
-        with torch.device(device if quantization_config is None else "cpu"):
+        with torch.device(device if quantization_config is None and not on_host else "cpu"):
             model = model_class.from_config(hf_config, dtype=dtype,
                                             attn_implementation=_family_kernel(hf_config, attention, device))
         source = f"preset {preset} (random init)"
@@ -136,12 +139,14 @@ def load_model_and_tokenizer(
         if scale is not None:  # without the flag the model loads exactly as before, its config untouched
             hf_config = _pretrained_config(name, config)
             rope = apply_rope_scale(hf_config, scale, kind)
-        model = _from_pretrained(name, config, dtype, attention, quantization_config, hf_config, model_class)
+        model = _from_pretrained(name, config, dtype, attention, quantization_config, hf_config, model_class,
+                                 on_host=on_host)
         source = f"directory {name}" if Path(name).exists() else f"Hugging Face {name}"
         quantization_config = None  # from_pretrained quantized it while loading
     if quantization_config is not None:
-        model = _quantized_copy(model, name, config, dtype, attention, quantization_config, rope, model_class)
-    else:
+        model = _quantized_copy(model, name, config, dtype, attention, quantization_config, rope, model_class,
+                                on_host=on_host)
+    elif not on_host:
         model.to(device)
     model.config.use_cache = False  # the KV cache is for generation; in training it only costs memory
     tokenizer_name = config.model.tokenizer or name
@@ -181,7 +186,7 @@ def _hub_id(name: str) -> str:
 
 
 def _quantized_copy(model, name: str, config: TrainConfig, dtype, attention: AttentionChoice, quantization_config,
-                    rope: RopeScaling | None = None, auto_class=None):
+                    rope: RopeScaling | None = None, auto_class=None, on_host: bool = False):
     """bitsandbytes quantizes while loading: write a model built from a config once into the
     run's cache, then load it back quantized (QLoRA on the built-in or a preset model).
 
@@ -191,7 +196,8 @@ def _quantized_copy(model, name: str, config: TrainConfig, dtype, attention: Att
     directory = Path(config.output.output_dir) / "cache" / f"base-{name.replace('/', '-')}-seed{config.training.seed}{rope_tag}"
     if not (directory / "config.json").is_file():
         model.save_pretrained(directory, safe_serialization=True)
-    return _from_pretrained(str(directory), config, dtype, attention, quantization_config, auto_class=auto_class)
+    return _from_pretrained(str(directory), config, dtype, attention, quantization_config, auto_class=auto_class,
+                            on_host=on_host)
 
 
 def _family_kernel(hf_config, attention: AttentionChoice, device: torch.device, fallback: str | None = None) -> str:
@@ -209,9 +215,10 @@ def _family_kernel(hf_config, attention: AttentionChoice, device: torch.device, 
 
 
 def _from_pretrained(name, config: TrainConfig, dtype, attention: AttentionChoice, quantization_config, hf_config=None,
-                     auto_class=None):
+                     auto_class=None, on_host: bool = False):
     """`hf_config`: the model's config changed before loading (--rope-scale); None reads the saved one.
-    `auto_class`: the task's head class (a _HeadClass), AutoModelForCausalLM when None."""
+    `auto_class`: the task's head class (a _HeadClass), AutoModelForCausalLM when None.
+    `on_host`: a quantized model is loaded (and its linears quantized) in host memory, not on the GPU."""
     from transformers import AutoModelForCausalLM
 
     model_class = auto_class or AutoModelForCausalLM
@@ -225,7 +232,7 @@ def _from_pretrained(name, config: TrainConfig, dtype, attention: AttentionChoic
         kwargs["config"] = hf_config
     if quantization_config is not None:
         kwargs["quantization_config"] = quantization_config
-        kwargs["device_map"] = {"": 0} if torch.cuda.is_available() else {"": "cpu"}
+        kwargs["device_map"] = {"": 0} if torch.cuda.is_available() and not on_host else {"": "cpu"}
     try:
         return model_class.from_pretrained(name, **kwargs)
     except ValueError as error:

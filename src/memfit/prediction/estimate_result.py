@@ -40,12 +40,19 @@ class Estimate:
     host_breakdown: dict[str, int] = field(default_factory=dict)
     host_available_bytes: int | None = None
     """Memory this machine has available now (/proc/meminfo's MemAvailable via psutil)."""
+    load_host_bytes: int = 0
+    """Host memory the load passes through before the first step (a staged load holds the loaded model there)."""
+
+    @property
+    def host_peak_bytes(self) -> int:
+        """The most host memory the run holds: during its steps, or while it loads."""
+        return max(self.host_bytes, self.load_host_bytes)
 
     @property
     def host_fits(self) -> bool | None:
         if self.host_available_bytes is None:
             return None
-        return self.host_bytes <= self.host_available_bytes
+        return self.host_peak_bytes <= self.host_available_bytes
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -64,5 +71,6 @@ class Estimate:
             "host_breakdown": dict(self.host_breakdown),
             "host_available_bytes": self.host_available_bytes,
             "host_fits": self.host_fits,
+            "load_host_bytes": self.load_host_bytes,
             "details": self.details,
         }

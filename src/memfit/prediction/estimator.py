@@ -71,6 +71,7 @@ from memfit.prediction.estimate_result import (  # noqa: F401  (re-exported: mem
 from memfit.prediction.expert_streaming import streaming_host_and_notes, with_streamed_experts
 from memfit.prediction.experts import balancing_loss_bytes, moe_details, with_nf4_experts
 from memfit.prediction.in_backward import untied_edge_steps
+from memfit.prediction.load_peak import load_peak
 from memfit.prediction.padding_mask import padding_mask
 from memfit.prediction.qlora_levers import with_qlora_levers
 from memfit.prediction.run_shape import (
@@ -146,6 +147,7 @@ def estimate(
         raise UsageError("--quantize needs LoRA: add --lora-r")
     inventory = parameter_inventory(hf_config, run.lora_r)
     parts = state_parts(config, run, inventory)
+    loaded_parameters = parts["parameters"]  # as loaded, before the techniques shrink or move the frozen weights
     parts = with_nf4_experts(parts, run.quantize, inventory, run.lora_r, run.weight_bytes, precision_of(run).compute)
     parts = with_qlora_levers(parts, config, hf_config, inventory, run.lora_r, run.quantize, run.weight_bytes,
                               precision_of(run).compute)  # embedding on host, grouped expert dequantization
@@ -166,10 +168,18 @@ def estimate(
     if packed_mask:  # --packing samples under SDPA: the block-diagonal mask and its per-layer copies
         moment["activations"] += packed_mask
         notes["packed_mask_bytes"] = packed_mask
+    loading = load_peak(config, hf_config, world_size, loaded_parameters, parts, inventory, run.lora_r, run.quantize,
+                        run.weight_bytes)
+    if loading.device_bytes > sum(moment.values()):  # the load, not the step, is the peak: its weights are all of it
+        moment = {key: 0 for key in moment} | {"parameters": loading.device_bytes}
+        notes["peak_phase"] = "load"
     if run.device_type == "cuda":
         allocated = sum(moment.values())
         moment["other"] += CUDA_CONTEXT_BYTES + int(FRAGMENTATION * allocated)
         notes["allocated_peak_bytes"] = allocated
+    notes["load_peak_bytes"] = loading.device_bytes
+    notes["load_host_bytes"] = loading.host_bytes
+    notes["staged_load"] = loading.staged
     peak = int(sum(moment.values()))
     host_activations = notes.pop("host_activation_bytes", None)
     if host_activations is None:
@@ -211,7 +221,8 @@ def estimate(
         breakdown={k: int(moment.get(k, 0)) for k in BREAKDOWN_KEYS}, budget_bytes=budget_bytes, fits=fits,
         headroom_bytes=headroom, error_band=ERROR_BAND[method], per_layer_activation_bytes=int(per_layer),
         details=details, host_bytes=sum(host.values()), host_breakdown=host,
-        host_available_bytes=host_available_bytes() if sum(host.values()) else None,
+        host_available_bytes=host_available_bytes() if sum(host.values()) or loading.host_bytes else None,
+        load_host_bytes=loading.host_bytes,
     )
 
 

@@ -45,6 +45,7 @@ def with_streamed_experts(parts: dict[str, Any], config: TrainConfig, inventory:
     parts["parameters"] -= total - on_device
     parts["experts_host_bytes"] = total
     parts["experts_streamed_layer_bytes"] = per_layer
+    parts["experts_streamed_device_bytes"] = on_device  # in flight during a step, not while loading
     # tiled experts call each layer's experts once a tile, forward and recompute: each call brings the layer
     tiles = resolve_mlp_tiles(config.memory.tiled_mlp, config.data.seq_len) if config.data.seq_len else 0
     parts["experts_stream_calls"] = 2 * max(1, tiles)

@@ -39,6 +39,8 @@ class PlanResult:
     """Memory available on the machine that planned (None when the plan needs none or it is unknown)."""
     host_limit_bytes: int | None = None
     """Host memory the plan was allowed (--host-memory, else this machine's total)."""
+    load_host_bytes: int = 0
+    """Host memory the load passes through (a staged load holds the loaded model there before the first step)."""
     trades: list[str] = field(default_factory=list)
     """What each chosen technique costs, in words."""
     maximize: str | None = None
@@ -61,7 +63,7 @@ class PlanResult:
     def host_fits(self) -> bool | None:
         if not self.host_bytes or self.host_available_bytes is None:
             return None if self.host_bytes else True
-        return self.host_bytes <= self.host_available_bytes
+        return max(self.host_bytes, self.load_host_bytes) <= self.host_available_bytes
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -74,6 +76,7 @@ class PlanResult:
             "alternatives": list(self.alternatives),
             "tokens_per_second": self.tokens_per_second,
             "host_bytes": self.host_bytes,
+            "load_host_bytes": self.load_host_bytes,
             "host_available_bytes": self.host_available_bytes,
             "host_fits": self.host_fits,
             "host_limit_bytes": self.host_limit_bytes,

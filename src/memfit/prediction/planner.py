@@ -107,7 +107,7 @@ class _Search:
         return Candidate(changes, est, seconds, candidate_config.effective_batch_for(self.world_size) * seq_len)
 
     def fits(self, candidate: Candidate) -> bool:
-        if self.host_limit is not None and candidate.estimate.host_bytes > self.host_limit * (1 - HOST_MARGIN):
+        if self.host_limit is not None and candidate.estimate.host_peak_bytes > self.host_limit * (1 - HOST_MARGIN):
             return False
         return self.device_fits(candidate)
 
@@ -325,6 +325,7 @@ def plan(
         command=train_command(config, best.changes, gpu_spec, budget_bytes, world_size),
         alternatives=alternatives, tokens_per_second=best.tokens_per_second,
         host_bytes=est.host_bytes, host_available_bytes=est.host_available_bytes, host_limit_bytes=host_limit,
+        load_host_bytes=est.load_host_bytes,
         trades=trade_offs(best, config, hf_config, gpu_spec, host_limit, memory_seq_len)
         + [line for line in [_paged_comparison(best, everything, search)] if line], maximize=maximize,
         memory_limit_seq_len=memory_seq_len or (seq_len if maximize == "seq-len" else None),
@@ -428,16 +429,23 @@ def _does_not_fit_message(config, hf_config, budget, gpu, allow, everything, eff
             f" over {where} {budget / GIB:.1f} GiB (--gpu / --memory-budget set it){hint}")
 
 
+def _host_use(est) -> str:
+    """What fills the host memory of an estimate at its most: the load (a staged load) or the steps."""
+    if est.load_host_bytes > est.host_bytes:
+        return f"the staged load of the model; {est.host_bytes / GIB:.1f} GiB while training"
+    return "offloaded or paged state"
+
+
 def _host_limit_message(search: _Search, everything: list[Candidate], host_memory_given: bool) -> str | None:
     """When configurations fit the device but every one needs more host memory than planned: say so, and the flag."""
     device_fits = [c for c in everything if search.device_fits(c)]
     if not device_fits or search.host_limit is None:
         return None
-    least = min(device_fits, key=lambda c: c.estimate.host_bytes)
+    least = min(device_fits, key=lambda c: c.estimate.host_peak_bytes)
     allowed = search.host_limit * (1 - HOST_MARGIN)
     source = "--host-memory" if host_memory_given else "this machine's memory; --host-memory SIZE plans for another"
     return (f"host memory stopped it: configurations that fit the device's {search.budget / GIB:.1f} GiB need at least"
-            f" {least.estimate.host_bytes / GIB:.1f} GiB of host memory (offloaded or paged state), "
-            f"{(least.estimate.host_bytes - allowed) / GIB:.1f} GiB over the {allowed / GIB:.1f} GiB planned"
+            f" {least.estimate.host_peak_bytes / GIB:.1f} GiB of host memory ({_host_use(least.estimate)}), "
+            f"{(least.estimate.host_peak_bytes - allowed) / GIB:.1f} GiB over the {allowed / GIB:.1f} GiB planned"
             f" ({100 * (1 - HOST_MARGIN):.0f} % of {search.host_limit / GIB:.1f} GiB, {source}): give --host-memory"
             " for the machine that trains, or a larger GPU")

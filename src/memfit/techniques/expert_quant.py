@@ -33,6 +33,7 @@ from torch import nn
 
 from memfit.techniques.expert_dequant_groups import dequant_group, grouped_nf4_mm
 from memfit.techniques.nf4_state import is_nf4
+from memfit.techniques.staged_weights import device_copy, host_copy, keeps_on_host, staged_device
 
 NF4_BLOCK = 64
 """Weights per absmax block, as bitsandbytes' Linear4bit uses for QLoRA."""
@@ -71,6 +72,15 @@ def quantize_expert_weight(weight: torch.Tensor):
     data = packed.view(experts, rows, columns // 2)
     return Params4bit(data, requires_grad=False, quant_state=state, blocksize=NF4_BLOCK, compress_statistics=True,
                       quant_type="nf4", quant_storage=torch.uint8, bnb_quantized=True)
+
+
+def _with_data(weight, data: torch.Tensor):
+    """The NF4 `Params4bit` `weight` with its packed bytes replaced by `data` (its QuantState kept where it is)."""
+    from bitsandbytes.nn import Params4bit
+
+    return Params4bit(data, requires_grad=False, quant_state=weight.quant_state, blocksize=weight.blocksize,
+                      compress_statistics=weight.compress_statistics, quant_type=weight.quant_type,
+                      quant_storage=weight.quant_storage, bnb_quantized=True)
 
 
 def dequantized(weight: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -153,9 +163,19 @@ def quantize_experts_module(experts: nn.Module, names: tuple[str, ...]) -> tuple
         if reason:
             return 0, f"{name} {reason}"
     count = len(weights)
+    device = staged_device(experts)  # a staged load: the stacks wait in host memory (techniques/staged_weights.py)
     for name in list(weights):
         # the 16-bit stack goes as soon as its NF4 copy replaces it: one stack extra at a time
-        setattr(experts, name, quantize_expert_weight(weights.pop(name)))
+        weight = weights.pop(name)
+        if device is None:
+            setattr(experts, name, quantize_expert_weight(weight))
+            continue
+        quantized = quantize_expert_weight(device_copy(weight, device))  # quantized where it trains, copy dropped
+        del weight
+        experts._parameters.pop(name)  # the host stack goes before the next one comes
+        if keeps_on_host(experts):  # --expert-offload: its NF4 bytes back to host memory, the statistics stay
+            quantized = _with_data(quantized, host_copy(quantized.data))
+        setattr(experts, name, quantized)
     experts.memfit_experts_nf4 = True
     return count, None
 

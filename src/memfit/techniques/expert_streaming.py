@@ -42,7 +42,8 @@ from torch import nn
 
 from memfit.errors import UsageError
 from memfit.models.experts import is_fused_experts
-from memfit.techniques.host_memory import host_allocations, mark_host
+from memfit.techniques.host_memory import host_allocations, is_marked_host, mark_host
+from memfit.techniques.staged_weights import staged_device
 from memfit.units import format_bytes
 
 log = logging.getLogger("memfit")
@@ -121,6 +122,8 @@ def _like(host: nn.Parameter, data: torch.Tensor) -> nn.Parameter:
 
 
 def _host_copy(parameter: nn.Parameter, pin: bool) -> nn.Parameter:
+    if _already_on_host(parameter, pin):  # a staged load left it there (techniques/staged_weights.py)
+        return parameter
     with host_allocations():  # filed as host memory the moment it exists
         data = parameter.data.to("cpu", copy=True)
         if pin:
@@ -130,6 +133,15 @@ def _host_copy(parameter: nn.Parameter, pin: bool) -> nn.Parameter:
     if state is not None and parameter.device.type != "cpu":
         state.to(parameter.device)  # the statistics (about 3% of an NF4 stack) stay on the device
     return _like(parameter, data)
+
+
+def _already_on_host(parameter: nn.Parameter, pin: bool) -> bool:
+    if parameter.device.type != "cpu" or (pin and not parameter.is_pinned()):
+        return False
+    try:
+        return is_marked_host(parameter.untyped_storage())
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
 
 
 class ExpertStreamer:
@@ -228,6 +240,8 @@ def apply_expert_streaming(model: nn.Module) -> str:
                          " --gradient-checkpointing full with --checkpoint-every 1 so each layer's experts are"
                          " brought again in backward")
     device = found[0][0][3].device if found[0] else torch.device("cpu")
+    staged = [staged_device(module) for weights in found for _, module, _, _ in weights if staged_device(module)]
+    device = staged[0] if staged else device  # a staged load: the experts never left host memory
     streamer = ExpertStreamer(layers, device)
     for layer, weights in zip(layers, found, strict=True):
         for _, module, name, parameter in weights:

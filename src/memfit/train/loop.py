@@ -323,6 +323,7 @@ def run_facts(session: TrainingSession) -> dict[str, Any]:
     from memfit.techniques.expert_quant import experts_precision
     from memfit.techniques.expert_streaming import expert_streaming_facts
     from memfit.techniques.lora import lora_facts
+    from memfit.techniques.staged_weights import staged_load_facts
     from memfit.techniques.tiled_experts import tiled_experts_facts
 
     config = session.config
@@ -350,6 +351,7 @@ def run_facts(session: TrainingSession) -> dict[str, Any]:
         "experts_weights": experts_precision(session.model),  # MoE: "experts nf4" (QLoRA) or the load dtype
         "tiled_experts": tiled_experts_facts(session.model),  # MoE layers whose experts ran over token tiles
         "expert_offload": expert_streaming_facts(session.model),  # --expert-offload: host bytes, bytes streamed
+        "staged_load": staged_load_facts(session.model),  # weights loaded into host memory, moved in final form
     }
 
 

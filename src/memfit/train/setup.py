@@ -162,8 +162,13 @@ def _build_session(config: TrainConfig) -> TrainingSession:
         quantization = None
     if config.model.dtype == "fp16" and config.lora.lora_r == 0:
         raise UsageError("--dtype fp16 cannot be trained in full (fp16 gradients underflow); use --dtype bf16, fp32, or LoRA")
+    staged = _staging(config, dist.world_size)  # MoE experts QLoRA shrinks or streaming keeps: loaded on the host
     loaded = load_model_and_tokenizer(config, device, attention, quantization, auto_class=task.auto_class,
-                                      head_config=task.model_config())
+                                      head_config=task.model_config(), on_host=staged.any)
+    if staged.any:
+        from memfit.techniques.staged_weights import stage_on_host
+
+        log.info("memfit: %s", stage_on_host(loaded.model, device, staged))
     task.prepare_model(loaded.model, loaded.tokenizer)
     ran = attention_that_ran(loaded.model)
     if ran != attention.implementation:
@@ -287,6 +292,11 @@ def apply_model_techniques(config: TrainConfig, model: torch.nn.Module,
         from memfit.techniques.expert_dequant_groups import set_dequant_group
 
         log.info("memfit: expert dequant group: %s", set_dequant_group(model, config.memory.expert_dequant_group))
+    from memfit.techniques.staged_weights import settle_staged
+
+    settled = settle_staged(model)  # what a staged load left in host memory and no technique took
+    if settled:
+        log.info("memfit: %s", settled)
     from memfit.techniques.tiled_mlp import apply_tiled_mlp, tiles_for
 
     tiles = tiles_for(config.data.seq_len, config.memory.tiled_mlp)
@@ -305,6 +315,17 @@ def apply_model_techniques(config: TrainConfig, model: torch.nn.Module,
 
         log.info("memfit: efficient RMSNorm: %s", apply_efficient_rms_norm(model))
     return model, checkpointing
+
+
+def _staging(config: TrainConfig, world_size: int):
+    """What this run loads into host memory first (techniques/staged_weights.py); nothing for a dense model."""
+    from memfit.techniques.staged_weights import StagedWeights, staging_for_run
+
+    if not (config.lora.lora_r > 0 and (config.lora.quantize == "4bit" or config.memory.expert_offload)):
+        return StagedWeights()  # the config is not even read
+    from memfit.models.presets import resolve_model_config
+
+    return staging_for_run(config, resolve_model_config(config.model.model, config.model.trust_remote_code), world_size)
 
 
 def _data_config(config: TrainConfig):

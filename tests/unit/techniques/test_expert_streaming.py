@@ -339,7 +339,10 @@ def test_memfit_train_streams_the_experts_and_says_so(zoo_model_dirs, text_file,
         result = train(config)
         adapter = load_file(str(next(result.final_dir.glob("adapter_model.safetensors"))))
         lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        staged.append(next(line["staged_load"] for line in lines if "staged_load" in line))
         return adapter, [line["expert_offload"] for line in lines if "expert_offload" in line]
+
+    staged = []
 
     torch.set_num_threads(1)
     resident, facts_off = run(tmp_path / "resident", False)
@@ -349,6 +352,8 @@ def test_memfit_train_streams_the_experts_and_says_so(zoo_model_dirs, text_file,
     for name, tensor in resident.items():
         torch.testing.assert_close(streamed[name], tensor, rtol=0, atol=1e-6, msg=name)
     assert all(fact is None for fact in facts_off)
+    # the streamed run loaded its experts into host memory and never put them on the device (the staged load)
+    assert staged[0] is None and staged[1]["weights"] == "expert stacks" and staged[1]["tensors"] == 4
     assert facts and facts[-1]["layers"] == 2 and facts[-1]["streamed_bytes"] >= 2 * facts[-1]["bytes_per_micro_batch"]
     assert any("expert offload:" in record.getMessage() and "kept in host memory" in record.getMessage()
                for record in caplog.records)
