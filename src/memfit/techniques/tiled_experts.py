@@ -34,6 +34,16 @@ later technique replaced the forward) tiles the forward then in place.
 Left alone, named in the one line `apply_tiled_experts` returns: experts split across ranks (expert
 parallelism: every rank would have to cut the same tiles), and experts whose forward does not take exactly
 (hidden states, indices, weights).
+
+Shared experts: beside its routed experts, an MoE block may run a plain gated MLP on every token (DeepSeek-V3's
+and GLM-4-MoE's `shared_experts`, Qwen2-MoE's and Qwen3-Next's `shared_expert`): untiled, its gate, up and
+activated projections (tokens x shared width each) are kept for backward. It is tiled by the dense MLP's
+machinery (`tiled_mlp.tile_module`: forward without a graph, recompute tile by tile; LoRA on its linears runs
+in each tile). Where the block scales it by a sigmoid gate of its own (`sigmoid(self.shared_expert_gate(x)) *
+shared_expert(x)`, read from the block's source), the gate runs inside the tiles too (`GatedSharedExpert`), so
+the full-size product kept for the gate's gradient goes as well; the block's own `sigmoid(gate(x))` then reads
+an open gate (+inf, whose sigmoid is exactly 1). A shared expert whose gate the block uses otherwise stays
+untiled and is named.
 """
 
 from __future__ import annotations
@@ -52,8 +62,11 @@ from memfit.techniques.tiled_mlp import (
     _RngState,
     _tile,
     add_tile_gradients,
+    is_tiled,
     recompute_context,
+    tile_module,
     tiles_for,
+    untile_module,
 )
 
 _PREVIOUS = "_memfit_untiled_experts_forward"
@@ -103,6 +116,7 @@ def apply_tiled_experts(model: nn.Module, tiles: int | None) -> str:
     """
     calls = moe_experts_calls(model)
     tiled, kept = [], {}
+    shared = apply_tiled_shared_experts(model, [name for name, _, _ in calls], tiles, kept)
     for name, called, inner in calls:
         retiled = _is_tiled_forward(called.__dict__.get("forward"))
         # the forward in place before this tiling: split LoRA's or NF4's (on the instance), or the class's (None)
@@ -129,8 +143,14 @@ def apply_tiled_experts(model: nn.Module, tiles: int | None) -> str:
         return "off" if calls else ""
     how = f"{tiles} tiles" if tiles is not None else "automatic tiles"
     text = f"{how} on the experts of {len(tiled)} of {len(calls)} MoE layers ({layer_list(tiled)})"
+    gated = sum(1 for kind in shared.values() if kind == "gated")
+    and_gates = f" ({gated} with their sigmoid gate)" if gated else ""
+    if shared:
+        text += f" and on the shared experts of {len(shared)} of them{and_gates}"
     if not tiled:
         text = f"off on the experts of {len(calls)} MoE layers"
+        if shared:  # the routed experts stay whole, the shared ones are tiled: not off
+            text = f"{how} on the shared experts of {len(shared)} of {len(calls)} MoE layers{and_gates} (routed untiled)"
     if kept:
         text += "; left untiled: " + ", ".join(f"{count} ({reason})" for reason, count in kept.items())
     return text
@@ -152,12 +172,13 @@ def with_tiled_experts(model: nn.Module, tiles: int | None, mlp_description: str
 def tiled_experts_facts(model: nn.Module) -> dict | None:
     """For the metrics: the tiles and the MoE layers whose experts run tiled; None when none do."""
     layers = [name for name, _, inner in moe_experts_calls(model) if TILED_ATTRIBUTE in inner.__dict__]
-    if not layers:
+    shared = tiled_shared_experts(model)
+    if not layers and not shared:
         return None
     tiles = {inner.__dict__[TILED_ATTRIBUTE] for _, _, inner in moe_experts_calls(model)
-             if TILED_ATTRIBUTE in inner.__dict__}
+             if TILED_ATTRIBUTE in inner.__dict__} or {None}
     return {"tiles": tiles.pop() if len(tiles) == 1 else sorted(tiles, key=str), "layers": layers,
-            "described": layer_list(layers)}
+            "described": layer_list(layers), "shared_experts": len(shared)}
 
 
 def layer_list(names: list[str]) -> str:
@@ -275,3 +296,127 @@ class TiledExpertsFunction(torch.autograd.Function):
         by_parameter = iter(grad_parameters)
         parameter_grads = [next(by_parameter) if needed else None for needed in ctx.needs_input_grad[6:]]
         return (None, None, grad_hidden, None, grad_weights, None, *parameter_grads)
+
+
+# ---------------------------------------------------------------------------
+# Shared experts
+# ---------------------------------------------------------------------------
+
+_GATED = "_memfit_gated_shared_expert"
+
+
+class GatedSharedExpert(nn.Module):
+    """`sigmoid(gate(x)) * expert(x)`, a shared expert with its sigmoid gate, as one module to tile.
+
+    Its children are the block's shared expert and gate (registered here only, as `LayerFeedForward` does: the
+    block's tree and state dict stay as they were), so the tiles' recompute gives both their gradients. The
+    forwards it runs are theirs from before `install`, which makes the block's calls come here and open its gate.
+    """
+
+    def __init__(self, block: nn.Module, expert_name: str, gate_name: str):
+        super().__init__()
+        self.add_module("expert", block._modules[expert_name])
+        self.add_module("gate", block._modules[gate_name])
+        self.__dict__["previous"] = {child: module.__dict__.get("forward") for child, module in self.named_children()}
+        self.__dict__["runs"] = {child: self.previous[child] or types.MethodType(type(module).forward, module)
+                                 for child, module in self.named_children()}
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(self.runs["gate"](hidden)) * self.runs["expert"](hidden)
+
+    def install(self, block: nn.Module) -> None:
+        """The block's shared-expert call runs this module (tiled); its gate call returns an open gate."""
+        block.__dict__[_GATED] = self
+        self.expert.forward = self.__call__
+        self.gate.forward = _open_gate
+
+    def remove(self, block: nn.Module) -> None:
+        """The block runs its shared expert and gate as before `install`."""
+        block.__dict__.pop(_GATED, None)
+        for child, module in self.named_children():
+            module.__dict__.pop("forward", None)
+            if self.previous[child] is not None:
+                module.forward = self.previous[child]
+
+
+def _open_gate(hidden: torch.Tensor) -> torch.Tensor:
+    """What the block's `sigmoid(gate(x))` turns into exactly 1: the gated shared expert applied the gate already.
+
+    In the dtype the gate's linear would have returned, so the block's product keeps its dtype."""
+    device = hidden.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
+    return hidden.new_full((*hidden.shape[:-1], 1), float("inf"), dtype=dtype)
+
+
+def _shared_children(block: nn.Module) -> list[tuple[str, str | None]]:
+    """(shared expert's name, its gate's name or None) for each shared expert of an MoE block."""
+    children = block._modules
+    return [(name, f"{name}_gate" if isinstance(children.get(f"{name}_gate"), nn.Module) else None)
+            for name, child in children.items()
+            if name.startswith("shared_expert") and not name.endswith("_gate") and isinstance(child, nn.Module)]
+
+
+def _why_shared_not_tiled(block: nn.Module, expert: nn.Module, gate_name: str | None) -> str | None:
+    forward = expert.__dict__.get("forward") or type(expert).forward
+    try:  # one tensor in, as the block calls it
+        inputs = [p for p in inspect.signature(forward).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name != "self"]
+    except (TypeError, ValueError):
+        return "a shared expert's forward without a signature"
+    if len(inputs) != 1:
+        return "a shared expert's forward taking more than the hidden states"
+    if gate_name is None:
+        return None
+    weight = getattr(block._modules[gate_name], "weight", None)
+    try:
+        source = inspect.getsource(type(block).forward)
+    except (OSError, TypeError):
+        source = ""
+    if (not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[0] != 1
+            or not re.search(rf"sigmoid\(\s*self\.{re.escape(gate_name)}\(", source)):
+        return "a shared expert whose gate is not sigmoid(gate(x)) of one output"
+    return None
+
+
+def apply_tiled_shared_experts(model: nn.Module, blocks: list[str], tiles: int | None,
+                               kept: dict[str, int]) -> dict[str, str]:
+    """Tile the shared experts of the MoE `blocks` (their names in `model`); 0: untile them.
+
+    Returns {shared expert's name: "plain" or "gated"} for those tiled; counts the ones left untiled, by reason,
+    into `kept`.
+    """
+    modules = dict(model.named_modules())
+    tiled = {}
+    for block_name in blocks:
+        block = modules[block_name]
+        for name, gate_name in _shared_children(block):
+            expert, gated = block._modules[name], block.__dict__.get(_GATED)
+            if tiles == 0:
+                if gated is not None:
+                    untile_module(gated)
+                    gated.remove(block)
+                untile_module(expert)
+                continue
+            reason = None if gated is not None or is_tiled(expert) else _why_shared_not_tiled(block, expert,
+                                                                                                gate_name)
+            if reason:
+                kept[reason] = kept.get(reason, 0) + 1
+                continue
+            if gate_name is None:
+                tile_module(expert, tiles)
+            else:
+                gated = gated or GatedSharedExpert(block, name, gate_name)
+                tile_module(gated, tiles)
+                gated.install(block)
+            tiled[f"{block_name}.{name}"] = "plain" if gate_name is None else "gated"
+    return tiled
+
+
+def tiled_shared_experts(model: nn.Module) -> list[str]:
+    """Names of the shared experts that run over token tiles (with their gate or alone)."""
+    names = []
+    for block_name, block in model.named_modules():
+        for name, gate_name in _shared_children(block):
+            if is_tiled(block._modules[name]) or (gate_name and _GATED in block.__dict__):
+                names.append(f"{block_name}.{name}")
+    return names

@@ -140,8 +140,12 @@ def _call_feed_forward(feed_forward: LayerFeedForward, attention_output: torch.T
 
 
 def _looks_like_experts(module: nn.Module) -> bool:
+    if hasattr(module, "experts"):
+        return True
     name = type(module).__name__.lower()
-    return "moe" in name or "sparse" in name or "expert" in name or hasattr(module, "experts")
+    if name.endswith("mlp"):  # an MoE family's dense MLP (GLM-4-MoE's first layer: Glm4MoeMLP), no experts in it
+        return False
+    return "moe" in name or "sparse" in name or "expert" in name
 
 
 def apply_tiled_mlp(model: nn.Module, tiles: int | None) -> str:
@@ -153,23 +157,34 @@ def apply_tiled_mlp(model: nn.Module, tiles: int | None) -> str:
     """
     mlps = find_mlps(model)
     for mlp in mlps:
-        untiled = mlp.__dict__.get(_ORIGINAL_FORWARD, mlp.forward)
         if tiles == 0:
-            mlp.__dict__.pop(_ORIGINAL_FORWARD, None)
-            mlp.__dict__.pop(_TILES, None)
-            mlp.__dict__.pop("forward", None)
+            untile_module(mlp)
             if isinstance(mlp, LayerFeedForward):
                 mlp.remove()
             continue
-        mlp.__dict__[_ORIGINAL_FORWARD] = untiled
-        mlp.__dict__[_TILES] = tiles
-        mlp.forward = types.MethodType(_make_tiled_forward(untiled, tiles), mlp)
+        tile_module(mlp, tiles)
         if isinstance(mlp, LayerFeedForward):
             mlp.install()
     if tiles == 0 or not mlps:
         return "off" if tiles == 0 else "off (no MLP found in the blocks)"
     how = f"{tiles} tiles" if tiles is not None else f"1 tile per {AUTO_TILE_TOKENS} tokens above {AUTO_TILE_TOKENS}"
     return f"{how} on {len(mlps)} MLPs"
+
+
+def tile_module(module: nn.Module, tiles: int | None) -> None:
+    """Run `module` (one tensor in, one out, acting on each token alone) over `tiles` slices of dimension -2,
+    recomputed tile by tile in backward; called again, it changes the tiles and keeps the untiled forward."""
+    untiled = module.__dict__.get(_ORIGINAL_FORWARD, module.forward)
+    module.__dict__[_ORIGINAL_FORWARD] = untiled
+    module.__dict__[_TILES] = tiles
+    module.forward = types.MethodType(_make_tiled_forward(untiled, tiles), module)
+
+
+def untile_module(module: nn.Module) -> None:
+    """Undo `tile_module`: the module runs its own forward again."""
+    module.__dict__.pop(_ORIGINAL_FORWARD, None)
+    module.__dict__.pop(_TILES, None)
+    module.__dict__.pop("forward", None)
 
 
 def is_tiled(module: nn.Module) -> bool:
