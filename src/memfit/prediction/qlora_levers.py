@@ -110,18 +110,34 @@ def _experts_of(hf_config: Any) -> int:
     return 0
 
 
-def lever_trades(changes: dict[str, Any], est: Any, hf_config: Any) -> list[str]:
-    """What the frozen-weight levers of a plan cost, in words (memfit.prediction.trade_offs lists them)."""
+def lever_trades(changes: dict[str, Any], est: Any, hf_config: Any, seconds: dict[str, float] | None = None) -> list[str]:
+    """What the frozen-weight levers of a plan cost, in words (memfit.prediction.trade_offs lists them).
+
+    `seconds`: what each adds to the predicted step (prediction/speed_model.lever_step_seconds), said where given.
+    """
+    seconds = seconds or {}
+
+    def cost(lever: str) -> str:
+        if lever not in seconds:
+            return ""
+        if not seconds[lever] and lever == "embedding_on_host":
+            return "; no time on a CPU (the step reads the rows where they are)"
+        value = seconds[lever]
+        return f"; +{value:.2f} s per step" if value >= 0.01 else f"; +{value * 1e3:.3g} ms per step"
+
     lines = []
     if changes.get("embedding_on_host") and est.host_breakdown.get("embedding"):
         lines.append(f"embedding on host: the frozen input embedding ({est.host_breakdown['embedding'] / 2**30:.2f} GiB)"
-                     " stays in host memory; each forward sends the token ids to the host and their rows back")
+                     " stays in host memory; each forward sends the token ids to the host and their rows back"
+                     + cost("embedding_on_host"))
     if changes.get("quantize_head") and changes.get("quantize") == "4bit":
         lines.append("NF4 output head: the frozen head's weights rounded to 4 bits like the linears, dequantized a tile"
-                     " of rows at a time in each loss chunk's forward and backward; no fused linear cross-entropy")
+                     " of rows at a time in each loss chunk's forward, recompute and backward; no fused linear"
+                     " cross-entropy" + cost("quantize_head"))
     group = changes.get("expert_dequant_group")
     if group and changes.get("quantize") == "4bit":
         experts = _experts_of(hf_config)
         lines.append(f"expert dequantization {group} of {experts} experts at a time: {-(-experts // group)} grouped"
-                     " matmuls per projection instead of one, and the expert offsets read on the host each call")
+                     " matmuls per projection instead of one, and the expert offsets read on the host each call"
+                     + cost("expert_dequant_group"))
     return lines

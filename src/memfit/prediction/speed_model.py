@@ -209,6 +209,9 @@ def estimated_step_seconds(changes: dict[str, Any], config: TrainConfig, est: Es
         from memfit.prediction.expert_streaming import stream_seconds
 
         seconds += stream_seconds(est, link, compute_seconds, accumulation)
+    from memfit.prediction.lever_costs import lever_model_seconds  # embedding on host, NF4 head, expert groups
+
+    seconds += sum(lever_model_seconds(changes, config, hf_config, device, compute, rate, link, gpu).values())
     if changes.get("optimizer") == "paged-adamw-8bit" and gpu is not None:
         # the state pages come in for the step and go out again for the next forward
         seconds += 2 * est.host_breakdown.get("optimizer_states", 0) / link
@@ -217,6 +220,25 @@ def estimated_step_seconds(changes: dict[str, Any], config: TrainConfig, est: Es
 
         seconds *= correction(changes, config, device, compute)
     return seconds
+
+
+def lever_step_seconds(changes: dict[str, Any], config: TrainConfig, hf_config: Any, gpu: GpuSpec | None, *,
+                       device: str | None = None, calibrate: bool = True) -> dict[str, float]:
+    """What each frozen-weight lever of `changes` adds to `estimated_step_seconds`, in seconds per step, calibrated
+    as that is (`memfit.prediction.lever_costs`; empty where none is on)."""
+    from memfit.prediction.lever_costs import lever_model_seconds
+
+    device = device or ("cpu" if gpu is None else "cuda")
+    compute = compute_dtype(changes, config, device)
+    rate = (gpu.peak_tflops if gpu is not None else NOMINAL_TFLOPS) * 1e12 * UTILISATION
+    link = (gpu.host_link_gbps if gpu is not None else 16.0) * 1e9
+    costs = lever_model_seconds(changes, config, hf_config, device, compute, rate, link, gpu)
+    if costs and calibrate and gpu is None and device == "cpu":
+        from memfit.prediction.calibration import correction
+
+        factor = correction(changes, config, device, compute)
+        costs = {name: seconds * factor for name, seconds in costs.items()}
+    return costs
 
 
 def compile_pays_after_flops(device: str) -> float | None:

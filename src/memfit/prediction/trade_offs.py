@@ -18,6 +18,7 @@ from memfit.prediction.estimate_result import CUDA_CONTEXT_BYTES, FRAGMENTATION,
 from memfit.prediction.expert_streaming import streaming_trades
 from memfit.prediction.plan_result import Candidate
 from memfit.prediction.qlora_levers import lever_trades
+from memfit.prediction.speed_model import lever_step_seconds
 from memfit.units import GIB
 
 
@@ -58,7 +59,7 @@ def trade_offs(candidate: Candidate, config: TrainConfig, hf_config: Any, gpu: G
         lines.append(f"{what}: {est.host_breakdown.get('activations', 0) / GIB:.1f} GiB of pinned host memory;"
                      f" {moved / GIB:.1f} GiB over the host link per micro-batch ({moved / link:.2f} s at"
                      f" {link / 1e9:.0f} GB/s, overlapped with compute where the copies allow)")
-    lines += lever_trades(c, est, hf_config)  # embedding on host, grouped expert dequantization
+    lines += lever_trades(c, est, hf_config, lever_step_seconds(c, config, hf_config, gpu))  # embedding on host, NF4 head, groups
     lines += streaming_trades(c, est, link)  # --expert-offload
     if c.get("gradient_checkpointing") == "full":
         lines.append("full checkpointing: each block's forward runs again in backward (about +33 % compute)")
