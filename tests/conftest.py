@@ -17,6 +17,10 @@ import torch
 THREADS = int(os.environ.setdefault("OMP_NUM_THREADS", "1"))
 os.environ.setdefault("MKL_NUM_THREADS", str(THREADS))
 torch.set_num_threads(THREADS)
+# As `make test` exports it: DeepSpeed on its CPU accelerator, named rather than detected, so that importing DeepSpeed
+# prints no detection warning on stdout (the warm server's imports are printed in front of every command it forks).
+if not torch.cuda.is_available():
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
 # Trials and the speed calibration (docs/planning.md) measure into a cache of this test session, never the
 # user's ~/.cache/memfit: a CPU plan a test pins would otherwise follow what earlier runs measured here.
 os.environ["MEMFIT_CACHE_DIR"] = tempfile.mkdtemp(prefix="memfit-test-cache-")
@@ -104,8 +108,10 @@ def warm_memfit(llama_dir, text_file):
     """`warm_memfit.run(*args)`: the real `memfit` command in a process forked from one that imported torch already."""
     from memfit_cli import WarmMemfit
 
-    # Warm-up: loads the model's config and tokenizer and tokenizes the corpus before it is refused.
-    server = WarmMemfit("train", "--model", llama_dir, "--dataset", text_file, "--seq-len", "256", "--batch-size", "512",
-                        "--max-steps", "1", "--output-dir", "{scratch}/warmup")
+    # Warm-up: one whole 1-step run (load, step, checkpoint, report, final save), so that the server holds every module a
+    # run imports on its way: transformers loads its modeling code lazily and saving imports accelerate and through it
+    # DeepSpeed, several seconds that every forked command would otherwise pay again (docs/testing.md).
+    server = WarmMemfit("train", "--model", llama_dir, "--dataset", text_file, "--seq-len", "32", "--batch-size", "1",
+                        "--max-steps", "1", "--save-every", "1", "--output-dir", "{scratch}/warmup")
     yield server
     server.close()

@@ -21,8 +21,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 # Imported by the server before it answers; then whatever a warm-up command imported (see _serve).
-WARM_MODULES = ("torch", "transformers", "memfit.cli.main", "memfit.cli.train", "memfit.cli.estimate", "memfit.cli.plan",
-                "memfit.cli.profile", "memfit.cli.find_batch_size")
+# transformers' model-loading code is imported lazily (on the first from_pretrained); importing it here rather than
+# in the warm-up child keeps the server from importing it twice.
+WARM_MODULES = ("torch", "transformers", "transformers.modeling_utils", "memfit.cli.main", "memfit.cli.train",
+                "memfit.cli.estimate", "memfit.cli.plan", "memfit.cli.profile", "memfit.cli.find_batch_size")
 
 
 def run_memfit(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -36,7 +38,7 @@ class WarmMemfit:
     """`memfit ARGS` in a child forked from a server that has imported torch and memfit already."""
 
     def __init__(self, *warmup: str) -> None:
-        """`warmup`: a command whose imports the server makes its own (one that goes deep before it fails)."""
+        """`warmup`: a command whose imports the server makes its own (one that goes as deep as the commands will)."""
         self._server = subprocess.Popen(
             [sys.executable, __file__, "--serve", json.dumps(list(map(str, warmup)))], stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, text=True, cwd=REPO,
