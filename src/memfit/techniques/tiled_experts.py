@@ -48,6 +48,7 @@ untiled and is named.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import re
 import types
@@ -57,6 +58,7 @@ import torch
 from torch import nn
 
 from memfit.models.experts import is_fused_experts
+from memfit.techniques.expert_streaming import HOLD_ATTRIBUTE
 from memfit.techniques.tiled_mlp import (
     _draws_random_numbers,
     _RngState,
@@ -214,14 +216,20 @@ def _make_tiled_forward(untiled: Callable, tiles: int | None) -> Callable:
         count = tiles_for(hidden_states.shape[0], tiles) if hidden_states.dim() == 2 else 1
         if count <= 1 or args or kwargs or not _routed(hidden_states, indices, weights):
             return untiled(hidden_states, indices, weights, *args, **kwargs)
+        hold = getattr(self, HOLD_ATTRIBUTE, None) or contextlib.nullcontext  # streamed experts: one copy, all tiles
         if not torch.is_grad_enabled():  # evaluation, or a checkpointed block's first forward: nothing to save
-            return _tiles_without_graph(untiled, count, hidden_states, indices, weights)
+            with hold():
+                return _tiles_without_graph(untiled, count, hidden_states, indices, weights)
         trainable = [p for p in self.parameters() if p.requires_grad]
-        return TiledExpertsFunction.apply(untiled, count, hidden_states, indices, weights,
+        return TiledExpertsFunction.apply(_HeldExperts(untiled, hold), count, hidden_states, indices, weights,
                                           _draws_random_numbers(self), *trainable)
 
     setattr(forward, _MARK, True)
     return forward
+
+
+def _hold_of(experts: Callable) -> Callable:
+    return getattr(experts, "hold", None) or contextlib.nullcontext
 
 
 def _routed(hidden: torch.Tensor, indices, weights) -> bool:
@@ -244,6 +252,16 @@ def _tiles_without_graph(experts: Callable, tiles: int, hidden: torch.Tensor, in
     return output
 
 
+class _HeldExperts:
+    """The untiled experts call, and the context that keeps a streamed layer on the device while its tiles run."""
+
+    def __init__(self, call: Callable, hold: Callable) -> None:
+        self.call, self.hold = call, hold
+
+    def __call__(self, *args, **kwargs):
+        return self.call(*args, **kwargs)
+
+
 class TiledExpertsFunction(torch.autograd.Function):
     """`experts(hidden, indices, weights)` over `tiles` slices of the tokens (dimension 0 of all three).
 
@@ -263,7 +281,8 @@ class TiledExpertsFunction(torch.autograd.Function):
         # Held, not saved: the module holds them anyway, and a sharding engine that refills their
         # storage between forward and backward must not trip autograd's version check.
         ctx.parameters = parameters
-        return _tiles_without_graph(experts, tiles, hidden, indices, weights)
+        with _hold_of(experts)():
+            return _tiles_without_graph(experts, tiles, hidden, indices, weights)
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
@@ -273,7 +292,7 @@ class TiledExpertsFunction(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden) if needs_hidden else None
         grad_weights = torch.empty_like(weights) if needs_weights else None
         grad_parameters: list[torch.Tensor | None] = [None] * len(wanted)
-        with recompute_context(ctx):
+        with recompute_context(ctx), _hold_of(ctx.experts)():
             for index in range(ctx.tiles):
                 piece = _tile(hidden, ctx.tiles, index).detach().requires_grad_(needs_hidden)
                 routing = _tile(weights, ctx.tiles, index).detach().requires_grad_(needs_weights)
@@ -394,8 +413,9 @@ def apply_tiled_shared_experts(model: nn.Module, blocks: list[str], tiles: int |
             if tiles == 0:
                 if gated is not None:
                     untile_module(gated)
-                    gated.remove(block)
-                untile_module(expert)
+                    gated.remove(block)  # gives the expert and its gate back their own forwards
+                elif is_tiled(expert):
+                    untile_module(expert)
                 continue
             reason = None if gated is not None or is_tiled(expert) else _why_shared_not_tiled(block, expert,
                                                                                                 gate_name)
