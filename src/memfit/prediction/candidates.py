@@ -106,10 +106,8 @@ def technique_grid(mode: str, config: TrainConfig, gpu: GpuSpec | None, seq_len:
     from memfit.prediction.expert_streaming import streaming_changes
 
     streaming = streaming_changes(mode, config, hf_config, user_set)  # frozen experts from host memory per layer
-    if streaming:  # it needs checkpointing; tried where the rest of memory is already smallest, untiled (each tile of
-        # tiled experts would bring its layer again)
-        grid += [{**c, **streaming} for c in grid
-                 if c["gradient_checkpointing"] == "full" and c["loss_chunk_size"] and not c["tiled_mlp"]]
+    if streaming:  # it needs checkpointing; tried where the rest of memory is already smallest
+        grid += [{**c, **streaming} for c in grid if c["gradient_checkpointing"] == "full" and c["loss_chunk_size"]]
     if not cuda and config.memory.precision == "auto" and not user_set(config, "precision"):
         from memfit.prediction.calibration import native_bf16
 

@@ -3,9 +3,9 @@
 Weights: the routed experts' frozen bytes (bf16 stacks, or NF4's packed bytes; its statistics stay) leave the
 device's parameter term for host memory; the device keeps one layer's worth while it runs, and on CUDA a second,
 the next layer's copy prefetched on a side stream (on a CPU the copies are made one at a time: one layer).
-Time: the streamed bytes cross the host link twice a micro-batch (forward and the recompute), once a tile each
-under tiled experts (each tile's call brings its layer); the copies run beside the layers' compute, so only what
-the forward and recompute passes cannot hide is added.
+Time: the streamed bytes cross the host link twice a micro-batch (forward and the recompute), three times under
+tiled experts (they hold a layer for all their tiles, and their backward brings it once more); the copies run
+beside the layers' compute, so only what the forward and recompute passes cannot hide is added.
 """
 
 from __future__ import annotations
@@ -46,9 +46,10 @@ def with_streamed_experts(parts: dict[str, Any], config: TrainConfig, inventory:
     parts["experts_host_bytes"] = total
     parts["experts_streamed_layer_bytes"] = per_layer
     parts["experts_streamed_device_bytes"] = on_device  # in flight during a step, not while loading
-    # tiled experts call each layer's experts once a tile, forward and recompute: each call brings the layer
+    # a layer crosses the link in forward and in the checkpointed recompute; tiled experts hold it for all their
+    # tiles (techniques/tiled_experts.py), and their own backward brings it once more
     tiles = resolve_mlp_tiles(config.memory.tiled_mlp, config.data.seq_len) if config.data.seq_len else 0
-    parts["experts_stream_calls"] = 2 * max(1, tiles)
+    parts["experts_stream_calls"] = 3 if tiles > 1 else 2
     return parts
 
 
@@ -58,6 +59,7 @@ def streaming_host_and_notes(parts: dict[str, Any]) -> tuple[dict[str, int], dic
     if not total:
         return {}, {}
     return {"experts": total}, {"expert_stream_bytes_per_micro_batch": parts["experts_stream_calls"] * total,
+                                "expert_stream_copies": parts["experts_stream_calls"],
                                 "expert_stream_layer_bytes": int(parts["experts_streamed_layer_bytes"])}
 
 
@@ -95,6 +97,7 @@ def streaming_trades(changes: dict[str, Any], est: Any, link_bytes_per_second: f
     moved = est.details.get("expert_stream_bytes_per_micro_batch", 0)
     return [f"expert offload: the frozen experts ({est.host_breakdown['experts'] / 2**30:.1f} GiB) stay in pinned host"
             f" memory and come to the device a layer at a time ({est.details['expert_stream_layer_bytes'] / 2**20:.0f}"
-            f" MiB each); {moved / 2**30:.1f} GiB over the host link per micro-batch (forward and recompute,"
+            f" MiB each); {moved / 2**30:.1f} GiB over the host link per micro-batch (forward, recompute"
+            f"{' and the tiled backward' if est.details.get('expert_stream_copies', 2) == 3 else ''},"
             f" {moved / link_bytes_per_second:.2f} s at {link_bytes_per_second / 1e9:.0f} GB/s), hidden under compute"
             " where the next layer's copy finishes first"]

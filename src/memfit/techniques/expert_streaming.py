@@ -33,6 +33,7 @@ checkpointed, --compile (the compiled block would capture the swapped weights).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import types
 from dataclasses import dataclass, field
@@ -49,6 +50,9 @@ from memfit.units import format_bytes
 log = logging.getLogger("memfit")
 
 STREAMER_ATTRIBUTE = "memfit_expert_streamer"
+HOLD_ATTRIBUTE = "memfit_stream_hold"
+"""On a streamed experts module: a context manager that keeps its layer on the device across several calls (the
+tiles of tiled experts, techniques/tiled_experts.py), so the layer crosses the link once, not once a tile."""
 """Set on the model: the `ExpertStreamer` running its experts (read by the run facts)."""
 _PREVIOUS = "_memfit_unstreamed_forward"
 
@@ -202,16 +206,36 @@ def _in_backward() -> bool:
 def _install(streamer: ExpertStreamer, layer: StreamedLayer) -> None:
     target = layer.target
     previous = target.__dict__.get("forward")  # split LoRA's or NF4's forward on the instance, or the class's
+    holding = [0]  # calls inside `hold` find the layer already on the device
 
     def forward(self, *args, _index=layer.index, _previous=previous, **kwargs):
+        call = _previous or type(self).forward.__get__(self)
+        if holding[0]:
+            return call(*args, **kwargs)
         streamer.bring(_index, backward=_in_backward())
         try:
-            return (_previous or type(self).forward.__get__(self))(*args, **kwargs)
+            return call(*args, **kwargs)
         finally:
             streamer.drop(_index)
 
+    @contextlib.contextmanager
+    def hold(_index=layer.index):
+        """The layer's experts on the device for every call inside (tiled experts: all tiles, one copy)."""
+        if holding[0]:
+            holding[0] += 1
+        else:
+            streamer.bring(_index, backward=_in_backward())
+            holding[0] = 1
+        try:
+            yield
+        finally:
+            holding[0] -= 1
+            if not holding[0]:
+                streamer.drop(_index)
+
     target.__dict__[_PREVIOUS] = previous
     target.forward = types.MethodType(forward, target)
+    setattr(target, HOLD_ATTRIBUTE, hold)
 
 
 def _checkpointed(model: nn.Module, layers: list[StreamedLayer]) -> list[str]:

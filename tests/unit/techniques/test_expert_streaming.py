@@ -388,3 +388,32 @@ def test_nf4_experts_stream_their_packed_bytes_and_give_the_resident_result():
     for _ in range(2):
         _assert_same(_step(model, optimizer), _step(reference, reference_optimizer))
     assert _host_reads(model) == []
+
+
+def _tiled(tiles: int, streamed: bool = True):
+    from memfit.techniques.tiled_experts import apply_tiled_experts
+
+    model = _model("qwen3_moe", layers=2)
+    if streamed:
+        apply_expert_streaming(model)  # before tiling, as memfit's setup orders them
+    apply_tiled_experts(model, tiles)
+    return model
+
+
+def test_tiled_experts_bring_a_streamed_layer_once_for_all_their_tiles():
+    """Forward, the checkpointed recompute and the tiled backward each copy a layer once, whatever the tiles: three
+    copies a micro-batch (untiled: two). The result is the resident tiled model's."""
+    model, reference = _tiled(4), _tiled(4, streamed=False)
+    _assert_same(_step(model), _step(reference))
+    facts = expert_streaming_facts(model)
+    assert facts["streamed_bytes"] == 3 * facts["host_bytes"] > 0
+
+
+def test_fault_twin_tiles_that_each_bring_their_layer_are_caught(monkeypatch):
+    from memfit.techniques import tiled_experts
+
+    monkeypatch.setattr(tiled_experts, "HOLD_ATTRIBUTE", "not_a_hold")  # every tile's call brings the layer again
+    model = _tiled(4)
+    _step(model)
+    facts = expert_streaming_facts(model)
+    assert facts["streamed_bytes"] > 3 * facts["host_bytes"]
