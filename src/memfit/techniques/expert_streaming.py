@@ -13,8 +13,9 @@ tracker shows what a GPU would hold.
 
 Saves: every streamed expert byte but two layers' worth. Costs: the streamed bytes cross the host link
 twice a micro-batch (forward and the recompute), hidden under compute when the link is fast enough; pinned
-host memory of the experts' size. Under tiled experts every tile's call brings its layer again (N tiles: N
-copies in forward and N in the recompute), which the plan avoids.
+host memory of the experts' size. Tiled experts call a layer's experts once a tile; they hold the layer on the
+device for all their tiles (`HOLD_ATTRIBUTE`), so a micro-batch copies it three times (forward, the recompute,
+and the tiled backward), not twice a tile.
 
 What stays on the device: the adapters on the experts (split LoRA's A and B, trainable), NF4's quantization
 statistics (small), the routers, shared experts and everything outside the experts.
