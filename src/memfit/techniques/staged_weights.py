@@ -39,6 +39,7 @@ from torch import nn
 
 from memfit.models.experts import EXPERT_PARAMETERS, fused_expert_modules
 from memfit.techniques.host_memory import host_allocations, is_marked_host, mark_host
+from memfit.units import format_bytes
 
 STAGED_DEVICE = "memfit_staged_device"
 """Attribute set on a module holding a staged weight: the device its final form is bound for."""
@@ -135,7 +136,7 @@ def stage_on_host(model: nn.Module, device: torch.device, staged: StagedWeights)
         setattr(module, KEEP_ON_HOST, staged.experts_stay_on_host and name in EXPERT_PARAMETERS)
     model.memfit_staged_load = {"weights": staged.describe(), "tensors": len(held), "host_bytes": staged_bytes,
                                 "device": str(device)}
-    return (f"staged load: {staged.describe()} ({staged_bytes / 2**30:.2f} GiB in {len(held)} weights) held in"
+    return (f"staged load: {staged.describe()} ({format_bytes(staged_bytes)} in {len(held)} weights) held in"
             f" host memory, the rest on {device}; each reaches the device in its final form only")
 
 
@@ -206,7 +207,7 @@ def settle_staged(model: nn.Module) -> str | None:
             delattr(module, STAGED_DEVICE)
     if not count:
         return None
-    return f"staged load: {count} tensors ({moved / 2**20:.1f} MiB) no technique took moved to {device}"
+    return f"staged load: {count} tensors ({format_bytes(moved)}) no technique took moved to {device}"
 
 
 def _move(table: dict, name: str, tensor: torch.Tensor, device: torch.device) -> None:
