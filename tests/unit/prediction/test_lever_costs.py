@@ -41,14 +41,14 @@ def _step(changes, hf_config, gpu):
     return estimated_step_seconds(changes, config, est, gpu, hf_config)
 
 
-def _check_each_lever_adds_its_cost(hf_config, gpu):
+def _check_each_lever_adds_its_cost(hf_config, gpu, step=_step):
     config = load_config(overrides=SETTINGS)
-    plain = _step(BASE, hf_config, gpu)
+    plain = step(BASE, hf_config, gpu)
     for lever, value in LEVERS.items():
         changes = {**BASE, lever: value}
         cost = lever_seconds(changes, config, hf_config, gpu)
         assert set(cost) == {lever}  # this lever's cost, no other
-        added = _step(changes, hf_config, gpu) - plain
+        added = step(changes, hf_config, gpu) - plain
         assert added == pytest.approx(cost[lever], rel=1e-9, abs=1e-15), lever
         if gpu is not None or lever != "embedding_on_host":  # a CPU step reads the rows where they are
             assert cost[lever] > 0, lever
@@ -64,10 +64,19 @@ def test_each_lever_raises_the_predicted_step_by_its_cost_and_nothing_else(gpt_o
     assert together == pytest.approx(sum(lever_seconds({**BASE, **LEVERS}, config, gpt_oss, gpu).values()), rel=1e-9)
 
 
-def test_fault_twin_a_speed_model_that_drops_the_costs_fails_the_check(gpt_oss, monkeypatch):
-    monkeypatch.setattr(lever_costs, "lever_model_seconds", lambda *args, **kwargs: {})
+@pytest.mark.parametrize("scale", [0.0, 2.0])
+def test_fault_twin_a_speed_model_that_drops_or_doubles_the_costs_fails_the_check(gpt_oss, monkeypatch, scale):
+    """The step priced with each lever's cost dropped (or counted twice) while the trade-offs still say it."""
+    original = lever_costs.lever_model_seconds
+
+    def faulty_step(changes, hf_config, gpu):
+        with monkeypatch.context() as patch:
+            patch.setattr(lever_costs, "lever_model_seconds", lambda *args, **kwargs: {
+                name: scale * seconds for name, seconds in original(*args, **kwargs).items()})
+            return _step(changes, hf_config, gpu)
+
     with pytest.raises(AssertionError):
-        _check_each_lever_adds_its_cost(gpt_oss, get_gpu("t4"))
+        _check_each_lever_adds_its_cost(gpt_oss, get_gpu("t4"), step=faulty_step)
 
 
 def test_the_nf4_head_costs_its_dequantized_weights_and_twice_the_chunks_twice_the_time(gpt_oss):
