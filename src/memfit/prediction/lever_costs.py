@@ -81,8 +81,9 @@ def lever_model_seconds(changes: dict[str, Any], config: TrainConfig, hf_config:
     `changes` first); `rate`: the step's matmul rate in FLOP/s (what the CPU figures are written in);
     `compute`: 'bf16' or 'fp32'.
     """
-    if hf_config is None or not changes.get("lora_r", config.lora.lora_r):
-        return {}
+    on = [lever for lever in LEVERS if changes.get(lever, _configured(config, lever))]
+    if not on or hf_config is None or not changes.get("lora_r", config.lora.lora_r):
+        return {}  # (the shape is read only where a lever is on: every plan of every family passes here)
     shape = _Shape(changes, config, hf_config)
     untied = not shape.arch.tied_embeddings and shape.arch.vocab  # a tied table and head stay (the techniques' rule)
     costs = {}
@@ -153,6 +154,11 @@ def group_launches(hf_config: Any, lora_r: int, group: int, calls_per_stack: int
     return launches, syncs
 
 
+def _configured(config: TrainConfig, lever: str) -> Any:
+    """The config's own setting of a lever (the head's is a LoRA field, the others memory fields)."""
+    return getattr(config.lora if lever == "quantize_head" else config.memory, lever)
+
+
 class _Shape:
     """What the lever costs read of a plan: tokens per micro-batch, the loss chunk, checkpointing, tiles, dtypes."""
 
@@ -177,8 +183,7 @@ class _Shape:
         self.chunk = chunk or 0
 
     def on(self, lever: str) -> bool:
-        section = self.config.lora if lever == "quantize_head" else self.config.memory
-        return bool(self.changes.get(lever, getattr(section, lever)))
+        return bool(self.changes.get(lever, _configured(self.config, lever)))
 
     def calls_per_stack(self) -> int:
         """Calls of each expert stack in one micro-batch: forward and backward, the recompute under full
