@@ -69,6 +69,14 @@ def group_seconds(dtype: torch.dtype, experts: int = 32, tokens: int = 64) -> fl
     return (timings[2] - timings[0]) / (2 * (experts // 2 - 1))  # forward and backward each run E/2 - 1 more groups
 
 
+def gather_bytes_per_second(tokens: int = 4096, hidden: int = 2880) -> float:
+    """Bytes a second of the embedding rows' gather and one copy of them (each pass counted once)."""
+    table = torch.randn(32000, hidden).to(torch.bfloat16)
+    ids = torch.randint(0, 32000, (tokens,))
+    rows = tokens * hidden * 2
+    return 2 * rows / best_seconds(lambda: torch.nn.functional.embedding(ids, table).clone())
+
+
 def main() -> None:
     from memfit.prediction.speed_model import CPU_PROBE_UTILISATION
 
@@ -80,6 +88,7 @@ def main() -> None:
         print(f"{str(dtype).removeprefix('torch.')}: step rate {step_rate / 1e9:.1f} GFLOP/s;"
               f" NF4 dequantization {weights / 1e9:.2f} G weights/s = {step_rate / weights:.0f} FLOPs a weight;"
               f" one more expert group {group * 1e6:.0f} us = {group * step_rate / 1e6:.1f} MFLOPs")
+    print(f"embedding rows gathered and copied on the host: {gather_bytes_per_second() / 1e9:.1f} GB/s a pass")
 
 
 if __name__ == "__main__":

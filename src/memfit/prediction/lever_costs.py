@@ -36,10 +36,12 @@ HOST_SYNC_SECONDS = {"cuda": 20e-6, "cpu": 0.0}
 """What one host synchronisation costs a step: on CUDA the queue of launched kernels drains and the next ones
 start from an empty queue (one launch latency, about 5 to 20 us on current cards and drivers; not measured by
 memfit); a CPU has no queue to drain."""
-HOST_COPY_BYTES_PER_SECOND = 5e9
-"""Host-memory rate of the embedding's row gather and its copy into pinned memory (each a pass over the rows).
-The same order as the host's memcpy on the 2-core AMD EPYC this was written on (benchmarks/bench_lever_costs.py
-prints its gather rate); a server's host memory is faster, and the term is small beside the link either way."""
+HOST_COPY_BYTES_PER_SECOND = 2e9
+"""Host-memory rate of each of the embedding's two passes over its rows (the gather, and the copy into pinned
+memory), both into memory allocated for them each forward, as `host_embedding._host_forward` does.
+benchmarks/bench_lever_costs.py and the same gather and copy timed alone (4,096 bf16 rows of width 2,880 from a
+32,000-row table, 2-core AMD EPYC, 2026-11-26, load average 2-3, best of 7): 1.97 GB/s gathered, 2.17 copied (0.5
+GB/s in fp32, and for both passes together in one loaded run). A server's host memory is faster: an upper bound."""
 GPU_MEMORY_GBPS = {"t4": 320.0, "l4": 300.0, "a10g": 600.0, "rtx-3090": 936.0, "rtx-4090": 1008.0,
                    "a100-40gb": 1555.0, "a100-80gb": 2039.0, "h100-80gb": 3350.0, "h200": 4800.0}
 """Device memory bandwidth of each GPU preset, GB/s (the vendors' data sheets; H100: the SXM card)."""
