@@ -55,10 +55,10 @@ DEQUANT_CPU_FLOPS = {"fp32": 150.0, "bf16": 3.0}
 """What dequantizing one NF4 weight costs on a CPU, in FLOPs at the step's matmul rate, by compute dtype.
 
 benchmarks/bench_lever_costs.py (bitsandbytes 0.50.2's CPU backend, a 32 x 2,880 x 256 stack, 2-core AMD EPYC,
-AVX2 without bf16 units, torch 2.13, 2026-11-26, load average 3-4 from other jobs, best of 7): fp32 0.07 to 0.14
-G weights a second against a step rate (0.7 of a 1024-cube matmul) of 15 to 16 GFLOP/s, 108 to 211 FLOPs a
-weight; bf16 0.11 to 0.33 G weights a second against 0.5 to 0.6 GFLOP/s (this CPU emulates bf16 matmuls), 2 to
-5. A CPU with bf16 matrix units (AMX) runs bf16 matmuls far faster: there a weight costs more FLOPs than this.
+AVX2 without bf16 units, torch 2.13, 2026-11-26, load average 2-4 from other jobs, best of 7, three runs): fp32
+0.07 to 0.16 G weights a second against a step rate (0.7 of a 1024-cube matmul) of 15 to 21 GFLOP/s, 108 to 211
+FLOPs a weight; bf16 0.11 to 0.33 G weights a second against 0.4 to 0.6 GFLOP/s (this CPU emulates bf16
+matmuls), 2 to 5. A CPU with bf16 matrix units (AMX) runs bf16 matmuls far faster: there a weight costs more FLOPs than this.
 """
 GROUP_SECONDS = {"cuda": 30e-6}
 """What one more dequantization group adds to a call on CUDA: about six kernel launches (the group's
@@ -69,7 +69,7 @@ GROUP_CPU_FLOPS = {"fp32": 2.0e7, "bf16": 3.0e5}
 
 benchmarks/bench_lever_costs.py (same machine and day): the forward and backward of memfit's NF4 grouped matmul
 over 32 small experts, two at a time against the whole stack, 0.66 to 2.1 ms more per extra group in fp32
-(10 to 34 MFLOPs at that step's rate) and 0.16 to 0.76 ms in bf16 (0.1 to 0.4 MFLOPs): bitsandbytes' and
+(10 to 34 MFLOPs at that step's rate) and 0.16 to 1.1 ms in bf16 (0.1 to 0.4 MFLOPs): bitsandbytes' and
 the grouped matmul's fixed cost per call, not the weights, which are the same either way.
 """
 LEVERS = ("embedding_on_host", "quantize_head", "expert_dequant_group")
