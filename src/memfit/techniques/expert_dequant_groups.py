@@ -44,7 +44,8 @@ def dequantized_experts(weight: torch.Tensor, first: int, last: int, dtype: torc
     absmax = block_absmax(state) if absmax is None else absmax
     part = QuantState(absmax=absmax[first * blocks:last * blocks], shape=torch.Size((last - first, rows, columns)),
                       code=state.code, blocksize=state.blocksize, quant_type=state.quant_type, dtype=dtype)
-    return bnb_functional.dequantize_4bit(weight.data[first:last], part)
+    # flat: bitsandbytes reads packed bytes whose first dimension is 1 (a group of one expert) as transposed
+    return bnb_functional.dequantize_4bit(weight.data[first:last].reshape(-1), part)
 
 
 def groupable(weight: torch.Tensor) -> bool:
