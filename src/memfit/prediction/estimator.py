@@ -45,7 +45,6 @@ from memfit.models.state_bytes import (  # noqa: F401  (re-exported: the estimat
 )
 from memfit.prediction.activations import (
     CLOSED_FORM_FAMILIES,
-    ActivationTerms,
     Precision,
     activation_bytes,
     flash_backward_workspace_bytes,
@@ -72,6 +71,7 @@ from memfit.prediction.expert_streaming import streaming_host_and_notes, with_st
 from memfit.prediction.experts import balancing_loss_bytes, moe_details, with_nf4_experts
 from memfit.prediction.in_backward import untied_edge_steps
 from memfit.prediction.load_peak import load_peak
+from memfit.prediction.offload_terms import host_activations, offload_first_blocks
 from memfit.prediction.padding_mask import padding_mask
 from memfit.prediction.qlora_levers import with_qlora_levers
 from memfit.prediction.run_shape import (
@@ -85,6 +85,7 @@ from memfit.prediction.run_shape import (
     state_parts,
 )
 from memfit.prediction.tiled_experts import tiled_moe_terms
+from memfit.prediction.traced import traced_peak
 from memfit.techniques.packed_attention import packed_mask_estimate
 
 BREAKDOWN_KEYS = CATEGORIES  # the one category set: estimate, traced estimate and profile report the same
@@ -156,7 +157,7 @@ def estimate(
     if method == "analytical":
         moment, per_layer, notes = _analytical_peak(config, run, hf_config, inventory, parts, sharding)
     else:
-        moment, per_layer, notes = _traced_peak(config, run, hf_config, inventory, parts)
+        moment, per_layer, notes = traced_peak(config, run, hf_config, inventory, parts)
     moment = apply_sharding(moment, parts, sharding, world_size, hf_config, run,
                              notes.get("autocast_weight_copies_bytes", 0))
     packed_mask = packed_mask_estimate(config.data, config.training.batch_size, run.attention, run.checkpointing,
@@ -181,10 +182,10 @@ def estimate(
     notes["load_host_bytes"] = loading.host_bytes
     notes["staged_load"] = loading.staged
     peak = int(sum(moment.values()))
-    host_activations = notes.pop("host_activation_bytes", None)
-    if host_activations is None:
-        host_activations = _host_activations(config, run, hf_config)
-    host = host_breakdown(run, parts, host_activations)
+    offloaded = notes.pop("host_activation_bytes", None)
+    if offloaded is None:
+        offloaded = host_activations(config, run, hf_config)
+    host = host_breakdown(run, parts, offloaded)
     if parts["embedding_host_bytes"]:
         host["embedding"] = parts["embedding_host_bytes"]
     streamed_host, streamed_notes = streaming_host_and_notes(parts)
@@ -226,42 +227,6 @@ def estimate(
     )
 
 
-def _host_activations(config: TrainConfig, run: RunShape, hf_config: Any) -> float:
-    if not run.activation_offload:
-        return 0.0
-    arch, precision = architecture_for(hf_config), precision_of(run)
-    terms = activation_bytes(
-        arch, precision, batch_size=config.training.batch_size,
-        seq_len=config.data.seq_len, attention=run.attention, checkpointing=run.checkpointing,
-        checkpoint_every=run.checkpoint_every, mlp_tiles=run.mlp_tiles, offload=run.activation_offload_blocks is None,
-        unchunked_loss=not run.fused_loss and not 0 < run.loss_chunk_size < config.training.batch_size * (config.data.seq_len - 1),
-    )
-    return _offload_first_blocks(terms, run, arch, precision, config.training.batch_size * config.data.seq_len).host
-
-
-def _offload_first_blocks(terms: ActivationTerms, run: RunShape, arch, precision: Precision,
-                          tokens: int) -> ActivationTerms:
-    """Partial offload (`run.activation_offload_blocks`): the no-offload terms less what the first N blocks send to host.
-
-    Each offloaded checkpointed block takes its input (one residual-stream tensor) off the device,
-    an uncheckpointed one its whole block (both measured with the tracker on CPU). Under LoRA the
-    first block's input is the embedding output, a leaf the graph keeps on the device: it is not
-    copied. In backward two inputs are on the device in the offloaded blocks (the one in use and
-    the one fetched ahead); the kept blocks' inputs cover that unless fewer than two are kept. The
-    later blocks and the head keep theirs as without offload: the terms are the no-offload ones
-    (the tracker-checked base) less what leaves, not the full-offload ones.
-    """
-    if run.activation_offload_blocks is None:
-        return terms
-    blocks = min(run.activation_offload_blocks, arch.layers)
-    checkpointed = len(range(0, blocks, max(1, run.checkpoint_every)))
-    leaf = 1 if run.lora_r and blocks else 0
-    block_input = precision.residual * arch.hidden * tokens
-    host = (checkpointed - leaf) * block_input + (blocks - checkpointed) * terms.per_layer
-    in_flight = max(0, 2 - (arch.layers - blocks)) * block_input if host else 0.0
-    return terms._replace(kept=terms.kept - host + in_flight, host=host)
-
-
 def _layer_per_token(run: RunShape, arch, hf_config, precision: Precision, seq_len: int,
                      tiled_experts: bool = False) -> float | None:
     """A block's bytes per token measured from the model's code, for families the closed forms do not describe
@@ -300,7 +265,7 @@ def _analytical_peak(config, run: RunShape, hf_config, inventory, parts,
     # block's input alone does (tracked at 16 and 32 blocks: 21.27 and 21.24 MiB): the head's saved
     # tensors are back and freed before the blocks' backward peaks. The device side is modelled as
     # that partial offload (the closed form for everything was 19-21 % under the tracker); the host
-    # side still holds everything (`_host_activations`).
+    # side still holds everything (`offload_terms.host_activations`).
     device_run = replace(run, activation_offload_blocks=arch.layers) if (
         full_offload and run.checkpointing == "full") else run
     # MoE blocks under --tiled-mlp: their tiling (experts and dense MLPs) is counted by prediction.tiled_experts
@@ -316,10 +281,10 @@ def _analytical_peak(config, run: RunShape, hf_config, inventory, parts,
         unchunked_loss=not run.fused_loss and not 0 < run.loss_chunk_size < b * (s - 1),
     )
     terms = moe.with_backward(terms) if moe else terms
-    terms = _offload_first_blocks(terms, device_run, arch, precision, b * s)
+    terms = offload_first_blocks(terms, device_run, arch, precision, b * s)
     terms = terms._replace(kept=terms.kept + padding.kept)
     if device_run is not run:
-        terms = terms._replace(host=_host_activations(config, run, hf_config))
+        terms = terms._replace(host=host_activations(config, run, hf_config))
     activations, recompute, per_layer = terms.kept, terms.recompute, terms.per_layer
     recompute += flash_backward_workspace_bytes(arch, precision, b * s, run.attention, run.device_type)
     logits = head_logits_bytes(head_shape, arch, b, s, run.loss_chunk_size, precision.compute, run.fused_loss)
@@ -446,52 +411,3 @@ def _analytical_peak(config, run: RunShape, hf_config, inventory, parts,
              "padding_mask_bytes": int(padding.at_peak()),
              "activations_measured_from_model": arch.model_type not in CLOSED_FORM_FAMILIES}
     return moment, per_layer, notes
-
-
-def _traced_peak(config, run: RunShape, hf_config, inventory, parts) -> tuple[dict, float, dict]:
-    import torch
-
-    from memfit.prediction.traced import StepSetup, step_tracer
-
-    dtypes = {4: torch.float32, 2: torch.bfloat16}
-    # Fake tensors cannot be 4-bit quantized: trace the 16-bit base and swap in the quantized bytes.
-    quantized = run.quantize != "none"
-    weight_dtype = torch.bfloat16 if quantized else dtypes[run.weight_bytes]
-    autocast = {"bf16": torch.bfloat16, "fp16": torch.bfloat16, None: None}[run.autocast]
-    setup = StepSetup(
-        config.training.batch_size, config.data.seq_len, weight_dtype, autocast, run.attention.replace("flash", "sdpa"),
-        run.checkpointing, run.checkpoint_every, run.loss_chunk_size, torch.device("cpu"),
-    )
-    traced_config = config.replace(optimizer_impl="fused") if (
-        run.device_type == "cuda" and getattr(config.optimizer, "optimizer_impl", "auto") == "auto") else config
-    # the frozen-weight levers run on real weights only: traced without them, their bytes taken from the parts
-    traced_config = traced_config.replace(embedding_on_host=False, quantize_head=False, expert_dequant_group=0)
-    if quantized:
-        traced_config = traced_config.replace(quantize="none")
-    step = step_tracer()(hf_config, traced_config, setup, fake=True)  # memfit.train.traced: the real step
-    moment = {k: float(v) for k, v in step.breakdown.items()}
-    if config.accumulation_for() > 1 and not run.optimizer_in_backward:  # one micro-batch is traced: from the
-        moment["gradients"] = max(moment["gradients"], parts["gradients"])  # second on, every gradient is live
-    if quantized:
-        moment["parameters"] += parts["parameters"] - (inventory.total * 2 + 4 * parts["trainable_count"])
-    else:  # the quantized parts above already leave the embedding out
-        moment["parameters"] -= parts["embedding_host_bytes"]
-    if run.optimizer_offload or run.paged_optimizer:
-        moment["optimizer_states"] = 0
-    arch = architecture_for(hf_config)
-    per_layer = activation_bytes(arch, precision_of(run), batch_size=config.training.batch_size,
-                                 seq_len=config.data.seq_len, attention=run.attention, checkpointing="off")[2]
-    notes = {"peak_phase": step.peak_phase, "phase_peaks": step.phase_peaks}
-    padding = padding_mask(hf_config, run, precision_of(run), config.training.batch_size, config.data.seq_len,
-                           probed=False)
-    if step.peak_phase != "optimizer":  # fake tensors read every mask as all ones: the trace ran unpadded
-        moment["activations"] += padding.at_peak()
-        notes["padding_mask_bytes"] = int(padding.at_peak())
-    untraced = [name for name, on in (("optimizer in backward", run.optimizer_in_backward),
-                                      ("activation offload", run.activation_offload),
-                                      ("tiled MLP", run.mlp_tiles > 1), ("fused loss", run.fused_loss)) if on]
-    if untraced:
-        # the fake-tensor step runs the plain loop: an upper bound for these (use --method analytical)
-        notes["not_traced"] = untraced
-    return moment, per_layer, notes
-

@@ -78,3 +78,54 @@ def step_tracer(explicit: StepTracer | None = None) -> StepTracer:
             "(the memfit CLI and memfit.estimate do)"
         )
     return tracer
+
+
+def traced_peak(config, run, hf_config, inventory, parts) -> tuple[dict, float, dict]:
+    """The traced estimate's moment at the peak, a layer's activations and notes: memfit's step on fake tensors,
+    with the quantized and frozen-weight bytes the trace cannot hold taken from the state parts."""
+    from memfit.prediction.activations import activation_bytes
+    from memfit.prediction.encoders import architecture_for
+    from memfit.prediction.padding_mask import padding_mask
+    from memfit.prediction.run_shape import precision_of
+
+    dtypes = {4: torch.float32, 2: torch.bfloat16}
+    # Fake tensors cannot be 4-bit quantized: trace the 16-bit base and swap in the quantized bytes.
+    quantized = run.quantize != "none"
+    weight_dtype = torch.bfloat16 if quantized else dtypes[run.weight_bytes]
+    autocast = {"bf16": torch.bfloat16, "fp16": torch.bfloat16, None: None}[run.autocast]
+    setup = StepSetup(
+        config.training.batch_size, config.data.seq_len, weight_dtype, autocast, run.attention.replace("flash", "sdpa"),
+        run.checkpointing, run.checkpoint_every, run.loss_chunk_size, torch.device("cpu"),
+    )
+    traced_config = config.replace(optimizer_impl="fused") if (
+        run.device_type == "cuda" and getattr(config.optimizer, "optimizer_impl", "auto") == "auto") else config
+    # the frozen-weight levers run on real weights only: traced without them, their bytes taken from the parts
+    traced_config = traced_config.replace(embedding_on_host=False, quantize_head=False, expert_dequant_group=0)
+    if quantized:
+        traced_config = traced_config.replace(quantize="none")
+    step = step_tracer()(hf_config, traced_config, setup, fake=True)  # memfit.train.traced: the real step
+    moment = {k: float(v) for k, v in step.breakdown.items()}
+    if config.accumulation_for() > 1 and not run.optimizer_in_backward:  # one micro-batch is traced: from the
+        moment["gradients"] = max(moment["gradients"], parts["gradients"])  # second on, every gradient is live
+    if quantized:
+        moment["parameters"] += parts["parameters"] - (inventory.total * 2 + 4 * parts["trainable_count"])
+    else:  # the quantized parts above already leave the embedding out
+        moment["parameters"] -= parts["embedding_host_bytes"]
+    if run.optimizer_offload or run.paged_optimizer:
+        moment["optimizer_states"] = 0
+    arch = architecture_for(hf_config)
+    per_layer = activation_bytes(arch, precision_of(run), batch_size=config.training.batch_size,
+                                 seq_len=config.data.seq_len, attention=run.attention, checkpointing="off")[2]
+    notes = {"peak_phase": step.peak_phase, "phase_peaks": step.phase_peaks}
+    padding = padding_mask(hf_config, run, precision_of(run), config.training.batch_size, config.data.seq_len,
+                           probed=False)
+    if step.peak_phase != "optimizer":  # fake tensors read every mask as all ones: the trace ran unpadded
+        moment["activations"] += padding.at_peak()
+        notes["padding_mask_bytes"] = int(padding.at_peak())
+    untraced = [name for name, on in (("optimizer in backward", run.optimizer_in_backward),
+                                      ("activation offload", run.activation_offload),
+                                      ("tiled MLP", run.mlp_tiles > 1), ("fused loss", run.fused_loss)) if on]
+    if untraced:
+        # the fake-tensor step runs the plain loop: an upper bound for these (use --method analytical)
+        notes["not_traced"] = untraced
+    return moment, per_layer, notes
