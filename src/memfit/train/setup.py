@@ -325,7 +325,11 @@ def _staging(config: TrainConfig, world_size: int):
         return StagedWeights()  # the config is not even read
     from memfit.models.presets import resolve_model_config
 
-    return staging_for_run(config, resolve_model_config(config.model.model, config.model.trust_remote_code), world_size)
+    try:
+        hf_config = resolve_model_config(config.model.model, config.model.trust_remote_code)
+    except UsageError:  # the loader says what is wrong with the model, in its own words
+        return StagedWeights()
+    return staging_for_run(config, hf_config, world_size)
 
 
 def _data_config(config: TrainConfig):
