@@ -3,6 +3,10 @@
 Dropout makes every step draw from the random generator, so the resumed run matches only
 if the checkpoint restores the generator's state; the twin test resumes with that restore
 disabled (fault_shim: torch.set_rng_state does nothing) and must then differ.
+
+The uninterrupted run, the killed run and its resume are `memfit train` processes forked from the warm server
+(tests/memfit_cli.py), the killed one sent SIGKILL by its process id; the twin is a fresh interpreter, which the
+fault shim needs (it is installed at interpreter start).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -22,6 +27,7 @@ from safetensors.torch import load_file
 
 from fault_injection import SGD_FLAGS, fault_env
 from memfit.train.metrics import read_metrics
+from signal_runs import children
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 8
@@ -56,52 +62,48 @@ def _losses_after_last_start(path: Path) -> dict[int, float]:
 
 
 @pytest.fixture(scope="module")
-def runs(dropout_model, text_file, tmp_path_factory):
-    """The uninterrupted run, and a run killed with SIGKILL once its step-K checkpoint is complete.
-
-    The two start together: each is one process on one thread (tests/conftest.py), so on two cores
-    neither waits for the other.
-    """
+def runs(dropout_model, text_file, tmp_path_factory, warm_memfit):
+    """The uninterrupted run, and a run killed with SIGKILL once its step-K checkpoint is complete (one after the
+    other: the warm server runs one command at a time)."""
     root = tmp_path_factory.mktemp("sigkill")
     straight, killed = root / "straight", root / "killed"
-    with open(root / "straight.stderr", "w") as straight_stderr:  # a file: nobody reads a pipe meanwhile
-        reference = subprocess.Popen(_command(dropout_model, text_file, straight), cwd=REPO,
-                                     stdout=subprocess.DEVNULL, stderr=straight_stderr)
+    reference = warm_memfit.run(*_command(dropout_model, text_file, straight)[3:])
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    assert "Traceback" not in reference.stderr
     kill_after = random.SystemRandom().randint(1, STEPS // 2)
-    process = subprocess.Popen(_command(dropout_model, text_file, killed, "--save-every", "1"), cwd=REPO,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(done=warm_memfit.run(
+        *_command(dropout_model, text_file, killed, "--save-every", "1")[3:])))
+    thread.start()
     marker = killed / "checkpoints" / f"step-{kill_after}" / "trainer_state.json"
     deadline = time.monotonic() + 600
-    while not marker.exists() and process.poll() is None and time.monotonic() < deadline:
+    while not marker.exists() and thread.is_alive() and time.monotonic() < deadline:
         time.sleep(0.02)
-    os.kill(process.pid, signal.SIGKILL)
-    assert process.wait() == -signal.SIGKILL, f"the run ended before step {kill_after} could be killed"
-    reference.wait(timeout=600)
-    stderr = (root / "straight.stderr").read_text()
-    assert reference.returncode == 0, stderr[-3000:]
-    assert "Traceback" not in stderr
+    for child in children(warm_memfit._server.pid):  # the forked run: the server runs one command at a time
+        os.kill(child, signal.SIGKILL)
+    thread.join(timeout=600)
+    assert result["done"].returncode == -signal.SIGKILL, f"the run ended before step {kill_after} could be killed"
     return {"straight": straight, "killed": killed, "kill_after": kill_after, "root": root}
 
 
 @pytest.fixture(scope="module")
-def resumed(runs, dropout_model, text_file) -> dict[str, Path]:
-    """The killed run resumed twice, in copies of its directory: as it is, and with the RNG restore disabled
-    (fault_shim). The two start together, as the runs above do: one thread each, two cores."""
-    started = {}
-    for name, extra, env in (("resumed", ["--save-every", "1"], {}),
-                             ("resumed-without-rng", [], fault_env(keep_rng=True))):
-        out = runs["root"] / name
+def resumed(runs, dropout_model, text_file, warm_memfit) -> dict[str, Path]:
+    """The killed run resumed twice, in copies of its directory: as it is (forked from the warm server), and with the
+    RNG restore disabled (fault_shim, in a fresh interpreter started first, so that the two overlap)."""
+    outs = {name: runs["root"] / name for name in ("resumed", "resumed-without-rng")}
+    for out in outs.values():
         shutil.copytree(runs["killed"], out)
-        stderr = open(runs["root"] / f"{name}.stderr", "w")  # noqa: SIM115 - a file: nobody reads a pipe meanwhile
-        started[name] = (subprocess.Popen(_command(dropout_model, text_file, out, *extra, "--resume", "auto"), cwd=REPO,
-                                          stdout=subprocess.DEVNULL, stderr=stderr, env={**os.environ, **env}), stderr)
-    for name, (process, stderr) in started.items():
-        process.wait(timeout=600)
-        stderr.close()
-        text = (runs["root"] / f"{name}.stderr").read_text()
-        assert process.returncode == 0, text[-3000:]
+    with open(runs["root"] / "twin.stderr", "w") as twin_stderr:  # a file: nobody reads a pipe meanwhile
+        twin = subprocess.Popen(_command(dropout_model, text_file, outs["resumed-without-rng"], "--resume", "auto"),
+                                cwd=REPO, stdout=subprocess.DEVNULL, stderr=twin_stderr,
+                                env={**os.environ, **fault_env(keep_rng=True)})
+    done = warm_memfit.run(*_command(dropout_model, text_file, outs["resumed"], "--save-every", "1",
+                                     "--resume", "auto")[3:])
+    twin.wait(timeout=600)
+    for result, text in ((done, done.stderr), (twin, (runs["root"] / "twin.stderr").read_text())):
+        assert result.returncode == 0, text[-3000:]
         assert "Traceback" not in text
-    return {name: runs["root"] / name for name in started}
+    return outs
 
 
 def test_killed_run_with_dropout_resumes_to_the_uninterrupted_run(runs, resumed):
