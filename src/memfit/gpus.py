@@ -34,6 +34,8 @@ class GpuSpec:
     """Host <-> device bandwidth, GB/s one direction (PCIe generation x16)."""
     peak_tflops_fp32_dense: float = 0.0
     """fp32 rate without TF32 (PyTorch's default for matmuls): what an fp32 step's MFU is measured against."""
+    memory_gbps: float = 0.0
+    """Device memory bandwidth, GB/s (the vendor's data sheet; H100: the SXM card); 0 where unknown."""
 
     @property
     def peak_tflops(self) -> float:
@@ -48,15 +50,15 @@ def _gib(value: float) -> int:
 GPUS: dict[str, GpuSpec] = {
     spec.name: spec
     for spec in (
-        GpuSpec("t4", _gib(14.75), False, 0.0, 65.0, 16.0, 8.1),
-        GpuSpec("l4", _gib(22.03), True, 121.0, 121.0, 32.0, 30.3),
-        GpuSpec("a10g", _gib(22.19), True, 70.0, 70.0, 32.0, 31.2),
-        GpuSpec("rtx-3090", _gib(23.69), True, 71.0, 71.0, 32.0, 35.6),
-        GpuSpec("rtx-4090", _gib(23.64), True, 165.0, 165.0, 32.0, 82.6),
-        GpuSpec("a100-40gb", _gib(39.39), True, 312.0, 312.0, 32.0, 19.5),
-        GpuSpec("a100-80gb", _gib(79.15), True, 312.0, 312.0, 32.0, 19.5),
-        GpuSpec("h100-80gb", _gib(79.11), True, 989.0, 989.0, 64.0, 67.0),
-        GpuSpec("h200", _gib(139.8), True, 989.0, 989.0, 64.0, 67.0),
+        GpuSpec("t4", _gib(14.75), False, 0.0, 65.0, 16.0, 8.1, 320.0),
+        GpuSpec("l4", _gib(22.03), True, 121.0, 121.0, 32.0, 30.3, 300.0),
+        GpuSpec("a10g", _gib(22.19), True, 70.0, 70.0, 32.0, 31.2, 600.0),
+        GpuSpec("rtx-3090", _gib(23.69), True, 71.0, 71.0, 32.0, 35.6, 936.0),
+        GpuSpec("rtx-4090", _gib(23.64), True, 165.0, 165.0, 32.0, 82.6, 1008.0),
+        GpuSpec("a100-40gb", _gib(39.39), True, 312.0, 312.0, 32.0, 19.5, 1555.0),
+        GpuSpec("a100-80gb", _gib(79.15), True, 312.0, 312.0, 32.0, 19.5, 2039.0),
+        GpuSpec("h100-80gb", _gib(79.11), True, 989.0, 989.0, 64.0, 67.0, 3350.0),
+        GpuSpec("h200", _gib(139.8), True, 989.0, 989.0, 64.0, 67.0, 4800.0),
     )
 }
 

@@ -42,9 +42,6 @@ memory), both into memory allocated for them each forward, as `host_embedding._h
 benchmarks/bench_lever_costs.py and the same gather and copy timed alone (4,096 bf16 rows of width 2,880 from a
 32,000-row table, 2-core AMD EPYC, 2026-11-26, load average 2-3, best of 7): 1.97 GB/s gathered, 2.17 copied (0.5
 GB/s in fp32, and for both passes together in one loaded run). A server's host memory is faster: an upper bound."""
-GPU_MEMORY_GBPS = {"t4": 320.0, "l4": 300.0, "a10g": 600.0, "rtx-3090": 936.0, "rtx-4090": 1008.0,
-                   "a100-40gb": 1555.0, "a100-80gb": 2039.0, "h100-80gb": 3350.0, "h200": 4800.0}
-"""Device memory bandwidth of each GPU preset, GB/s (the vendors' data sheets; H100: the SXM card)."""
 GBPS_PER_TFLOP = 4.0
 """Bandwidth of a GPU without a preset, per dense 16-bit TFLOP/s: the presets' median ratio (T4 4.9, A100 5.0,
 H100 3.4, RTX 4090 6.1, L4 2.5 GB/s per TFLOP/s)."""
@@ -133,8 +130,8 @@ def dequantization_seconds(weights: float, device: str, compute: str, rate: floa
 def gpu_bandwidth(gpu: GpuSpec | None) -> float:
     """The card's memory bandwidth in bytes a second: its preset's figure, else GBPS_PER_TFLOP of its peak (without a
     spec, of the speed model's nominal 100 TFLOP/s: only relative speeds mean anything there)."""
-    if gpu is not None and gpu.name in GPU_MEMORY_GBPS:
-        return GPU_MEMORY_GBPS[gpu.name] * 1e9
+    if gpu is not None and gpu.memory_gbps:
+        return gpu.memory_gbps * 1e9
     return GBPS_PER_TFLOP * (gpu.peak_tflops if gpu is not None else 100.0) * 1e9
 
 
