@@ -255,6 +255,8 @@ def apply_model_techniques(config: TrainConfig, model: torch.nn.Module,
        and each MoE layer's experts call alike                                   techniques/tiled_experts.py
     4. memory-efficient RMSNorm (--no-efficient-norm: off; liger's, applied      techniques/rms_norm.py
        after, replaces it where it runs)
+    Between 2 and 3: expert offload, the NF4 head, the embedding on host, grouped expert dequantization, then
+    what a staged load left in host memory and none of them took goes to the device (techniques/staged_weights.py).
     The engine shards or wraps the result afterwards (engine.prepare). Precision (autocast),
     attention, the chunked loss and the optimizer techniques are chosen in build_session
     and applied by the step.
