@@ -93,7 +93,7 @@ def _child(args: list[str], stdout_path: str, stderr_path: str, env: dict | None
     sys.argv = [str(REPO / "src" / "memfit" / "__main__.py"), *args]
     for name in hidden or ():  # `import NAME` (and of its submodules) now raises ImportError, even if the server had it
         # A submodule the server holds would still import by its full name (Python looks it up before its parent).
-        for loaded in [key for key in sys.modules if key == name or key.startswith(name + ".")]:
+        for loaded in [name, *(key for key in sys.modules if key.startswith(name + "."))]:
             sys.modules[loaded] = None
     if file_size_limit is not None:
         # Set once the output files above are open. Python ignores SIGXFSZ (the server, so this child, too), so a
