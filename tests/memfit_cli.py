@@ -49,12 +49,15 @@ class WarmMemfit:
         self.import_stderr: str = ready["import_stderr"]
 
     def run(self, *args: str, timeout: int = 300, cwd: str | os.PathLike | None = None,
-            file_size_limit: int | None = None, hidden: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+            file_size_limit: int | None = None, hidden: tuple[str, ...] = (),
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
         """`memfit ARGS` in a forked child; `cwd`: its working directory (the repository's by default);
         `file_size_limit`: bytes, the child's RLIMIT_FSIZE (`ulimit -f`), none by default; `hidden`: packages the
-        child cannot import (their `sys.modules` entries set to None, as for a missing package)."""
+        child cannot import (their `sys.modules` entries set to None, as for a missing package); `env`: variables
+        set for this command only, over the caller's environment (a `sitecustomize` on its PYTHONPATH, such as
+        tests/fault_shim's, runs in the child before the command, as a fresh interpreter would run it at start)."""
         command = ["memfit", *map(str, args)]
-        request = {"args": command[1:], "timeout": timeout, "env": dict(os.environ),  # the caller's environment now
+        request = {"args": command[1:], "timeout": timeout, "env": {**os.environ, **(env or {})},  # the caller's, now
                    "cwd": str(cwd or REPO), "file_size_limit": file_size_limit, "hidden": list(hidden)}
         self._server.stdin.write(json.dumps(request) + "\n")
         self._server.stdin.flush()
@@ -82,6 +85,7 @@ def _child(args: list[str], stdout_path: str, stderr_path: str, env: dict | None
         os.environ.update(env)
     if cwd is not None:  # relative paths of the command resolve where the caller's would
         os.chdir(cwd)
+    _site_customize((env or {}).get("PYTHONPATH", ""))
 
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
@@ -125,6 +129,25 @@ def _child(args: list[str], stdout_path: str, stderr_path: str, env: dict | None
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+
+
+def _site_customize(pythonpath: str) -> None:
+    """What a fresh interpreter does at start-up with this PYTHONPATH: run the first `sitecustomize` on it (the
+    fault shim's, tests/fault_shim), unless it is the one the server ran itself."""
+    import importlib.util
+
+    for entry in filter(None, pythonpath.split(os.pathsep)):
+        path = Path(entry, "sitecustomize.py")
+        if path.is_file():
+            ran = getattr(sys.modules.get("sitecustomize"), "__file__", None)
+            if ran is None or Path(ran).resolve() != path.resolve():
+                # Imported as a module and kept in sys.modules, as at start-up: what it holds stays referenced (the
+                # shim's entered fault would be lifted if its namespace were collected).
+                spec = importlib.util.spec_from_file_location("sitecustomize", path)
+                module = importlib.util.module_from_spec(spec)
+                sys.modules["sitecustomize"] = module
+                spec.loader.exec_module(module)
+            return
 
 
 def _quiet_as_memfit_does() -> list:

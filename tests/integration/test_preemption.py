@@ -9,11 +9,8 @@ applies the step in flight to half of the parameters only (fault_shim): the same
 
 from __future__ import annotations
 
-import os
 import random
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,7 +22,6 @@ from memfit.checkpoint_files import checkpoint_problem, list_checkpoints
 from memfit.train.metrics import read_metrics
 from signal_runs import run_with_signals
 
-REPO = Path(__file__).resolve().parents[2]
 STEPS = 6
 PREEMPTED = 75
 HOOKED = [(phase, step) for phase in ("forward", "backward", "optimizer") for step in range(1, STEPS)]
@@ -132,13 +128,12 @@ def test_second_signal_exits_at_once(warm_memfit, args, tmp_path):
     assert all(checkpoint_problem(c) is None for c in list_checkpoints(out))
 
 
-def test_fault_twin_half_applied_step_fails_the_check(straight, args, tmp_path):
+def test_fault_twin_half_applied_step_fails_the_check(straight, args, tmp_path, warm_memfit):
     """The step in flight applied to half of the parameters before the save: the checkpoint is no longer the
-    uninterrupted run's state after that step."""
+    uninterrupted run's state after that step. Forked from the warm server, which runs the fault shim in the child."""
     out = tmp_path / "run"
-    env = {**os.environ, **fault_env(), "MEMFIT_FAULT_PREEMPT_PARTIAL": "1", "MEMFIT_PREEMPT_AT": "forward:3"}
-    done = subprocess.run([sys.executable, "-m", "memfit", *args(out)], capture_output=True, text=True, timeout=600,
-                          cwd=REPO, env=env)
+    env = {**fault_env(), "MEMFIT_FAULT_PREEMPT_PARTIAL": "1", "MEMFIT_PREEMPT_AT": "forward:3"}
+    done = warm_memfit.run(*args(out), timeout=600, env=env)
     assert done.returncode == PREEMPTED, done.stderr[-3000:]
     assert _preempted_checkpoint(out, done.stderr) == 3
     with pytest.raises(AssertionError, match="differs from the uninterrupted run"):

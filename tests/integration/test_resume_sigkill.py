@@ -4,9 +4,8 @@ Dropout makes every step draw from the random generator, so the resumed run matc
 if the checkpoint restores the generator's state; the twin test resumes with that restore
 disabled (fault_shim: torch.set_rng_state does nothing) and must then differ.
 
-The uninterrupted run, the killed run and its resume are `memfit train` processes forked from the warm server
-(tests/memfit_cli.py), the killed one sent SIGKILL by its process id; the twin is a fresh interpreter, which the
-fault shim needs (it is installed at interpreter start).
+Every run is a `memfit train` process forked from the warm server (tests/memfit_cli.py), one after another: the
+killed one is sent SIGKILL by its process id, and the twin's child runs the fault shim before the command.
 """
 
 from __future__ import annotations
@@ -15,8 +14,6 @@ import os
 import random
 import shutil
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -29,7 +26,6 @@ from fault_injection import SGD_FLAGS, fault_env
 from memfit.train.metrics import read_metrics
 from signal_runs import children
 
-REPO = Path(__file__).resolve().parents[2]
 STEPS = 8
 
 
@@ -50,7 +46,7 @@ def dropout_model(tmp_path_factory) -> Path:
 
 
 def _command(model: Path, text_file: Path, out: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "memfit", "train", "--model", str(model), "--dataset", str(text_file),
+    return ["train", "--model", str(model), "--dataset", str(text_file),
             "--seq-len", "64", "--batch-size", "2", "--gradient-accumulation-steps", "2", "--max-steps", str(STEPS),
             "--loss-chunk-size", "0", "--no-report", *SGD_FLAGS, "--momentum", "0.9", "--lr", "0.3", "--output-dir", str(out), *extra]
 
@@ -67,13 +63,13 @@ def runs(dropout_model, text_file, tmp_path_factory, warm_memfit):
     other: the warm server runs one command at a time)."""
     root = tmp_path_factory.mktemp("sigkill")
     straight, killed = root / "straight", root / "killed"
-    reference = warm_memfit.run(*_command(dropout_model, text_file, straight)[3:])
+    reference = warm_memfit.run(*_command(dropout_model, text_file, straight))
     assert reference.returncode == 0, reference.stderr[-3000:]
     assert "Traceback" not in reference.stderr
     kill_after = random.SystemRandom().randint(1, STEPS // 2)
     result = {}
     thread = threading.Thread(target=lambda: result.update(done=warm_memfit.run(
-        *_command(dropout_model, text_file, killed, "--save-every", "1")[3:])))
+        *_command(dropout_model, text_file, killed, "--save-every", "1"))))
     thread.start()
     marker = killed / "checkpoints" / f"step-{kill_after}" / "trainer_state.json"
     deadline = time.monotonic() + 600
@@ -88,21 +84,16 @@ def runs(dropout_model, text_file, tmp_path_factory, warm_memfit):
 
 @pytest.fixture(scope="module")
 def resumed(runs, dropout_model, text_file, warm_memfit) -> dict[str, Path]:
-    """The killed run resumed twice, in copies of its directory: as it is (forked from the warm server), and with the
-    RNG restore disabled (fault_shim, in a fresh interpreter started first, so that the two overlap)."""
-    outs = {name: runs["root"] / name for name in ("resumed", "resumed-without-rng")}
-    for out in outs.values():
-        shutil.copytree(runs["killed"], out)
-    with open(runs["root"] / "twin.stderr", "w") as twin_stderr:  # a file: nobody reads a pipe meanwhile
-        twin = subprocess.Popen(_command(dropout_model, text_file, outs["resumed-without-rng"], "--resume", "auto"),
-                                cwd=REPO, stdout=subprocess.DEVNULL, stderr=twin_stderr,
-                                env={**os.environ, **fault_env(keep_rng=True)})
-    done = warm_memfit.run(*_command(dropout_model, text_file, outs["resumed"], "--save-every", "1",
-                                     "--resume", "auto")[3:])
-    twin.wait(timeout=600)
-    for result, text in ((done, done.stderr), (twin, (runs["root"] / "twin.stderr").read_text())):
-        assert result.returncode == 0, text[-3000:]
-        assert "Traceback" not in text
+    """The killed run resumed twice, in copies of its directory: as it is, and with the RNG restore disabled
+    (fault_shim)."""
+    outs = {}
+    for name, extra, env in (("resumed", ["--save-every", "1"], {}),
+                             ("resumed-without-rng", [], fault_env(keep_rng=True))):
+        outs[name] = runs["root"] / name
+        shutil.copytree(runs["killed"], outs[name])
+        done = warm_memfit.run(*_command(dropout_model, text_file, outs[name], *extra, "--resume", "auto"), env=env)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert "Traceback" not in done.stderr
     return outs
 
 
