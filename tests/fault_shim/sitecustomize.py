@@ -1,7 +1,9 @@
 """Faults injected into a subprocess run: put this directory on PYTHONPATH and set one of the variables.
 
 Python imports `sitecustomize` at start-up, so a run under `python -m memfit` or `torchrun`
-(every rank inherits the environment) gets the fault before memfit is imported.
+(every rank inherits the environment) gets the fault before memfit is imported. A command forked from the
+warm server (tests/memfit_cli.py) runs it before the command, memfit already imported: every seam patched
+here is looked up when it is called, so the fault reaches it all the same.
 
 MEMFIT_FAULT_GRAD_SCALE=S   every backward pass propagates S times the gradient: what a loss
                             normalizer wrong by a factor 1/S does (S=0.5: the token count
