@@ -177,8 +177,9 @@ def _modules_imported_by(warmup: list[str], scratch: str) -> list[str]:
         import atexit
 
         atexit.register(lambda: Path(listing).write_text(json.dumps(list(sys.modules))))
+        # Its own speed cache: what the warm-up measured never ranks a test's plan (tests/conftest.py).
         _child([arg.replace("{scratch}", scratch) for arg in warmup], os.path.join(scratch, "warmup.stdout"),
-               os.path.join(scratch, "warmup.stderr"))
+               os.path.join(scratch, "warmup.stderr"), {**os.environ, "MEMFIT_CACHE_DIR": os.path.join(scratch, "cache")})
     os.waitpid(pid, 0)
     return json.loads(Path(listing).read_text()) if os.path.exists(listing) else []
 
