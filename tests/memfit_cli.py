@@ -85,7 +85,6 @@ def _child(args: list[str], stdout_path: str, stderr_path: str, env: dict | None
         os.environ.update(env)
     if cwd is not None:  # relative paths of the command resolve where the caller's would
         os.chdir(cwd)
-    _site_customize((env or {}).get("PYTHONPATH", ""))
 
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
@@ -105,7 +104,8 @@ def _child(args: list[str], stdout_path: str, stderr_path: str, env: dict | None
         import resource
 
         resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, file_size_limit))
-    try:
+    try:  # a failure of either is the command's, in its stderr: this child never returns to the server's loop
+        _site_customize((env or {}).get("PYTHONPATH", ""))
         runpy.run_module("memfit", run_name="__main__", alter_sys=True)
         code = 0
     except SystemExit as error:
