@@ -276,6 +276,7 @@ def hf_worker(spec: dict[str, Any]) -> dict[str, Any]:
             return loss
 
     torch.manual_seed(SEED)
+    setup_started = time.perf_counter()  # the Trainer's own start-up: model load, arguments, Trainer, data loader
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32, attn_implementation="sdpa")
     model.config.use_cache = False
@@ -298,6 +299,7 @@ def hf_worker(spec: dict[str, Any]) -> dict[str, Any]:
     return {
         "tokens_per_second": median(_rates(stamps, tokens, spec["warmup"])),
         "tokens_per_cpu_second": median(_rates(cpu_stamps, tokens, spec["warmup"])),
+        "setup_seconds": stamps[0] - setup_started,  # model load to the start of training
         "peak_bytes": peak[0],
         "rss_peak_bytes": peak[0],
         "tracked_peak_bytes": tracker.peak_bytes if tracker is not None else None,
