@@ -59,6 +59,10 @@ SKIPPED_KEYS = ("compile",)
 """Changes a trial does not run (see the module docstring) and the cache does not key on."""
 
 
+SLOWER_THAN_MEASURED = "predicted slower than measured"
+"""A trial's status when it is not timed because a configuration measured before beats its prediction."""
+
+
 @dataclass
 class Trial:
     plan: dict[str, Any]
@@ -69,7 +73,8 @@ class Trial:
     peak_bytes: int | None = None
     """Tracked (CPU) or allocated (CUDA) peak of the trial's steps."""
     status: str = "not run"
-    """'measured', 'cached', 'over cap' (dropped), 'failed: ...' (dropped), 'not run' (out of time)."""
+    """'measured', 'cached', 'over cap' (dropped), 'failed: ...' (dropped), 'not run' (out of time), or
+    SLOWER_THAN_MEASURED (not timed: predicted slower than a configuration measured before)."""
 
     @property
     def usable(self) -> bool:
@@ -169,6 +174,7 @@ def with_trials(config: TrainConfig, result: Any, hf_config: Any = None) -> tupl
         if hit:
             trial.measured_seconds, trial.peak_bytes = hit["measured_seconds"], hit["peak_bytes"]
             trial.status = "cached" if hit["status"] == "measured" else hit["status"]
+    _skip_predicted_slower(trials)
     steps = config.training.max_steps if config.training.epochs is None else 10**6
     budget = TRIAL_SHARE * steps * trials[0].predicted_seconds
     to_run = [t for t in trials if t.status == "not run"]
@@ -186,6 +192,20 @@ def with_trials(config: TrainConfig, result: Any, hf_config: Any = None) -> tupl
     else:
         log.info("memfit: trials: all %d configurations measured before on this device (cached)", len(trials))
     return _chosen(config, result, trials, key, None)
+
+
+def _skip_predicted_slower(trials: list[Trial]) -> None:
+    """A configuration measured before sets the bar: the ones not measured yet are timed only where the (by then
+    calibrated) speed model expects them to beat it, so a second run whose ranking moved starts at once."""
+    known = [t.measured_seconds for t in trials if t.usable]
+    if not known:
+        return
+    slower = [t for t in trials if t.status == "not run" and t.predicted_seconds >= min(known)]
+    for trial in slower:
+        trial.status = SLOWER_THAN_MEASURED
+    if slower:
+        log.info("memfit: trials: %d configuration(s) not timed: predicted slower than the fastest measured before"
+                 " (%.3g s/step)", len(slower), min(known))
 
 
 def comparable(ranked: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -245,3 +245,19 @@ def test_a_12_step_run_skips_trials_it_cannot_repay_and_a_long_one_would_not(lla
     config = _config(llama_dir, text_file, tmp_path / "long", max_steps=2000)
     trials.with_trials(config, _result(ranked, 1 << 40))
     assert len(timed) == 2
+
+
+def test_a_second_run_whose_ranking_moved_times_only_what_may_beat_the_cached_best(llama_dir, text_file, tmp_path,
+                                                                                 monkeypatch):
+    """Calibrated by the first run's trials, the second run ranks other configurations beside the cached ones: those
+    predicted slower than the fastest measured before are not timed (the run starts at once); one predicted faster is."""
+    config = _config(llama_dir, text_file, tmp_path / "run")
+    _, done, _ = trials.with_trials(config, _result(_ranked(BIG, SMALL), 1 << 40))
+    best = min(t.measured_seconds for t in done)
+    other = {"batch_size": 2, "gradient_accumulation_steps": 4, "gradient_checkpointing": "off"}  # never timed
+    timed = []
+    monkeypatch.setattr(trials, "time_trial", lambda config, trial, cap: timed.append(trial.plan))
+    _, second, _ = trials.with_trials(config, _result(_ranked(BIG, other, seconds=(best, 2 * best)), 1 << 40))
+    assert timed == [] and [t.status for t in second] == ["cached", trials.SLOWER_THAN_MEASURED]
+    _, third, _ = trials.with_trials(config, _result(_ranked(BIG, other, seconds=(best, best / 2)), 1 << 40))
+    assert timed == [other]  # predicted faster than the best measured: timed
