@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
 from pathlib import Path
-
-from memfit.train.metrics import read_metrics
 
 
 def children(pid: int) -> list[int]:
@@ -24,7 +23,19 @@ def children(pid: int) -> list[int]:
 
 
 def _steps_logged(metrics: Path) -> int:
-    return sum(1 for r in read_metrics(metrics) if "event" not in r) if metrics.is_file() else 0
+    """Step lines the run has written so far; read while the run writes, so a last line not yet ended by its
+    newline (half written, or cut by a kill) is not counted and not parsed."""
+    if not metrics.is_file():
+        return 0
+    complete = metrics.read_text().split("\n")[:-1]
+    return sum(1 for line in complete if line.strip() and "event" not in _parsed(line))
+
+
+def _parsed(line: str) -> dict:
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError:  # a line a SIGKILL cut, followed by the resumed run's first line
+        return {"event": "unreadable"}
 
 
 def run_with_signals(warm_memfit, args: list[str], out: Path, signals: list[int], delay: float):
