@@ -32,8 +32,9 @@ import torch
 from torch import nn
 
 from memfit.techniques.expert_dequant_groups import dequant_group, grouped_nf4_mm
+from memfit.techniques.expert_streaming import host_parameter
 from memfit.techniques.nf4_state import is_nf4
-from memfit.techniques.staged_weights import device_copy, host_copy, keeps_on_host, staged_device
+from memfit.techniques.staged_weights import device_copy, keeps_on_host, staged_device
 
 NF4_BLOCK = 64
 """Weights per absmax block, as bitsandbytes' Linear4bit uses for QLoRA."""
@@ -72,15 +73,6 @@ def quantize_expert_weight(weight: torch.Tensor):
     data = packed.view(experts, rows, columns // 2)
     return Params4bit(data, requires_grad=False, quant_state=state, blocksize=NF4_BLOCK, compress_statistics=True,
                       quant_type="nf4", quant_storage=torch.uint8, bnb_quantized=True)
-
-
-def _with_data(weight, data: torch.Tensor):
-    """The NF4 `Params4bit` `weight` with its packed bytes replaced by `data` (its QuantState kept where it is)."""
-    from bitsandbytes.nn import Params4bit
-
-    return Params4bit(data, requires_grad=False, quant_state=weight.quant_state, blocksize=weight.blocksize,
-                      compress_statistics=weight.compress_statistics, quant_type=weight.quant_type,
-                      quant_storage=weight.quant_storage, bnb_quantized=True)
 
 
 def dequantized(weight: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -174,7 +166,7 @@ def quantize_experts_module(experts: nn.Module, names: tuple[str, ...]) -> tuple
         del weight
         experts._parameters.pop(name)  # the host stack goes before the next one comes
         if keeps_on_host(experts):  # --expert-offload: its NF4 bytes back to host memory, the statistics stay
-            quantized = _with_data(quantized, host_copy(quantized.data))
+            quantized = host_parameter(quantized, pin=torch.cuda.is_available())
         setattr(experts, name, quantized)
     experts.memfit_experts_nf4 = True
     return count, None

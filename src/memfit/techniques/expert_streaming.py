@@ -44,7 +44,7 @@ from torch import nn
 
 from memfit.errors import UsageError
 from memfit.models.experts import is_fused_experts
-from memfit.techniques.host_memory import host_allocations, is_marked_host, mark_host
+from memfit.techniques.host_memory import host_allocations, is_host_tensor, mark_host
 from memfit.techniques.staged_weights import staged_device
 from memfit.units import format_bytes
 
@@ -126,8 +126,10 @@ def _like(host: nn.Parameter, data: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(data, requires_grad=False)
 
 
-def _host_copy(parameter: nn.Parameter, pin: bool) -> nn.Parameter:
-    if _already_on_host(parameter, pin):  # a staged load left it there (techniques/staged_weights.py)
+def host_parameter(parameter: nn.Parameter, pin: bool) -> nn.Parameter:
+    """`parameter`'s weights in host memory, filed as host memory (pinned with `pin`); an NF4 weight keeps its
+    statistics on the device. A parameter a staged load left there already (techniques/staged_weights.py) is kept."""
+    if parameter.device.type == "cpu" and is_host_tensor(parameter) and (parameter.is_pinned() or not pin):
         return parameter
     with host_allocations():  # filed as host memory the moment it exists
         data = parameter.data.to("cpu", copy=True)
@@ -138,15 +140,6 @@ def _host_copy(parameter: nn.Parameter, pin: bool) -> nn.Parameter:
     if state is not None and parameter.device.type != "cpu":
         state.to(parameter.device)  # the statistics (about 3% of an NF4 stack) stay on the device
     return _like(parameter, data)
-
-
-def _already_on_host(parameter: nn.Parameter, pin: bool) -> bool:
-    if parameter.device.type != "cpu" or (pin and not parameter.is_pinned()):
-        return False
-    try:
-        return is_marked_host(parameter.untyped_storage())
-    except (RuntimeError, NotImplementedError, TypeError):
-        return False
 
 
 class ExpertStreamer:
@@ -270,7 +263,7 @@ def apply_expert_streaming(model: nn.Module) -> str:
     streamer = ExpertStreamer(layers, device)
     for layer, weights in zip(layers, found, strict=True):
         for _, module, name, parameter in weights:
-            host = _host_copy(parameter, pin=device.type == "cuda")
+            host = host_parameter(parameter, pin=device.type == "cuda")
             module._parameters[name] = host  # the device weight goes now: one weight extra at a time
             layer.weights.append((module, name, host))
         _install(streamer, layer)

@@ -31,8 +31,8 @@ from contextlib import contextmanager
 
 import torch
 
-__all__ = ["allocating_on_host", "empty_host_like", "host_allocations", "is_marked_host", "mark_host",
-           "mark_host_all"]
+__all__ = ["allocating_on_host", "empty_host_like", "host_allocations", "is_host_tensor", "is_marked_host",
+           "mark_host", "mark_host_all"]
 
 _state = threading.local()
 # storage key (UntypedStorage._cdata) -> weak reference to the storage: the key alone
@@ -89,6 +89,12 @@ def empty_host_like(tensor: torch.Tensor, pin: bool) -> torch.Tensor:
 def _forget(key: int, reference: weakref.ref) -> None:
     if _marked.get(key) is reference:
         del _marked[key]
+
+
+def is_host_tensor(tensor: torch.Tensor) -> bool:
+    """True if `tensor`'s storage is filed as host memory (`mark_host`); False for one without a plain storage."""
+    storage = _storage(tensor)
+    return storage is not None and is_marked_host(storage)
 
 
 def is_marked_host(storage: torch.UntypedStorage) -> bool:

@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from memfit.models.experts import EXPERT_PARAMETERS, fused_expert_modules
-from memfit.techniques.host_memory import host_allocations, is_marked_host, mark_host
+from memfit.techniques.host_memory import is_host_tensor, mark_host
 from memfit.units import format_bytes
 
 STAGED_DEVICE = "memfit_staged_device"
@@ -161,22 +161,6 @@ def device_copy(weight: torch.Tensor, device: torch.device) -> torch.Tensor:
     return weight.detach().to(device, copy=True)
 
 
-def host_copy(tensor: torch.Tensor) -> torch.Tensor:
-    """`tensor` moved to host memory, filed as host memory (pinned where a GPU copies from it)."""
-    with host_allocations():
-        host = tensor.to("cpu", copy=True)
-        if torch.cuda.is_available():
-            host = host.pin_memory()
-    return mark_host(host)
-
-
-def _is_host_on_purpose(tensor: torch.Tensor) -> bool:
-    try:
-        return is_marked_host(tensor.untyped_storage())
-    except (RuntimeError, NotImplementedError, TypeError):
-        return False
-
-
 def settle_staged(model: nn.Module) -> str | None:
     """Move to the staged device what staging left in host memory that no technique took; a line for the log,
     or None (nothing was staged, or the techniques took it all).
@@ -194,10 +178,10 @@ def settle_staged(model: nn.Module) -> str | None:
                 if tensor is None or tensor.is_meta:
                     continue
                 on_host = tensor.device.type == "cpu"
-                take = device.type != "cpu" and on_host and not _is_host_on_purpose(tensor)
+                take = device.type != "cpu" and on_host and not is_host_tensor(tensor)
                 # on a CPU the device is host memory: a staged weight nothing took is filed as device memory again
                 take = take or (device.type == "cpu" and staged_device(module) is not None
-                                and _is_host_on_purpose(tensor) and not keeps_on_host(module)
+                                and is_host_tensor(tensor) and not keeps_on_host(module)
                                 and not getattr(module, "memfit_on_host", False))
                 if take:
                     _move(table, name, tensor, device)
