@@ -321,10 +321,10 @@ def apply_model_techniques(config: TrainConfig, model: torch.nn.Module,
 
 def _staging(config: TrainConfig, world_size: int):
     """What this run loads into host memory first (techniques/staged_weights.py); nothing for a dense model."""
-    from memfit.techniques.staged_weights import StagedWeights, staging_for_run
+    from memfit.techniques.staged_weights import StagedWeights, run_settings, staging_for, staging_for_run
 
-    if not (config.lora.lora_r > 0 and (config.lora.quantize == "4bit" or config.memory.expert_offload)):
-        return StagedWeights()  # the config is not even read
+    if not staging_for(is_moe=True, **run_settings(config, world_size)).any:
+        return StagedWeights()  # nothing to stage even for a mixture of experts: the model's config is not read
     from memfit.models.presets import resolve_model_config
 
     try:
