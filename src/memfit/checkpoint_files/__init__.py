@@ -35,6 +35,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from memfit.checkpoint_files.manifest import MANIFEST, checkpoint_problem, write_manifest
+from memfit.checkpoint_files.pretrained import save_pretrained
 from memfit.checkpoint_files.retention import CHECKPOINT_DIR, list_checkpoints, prune_checkpoints
 from memfit.errors import CheckpointWriteError, MemfitError, UsageError
 
@@ -353,7 +354,7 @@ def save_final_model(
     shutil.rmtree(temporary, ignore_errors=True)
     if state_dict is not None:
         state_dict = share_tied_tensors(model, state_dict)
-    model.save_pretrained(temporary, state_dict=state_dict, safe_serialization=True)
+    save_pretrained(model, temporary, state_dict=state_dict, safe_serialization=True)
     if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
         tokenizer.save_pretrained(temporary)
     if directory.exists():

@@ -15,6 +15,7 @@ from typing import Protocol
 
 import torch
 
+from memfit.checkpoint_files.pretrained import save_pretrained
 from memfit.config import TrainConfig
 from memfit.errors import UsageError
 from memfit.hardware import training_device
@@ -195,7 +196,7 @@ def _quantized_copy(model, name: str, config: TrainConfig, dtype, attention: Att
     rope_tag = f"-rope-{rope.rope_type}{rope.scale:g}" if rope is not None else ""
     directory = Path(config.output.output_dir) / "cache" / f"base-{name.replace('/', '-')}-seed{config.training.seed}{rope_tag}"
     if not (directory / "config.json").is_file():
-        model.save_pretrained(directory, safe_serialization=True)
+        save_pretrained(model, directory, safe_serialization=True)
     return _from_pretrained(str(directory), config, dtype, attention, quantization_config, auto_class=auto_class,
                             on_host=on_host)
 

@@ -10,6 +10,8 @@ from pathlib import Path
 
 from transformers import LlamaConfig, PreTrainedTokenizerFast
 
+from memfit.checkpoint_files.pretrained import save_pretrained
+
 EOS_TOKEN = "<|endoftext|>"
 
 
@@ -69,6 +71,6 @@ def save_llama(directory: str | Path, seed: int = 0, **config_fields) -> Path:
                          **{"bos_token_id": 256, "eos_token_id": 256, "pad_token_id": 256, **config_fields})
     torch.manual_seed(seed)
     directory = Path(directory)
-    LlamaForCausalLM(config).save_pretrained(directory)
+    save_pretrained(LlamaForCausalLM(config), directory)
     byte_tokenizer().save_pretrained(directory)
     return directory

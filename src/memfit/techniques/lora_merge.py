@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from memfit.checkpoint_files.pretrained import save_pretrained
 from memfit.techniques.expert_quant import cpu_weight
 
 
@@ -38,7 +39,7 @@ def merge_and_save(model: nn.Module, directory: str | Path, dtype: torch.dtype |
     if leftover:
         raise RuntimeError(f"merging left {leftover[0]} without a value")
     directory = Path(directory)
-    merged.save_pretrained(directory)
+    save_pretrained(merged, directory)
     return directory
 
 

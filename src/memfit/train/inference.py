@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from memfit.checkpoint_files import list_checkpoints
+from memfit.checkpoint_files.pretrained import save_pretrained
 from memfit.config import SECTIONS, TrainConfig, field_index
 from memfit.errors import DoesNotFitError, UsageError
 from memfit.memory.cap import is_out_of_memory
@@ -195,7 +196,7 @@ def merge_run(run: TrainedRun, output_dir: str | Path | None = None, memory_cap:
         temporary = directory.with_name(f".tmp-{directory.name}-{os.getpid()}")
         shutil.rmtree(temporary, ignore_errors=True)
         model.config.use_cache = True
-        model.save_pretrained(temporary, safe_serialization=True)
+        save_pretrained(model, temporary, safe_serialization=True)
         tokenizer.save_pretrained(temporary)
     if directory.exists():
         shutil.rmtree(directory)
