@@ -7,7 +7,9 @@ that need an earlier run's output (OOM recovery calibrated on a tracked run, res
 checkpoint), which the worker starts once those runs are done on every rank. Each run keeps its own flags and
 output directory. The
 launches also carry a tiny BERT-like sequence classifier's runs, and its regression, token classification and
-masked-LM runs with a tiny ESM's sequence classifier (encoder_tasks.py; test_encoder_torchrun.py).
+masked-LM runs with a tiny ESM's sequence classifier (encoder_tasks.py; test_encoder_torchrun.py), the runs of
+test_adamw4bit_fsdp.py (adamw4bit_runs.py), and last the engine matrix's cells (engine_matrix.py; its one-process
+cells in the references' process).
 """
 
 from __future__ import annotations
@@ -16,7 +18,10 @@ import json
 from pathlib import Path
 
 import pytest
+from adamw4bit_runs import adamw4bit_runs, torchao_available
 from encoder_tasks import encoder_task_args, encoder_task_runs
+from engine_matrix import ENGINES as MATRIX_ENGINES
+from engine_matrix import matrix_cells, matrix_runs
 from torchrun_helpers import checkpoint_copy, deepspeed_available, run_many
 
 from fault_injection import SGD_FLAGS
@@ -96,20 +101,20 @@ def moe_sgd_args(text_file, tmp_path_factory) -> list[str]:
 
 
 @pytest.fixture(scope="session")
-def references(run_args, sgd_args, reshard_args, encoder_sgd_args, encoder_tasks_args, moe_sgd_args,
-               tmp_path_factory) -> dict[str, Path]:
+def references(run_args, sgd_args, reshard_args, encoder_sgd_args, encoder_tasks_args, moe_sgd_args, llama_dir,
+               text_file, tmp_path_factory) -> dict[str, Path]:
     """The references, all in one plain process: micro-batch 4 x 2 accumulation, AdamW and SGD; reshard-one,
     the one-process run that test_reshard_resume.py resumes on 2 ranks (in later_runs); encoder-sgd, the
     sequence classifier under SGD; encoder-KEY-sgd, the other encoder tasks (encoder_tasks.py); moe-sgd, the tiny
-    Qwen3-MoE under SGD."""
+    Qwen3-MoE under SGD; "matrix": the engine matrix's one-process cells (engine_matrix.matrix_cells), run last."""
     root = tmp_path_factory.mktemp("single")
     named = (("adamw", run_args), ("sgd", sgd_args), ("reshard-one", reshard_args), ("encoder-sgd", encoder_sgd_args),
              *((f"encoder-{key}-sgd", args) for key, args in encoder_tasks_args.items()), ("moe-sgd", moe_sgd_args))
     runs = [{"name": name, "args": [*args, "--batch-size", "4", "--gradient-accumulation-steps", "2",
                                      "--output-dir", str(root / name)]}
             for name, args in named]
-    run_many(runs, root, nproc=1)
-    return {name: root / name for name, _ in named}
+    run_many([*runs, *matrix_runs(["none"], llama_dir, text_file, root)], root, nproc=1)
+    return {**{name: root / name for name, _ in named}, "matrix": matrix_cells(["none"], root)}
 
 
 @pytest.fixture(scope="session")
@@ -220,10 +225,12 @@ def _later_runs(references, run_args, sgd_args, reshard_args, root: Path) -> lis
 
 @pytest.fixture(scope="session")
 def shared_launch(references, run_args, sgd_args, reshard_args, encoder_sgd_args, encoder_tasks_args, moe_sgd_args,
-                  tmp_path_factory) -> dict:
+                  llama_dir, text_file, tmp_path_factory) -> dict:
     """One torchrun launch for the engine runs, the DeepSpeed runs (when deepspeed imports) and the later runs
     that read the engine runs' output: starting the ranks (interpreters, imports, the process group) costs more
-    than all their 3-step runs. {"dirs": {NAME: output directory}, "logs": {NAME: rank 0's log}, "zero": bool}."""
+    than all their 3-step runs; then the 4-bit AdamW runs (when torchao imports) and last the engine matrix's
+    2-rank cells. {"dirs": {NAME: output directory}, "logs": {NAME: rank 0's log}, "zero": bool, "matrix": the
+    cells (engine_matrix.matrix_cells)}."""
     root = tmp_path_factory.mktemp("engines")
     zero = deepspeed_available()
     runs = _engine_runs(run_args, sgd_args, reshard_args, encoder_sgd_args, encoder_tasks_args, moe_sgd_args)
@@ -231,9 +238,12 @@ def shared_launch(references, run_args, sgd_args, reshard_args, encoder_sgd_args
     runs += _later_runs(references, run_args, sgd_args, reshard_args, root)
     for run in runs:
         run["args"] = [*run["args"], "--output-dir", str(root / run["name"])]
+    runs += adamw4bit_runs(llama_dir, text_file, root) if torchao_available() else []
+    several = [engine for engine, (_, ranks) in MATRIX_ENGINES.items() if ranks == 2 and (zero or engine != "zero2")]
+    runs += matrix_runs(several, llama_dir, text_file, root)
     logs = run_many(runs, root, timeout=1800)
     dirs = {run["name"]: Path(run["args"][-1]) for run in runs}
-    return {"dirs": dirs, "logs": logs, "zero": zero}
+    return {"dirs": dirs, "logs": logs, "zero": zero, "matrix": matrix_cells(several, root)}
 
 
 @pytest.fixture(scope="session")

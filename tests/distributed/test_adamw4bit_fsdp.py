@@ -4,62 +4,37 @@ anew.
 
 Each rank quantizes its own shard (blocks of 128 values of the flattened shard; shards under 4096 values or not a
 multiple of 128 keep full-precision moments), so FSDP2 and DDP quantize the same tensors in the same blocks only
-where every shard boundary falls on a block boundary of the whole tensor. All runs share one torchrun launch.
+where every shard boundary falls on a block boundary of the whole tensor. The 2-rank runs are part of the session's
+shared torchrun launch (adamw4bit_runs.py, conftest.py).
 """
 
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 import torch
-import torchrun_helpers
-from torchrun_helpers import final_weights, run_many
+from adamw4bit_runs import LR, PREFIX, adamw4bit_args
+from torchrun_helpers import final_weights
 
 pytestmark = pytest.mark.distributed
 pytest.importorskip("torchao", reason="--optimizer adamw-4bit needs torchao (pip install 'memfit[lowmem-optim]')")
 
-WORKER = Path(__file__).with_name("adamw4bit_worker.py")
 RANKS = 2
-LR = 1e-2
 BLOCK, SMALLEST = 128, 4096  # torchao's 4-bit blocks, and the smallest tensor it quantizes
 
 
-def _args(llama_dir: Path, text_file: Path) -> list[str]:
-    return ["--model", str(llama_dir), "--dataset", str(text_file), "--seq-len", "32", "--batch-size", "2",
-            "--loss-chunk-size", "0", "--lr", str(LR), "--lr-schedule", "constant", "--no-report",
-            "--optimizer", "adamw-4bit"]
-
-
 @pytest.fixture(scope="module")
-def runs(llama_dir, text_file, warm_memfit, tmp_path_factory) -> dict:
-    """One launch: ddp2 / fsdp2 (2 steps each, ddp2 checkpointed at step 2); fsdp4 (4 steps, checkpoints at 2
-    and 4); fsdp4-resumed from fsdp4's step-2 checkpoint; fsdp4-zeroed, the same with the 4-bit moments zeroed
-    after loading (the fault); ddp-to-fsdp, ddp2's whole-tensor checkpoint resumed on FSDP2 shards (refused).
-    Then one plain process resumes fsdp4's step-2 checkpoint (refused)."""
-    root = tmp_path_factory.mktemp("adamw4bit")
-    base = _args(llama_dir, text_file)
-    step2 = str(root / "fsdp4" / "checkpoints" / "step-2")
-    specs = [
-        {"name": "ddp2", "args": [*base, "--sharding", "ddp", "--max-steps", "2", "--save-every", "2"]},
-        {"name": "fsdp2", "args": [*base, "--sharding", "fsdp", "--max-steps", "2"]},
-        {"name": "fsdp4", "args": [*base, "--sharding", "fsdp", "--max-steps", "4", "--save-every", "2"]},
-        {"name": "fsdp4-resumed", "args": [*base, "--sharding", "fsdp", "--max-steps", "4", "--resume", step2]},
-        {"name": "fsdp4-zeroed", "zero_4bit_state": True,
-         "args": [*base, "--sharding", "fsdp", "--max-steps", "4", "--resume", step2]},
-        {"name": "ddp-to-fsdp", "expect_exit": 2,
-         "args": [*base, "--sharding", "fsdp", "--max-steps", "4", "--resume",
-                  str(root / "ddp2" / "checkpoints" / "step-2")]},
-    ]
-    for spec in specs:
-        spec["args"] += ["--output-dir", str(root / spec["name"])]
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(torchrun_helpers, "WORKER", WORKER)  # run_many's spec format, with this file's faults
-        logs = run_many(specs, root / "launch", nproc=RANKS)
+def runs(shared_launch, llama_dir, text_file, warm_memfit, tmp_path_factory) -> dict:
+    """The 2-rank runs of adamw4bit_runs.py, part of the session's shared torchrun launch (conftest.py). Then one
+    plain process resumes fsdp4's step-2 checkpoint (refused)."""
+    logs = {name.removeprefix(PREFIX): log for name, log in shared_launch["logs"].items() if name.startswith(PREFIX)}
+    dirs = {name.removeprefix(PREFIX): path for name, path in shared_launch["dirs"].items() if name.startswith(PREFIX)}
+    step2 = dirs["fsdp4"] / "checkpoints" / "step-2"
     # Forked from the session's warm server (tests/memfit_cli.py): a process of its own without importing torch again
-    one = warm_memfit.run("train", *base, "--max-steps", "4", "--resume", step2, "--output-dir", root / "one-process")
-    return {"root": root, "logs": logs, "one": one}
+    one = warm_memfit.run("train", *adamw4bit_args(llama_dir, text_file), "--max-steps", "4", "--resume", step2,
+                          "--output-dir", tmp_path_factory.mktemp("adamw4bit") / "one-process")
+    return {"dirs": dirs, "logs": logs, "one": one}
 
 
 def _same_blocks(shape: torch.Size, ranks: int) -> bool:
@@ -77,18 +52,18 @@ def _same_blocks(shape: torch.Size, ranks: int) -> bool:
 
 
 def test_resumed_run_ends_on_the_uninterrupted_weights(runs):
-    root = runs["root"]
+    dirs = runs["dirs"]
     assert "resumed from" in runs["logs"]["fsdp4-resumed"]
-    assert (root / "fsdp4" / "checkpoints" / "step-2" / "shards").is_dir()
-    whole, resumed = final_weights(root / "fsdp4"), final_weights(root / "fsdp4-resumed")
+    assert (dirs["fsdp4"] / "checkpoints" / "step-2" / "shards").is_dir()
+    whole, resumed = final_weights(dirs["fsdp4"]), final_weights(dirs["fsdp4-resumed"])
     assert set(whole) == set(resumed)
     for name, tensor in whole.items():
         torch.testing.assert_close(resumed[name], tensor, atol=0, rtol=0, msg=name)  # bitwise
 
 
 def test_dropping_the_4bit_state_changes_the_weights(runs):
-    root = runs["root"]
-    whole, zeroed = final_weights(root / "fsdp4"), final_weights(root / "fsdp4-zeroed")
+    dirs = runs["dirs"]
+    whole, zeroed = final_weights(dirs["fsdp4"]), final_weights(dirs["fsdp4-zeroed"])
     largest = max((zeroed[name] - tensor).abs().max().item() for name, tensor in whole.items())
     assert largest > 1e-4, f"the twin without the 4-bit state ends {largest:.2e} from the uninterrupted run"
 
@@ -99,8 +74,8 @@ def test_fsdp_agrees_with_ddp_where_the_blocks_agree(runs):
     (here the queries, the attention outputs, the embeddings and the head: their shards are under 4096 values, or
     cut inside a block) differ by the 4-bit rounding of their moments, up to one step's size (measured: 9.7e-3 at
     lr 1e-2). The second bound is that size, twice: both updates are at most about the learning rate."""
-    root = runs["root"]
-    ddp, fsdp = final_weights(root / "ddp2"), final_weights(root / "fsdp2")
+    dirs = runs["dirs"]
+    ddp, fsdp = final_weights(dirs["ddp2"]), final_weights(dirs["fsdp2"])
     same = {name for name, tensor in ddp.items() if _same_blocks(tensor.shape, RANKS)}
     assert same and same != set(ddp), "the tiny model should have tensors of both kinds"
     gaps = {name: (fsdp[name].float() - tensor.float()).abs().max().item() for name, tensor in ddp.items()}

@@ -3,36 +3,24 @@
 Cells: adamw, adamw-8bit, paged-adamw-8bit, adafactor, sgd x one process, --sharding ddp,
 --sharding fsdp (2 ranks, gloo), and DeepSpeed ZeRO-2 when deepspeed imports. A cell
 trains when the run exits 0 and the final weights moved from the initial ones; a refused
-cell exits 2 with exactly one error line, no traceback and no output directory.
+cell exits 2 with exactly one error line, no traceback and no output directory. The cells run in the session's
+launches (engine_matrix.py): no interpreter or process group of their own.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from engine_matrix import ENGINES
 from safetensors.torch import load_file
-from torchrun_helpers import EXTENSIONS_CACHE, REPO, deepspeed_available
+from torchrun_helpers import deepspeed_available
 
 from memfit.config import OPTIMIZERS, SMALL_STATE_OPTIMIZERS
 from memfit.train.metrics import read_metrics
 
 pytestmark = pytest.mark.distributed
-
-WORKER = Path(__file__).with_name("engine_matrix_worker.py")
-
-# (engine flags, ranks)
-ENGINES = {
-    "none": ([], 1),
-    "ddp": (["--sharding", "ddp"], 2),
-    "fsdp": (["--sharding", "fsdp"], 2),
-    "zero2": (["--zero-stage", "2"], 2),
-}
 
 # Cells refused up front, with the words their one error line must contain.
 REFUSED: dict[tuple[str, str], str] = {
@@ -45,32 +33,11 @@ REFUSED: dict[tuple[str, str], str] = {
 }
 
 
-def _launch(engines: list[str], ranks: int, llama_dir: Path, text_file: Path, root: Path) -> dict:
-    """Every optimizer under each of `engines`, all in one process or one torchrun launch."""
-    root.mkdir(parents=True, exist_ok=True)
-    train_args = ["--model", str(llama_dir), "--dataset", str(text_file), "--seq-len", "32", "--batch-size", "2",
-                  "--max-steps", "2", "--loss-chunk-size", "0", "--lr", "1e-2", "--no-report"]
-    spec, results = root / "spec.json", root / "results.json"
-    spec.write_text(json.dumps({"results": str(results), "out_root": str(root / "runs"), "optimizers": list(OPTIMIZERS),
-                                "engines": {engine: ENGINES[engine][0] for engine in engines}, "train_args": train_args}))
-    if ranks == 1:
-        command = [sys.executable, str(WORKER), str(spec)]
-    else:
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
-                   str(WORKER), str(spec)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_EXTENSIONS_DIR": str(EXTENSIONS_CACHE)}
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
-    assert done.returncode == 0 and results.is_file(), done.stderr[-4000:]
-    return json.loads(results.read_text())
-
-
 @pytest.fixture(scope="module")
-def matrix(llama_dir, text_file, tmp_path_factory) -> dict:
-    """{engine: {optimizer: cell}}: one plain process for "none", one 2-rank launch for the other engines."""
-    root = tmp_path_factory.mktemp("matrix")
-    several = [e for e, (_, ranks) in ENGINES.items() if ranks == 2 and (not e.startswith("zero") or deepspeed_available())]
-    return {**_launch(["none"], 1, llama_dir, text_file, root / "one"),
-            **_launch(several, 2, llama_dir, text_file, root / "two")}
+def matrix(references, shared_launch) -> dict:
+    """{engine: {optimizer: cell}}: the "none" cells ran in the references' process, the others at the end of the
+    shared torchrun launch (engine_matrix.py, conftest.py)."""
+    return {**references["matrix"], **shared_launch["matrix"]}
 
 
 @pytest.mark.slow

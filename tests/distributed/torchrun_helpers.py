@@ -26,7 +26,8 @@ WORKER = Path(__file__).with_name("exactness_worker.py")
 def run_many(runs: list[dict], root: Path, nproc: int = 2, env: dict | None = None, timeout: int = 600) -> dict:
     """Several `memfit train` runs in one torchrun launch of `nproc` ranks (or one plain process when 1).
 
-    `runs`: [{"name": NAME, "args": [...], "grad_scale": None | float}]; returns {NAME: rank 0's stderr}.
+    `runs`: [{"name": NAME, "args": [...], "grad_scale": None | float}] (more keys: exactness_worker.py); returns
+    {NAME: rank 0's stderr} for every run started (a crashed "record" run ends the launch's later runs).
     """
     root.mkdir(parents=True, exist_ok=True)
     spec = root / "runs.json"
@@ -41,7 +42,14 @@ def run_many(runs: list[dict], root: Path, nproc: int = 2, env: dict | None = No
         environment["OMP_NUM_THREADS"] = "1"  # one thread per rank on a 2-core machine
     done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=environment)
     assert done.returncode == 0, done.stderr[-6000:]
-    return {run["name"]: (root / f"{run['name']}.rank0.log").read_text() for run in runs}
+    logs = {run["name"]: root / f"{run['name']}.rank0.log" for run in runs}
+    return {name: log.read_text() for name, log in logs.items() if log.is_file()}
+
+
+def exit_code(root: Path, name: str) -> int | None:
+    """The exit code of rank 0's run NAME in the launch under `root` (run_many), or None when it was not run."""
+    path = root / f"{name}.rank0.exit"
+    return int(path.read_text()) if path.is_file() else None
 
 
 def checkpoint_copy(source: Path, target: Path, last_step: int) -> Path:
