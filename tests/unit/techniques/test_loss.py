@@ -244,36 +244,37 @@ def test_a_doubled_chunk_gradient_fails_the_comparison(monkeypatch):
     assert min(errors) > 0.5  # every gradient flows through the chunks: all of them are off
 
 
-# Every case of the test below in one torchrun launch: argv[1] is the output directory, then one
-# "head,tiles,blocks" argument per case. Each rank writes rank{R}-{head}-{tiles}-{blocks}.txt.
-FSDP_WORKER = """
-import os, sys, torch, torch.distributed as dist
-from transformers import LlamaConfig, LlamaForCausalLM
-from memfit.distributed.fsdp import fully_shard_model
-from memfit.techniques.loss import causal_lm_loss_sum
-from memfit.techniques.tiled_mlp import apply_tiled_mlp
+FSDP_CASES = [("untied", 0, "eager"), ("tied", 0, "eager"), ("untied", 3, "eager"), ("untied", 3, "compiled")]
 
-def tiny(head):
+
+def _fsdp_tiny(head):
+    from transformers import LlamaConfig
+
     torch.manual_seed(0)
     return LlamaForCausalLM(LlamaConfig(
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         vocab_size=300, max_position_embeddings=256, tie_word_embeddings=head == "tied"))
 
-def gradients(model):
-    return {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
-            for n, p in model.named_parameters()}
 
-def run_case(head, tiles, blocks, out_dir):
+def _fsdp_case(head, tiles, blocks, out_dir):
+    """One case on this rank: 2 steps of the chunked loss under FSDP2 against the plain loss of one whole model;
+    writes rank{R}-{head}-{tiles}-{blocks}.txt."""
+    import torch.distributed as dist
+
+    from memfit.distributed.fsdp import fully_shard_model
+    from memfit.techniques.tiled_mlp import apply_tiled_mlp
+
     input_ids = torch.randint(0, 300, (2, 48), generator=torch.Generator().manual_seed(3))
     labels = input_ids.clone()
     labels[0, 30:] = -100
-    reference = tiny(head)
+    reference = _fsdp_tiny(head)
     reference_loss = causal_lm_loss_sum(reference, input_ids, labels, chunk_size=0)
     reference_loss.backward()
-    model = tiny(head)
-    apply_tiled_mlp(model, int(tiles))  # 0: plain MLPs
+    model = _fsdp_tiny(head)
+    apply_tiled_mlp(model, tiles)  # 0: plain MLPs
     if blocks == "compiled":  # blocks compiled after tiling and before sharding, as setup does
         from memfit.techniques.compile import compile_blocks, compile_stats
+
         graphs_before = compile_stats()["compiled_graphs"]  # the process's count: earlier cases' graphs left out
         compile_blocks(model, torch.device("cpu"), backend="aot_eager")
     fully_shard_model(model, dist.get_world_size(), torch.device("cpu"))
@@ -282,44 +283,42 @@ def run_case(head, tiles, blocks, out_dir):
         loss = causal_lm_loss_sum(model, input_ids, labels, chunk_size=16)
         loss.backward()
     # Every rank saw the same batch: the mean over ranks is the single-process gradient.
-    errors = {n: ((g - reference.get_parameter(n).grad).norm() / reference.get_parameter(n).grad.norm()).item()
-              for n, g in gradients(model).items()}
+    errors = {}
+    for name, parameter in model.named_parameters():
+        grad = parameter.grad.full_tensor() if hasattr(parameter.grad, "full_tensor") else parameter.grad
+        expected = reference.get_parameter(name).grad
+        errors[name] = ((grad - expected).norm() / expected.norm()).item()
     if blocks == "compiled":
         compiled = compile_stats()["compiled_graphs"] - graphs_before
         assert compiled >= 3, compile_stats()  # nothing fell back to eager
-    name = f"rank{dist.get_rank()}-{head}-{tiles}-{blocks}.txt"
-    with open(os.path.join(out_dir, name), "w") as out:
-        out.write(f"{loss.item()!r} {reference_loss.item()!r} {max(errors.values())!r}")
+    (out_dir / f"rank{dist.get_rank()}-{head}-{tiles}-{blocks}.txt").write_text(
+        f"{loss.item()!r} {reference_loss.item()!r} {max(errors.values())!r}")
     dist.barrier()  # the next case's collectives start on both ranks together
 
-dist.init_process_group("gloo")
-for case in sys.argv[2:]:
-    run_case(*case.split(","), sys.argv[1])
-dist.destroy_process_group()
-# Leave without interpreter teardown: a background thread destroyed there has aborted a rank
-# ("terminate called without an active exception") after its results were written.
-os._exit(0)
-"""
 
-FSDP_CASES = [("untied", 0, "eager"), ("tied", 0, "eager"), ("untied", 3, "eager"), ("untied", 3, "compiled")]
+def _fsdp_rank(rank, out_dir, world):
+    """A rank forked from this test process (torch, transformers and memfit imported already): every case."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)  # one thread per rank on a 2-core machine
+    torch._dynamo.reset()  # compile afresh, as a new process would: the test process may have compiled these blocks
+    dist.init_process_group("gloo", init_method=f"file://{out_dir / 'store'}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=300))  # a rank stuck in a collective fails, not hangs
+    for head, tiles, blocks in FSDP_CASES:
+        _fsdp_case(head, tiles, blocks, out_dir)
+    dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
 def fsdp_chunked_losses(tmp_path_factory):
-    """Every case of FSDP_CASES in one 2-rank launch (start-up and process group paid once)."""
-    import os
-    import subprocess
-    import sys
+    """Every case of FSDP_CASES on 2 gloo ranks forked from this process: a torchrun launch would import torch,
+    transformers and memfit again in its agent and in each rank (measured: most of the launch's time)."""
+    import torch.multiprocessing as mp
 
     root = tmp_path_factory.mktemp("fsdp-chunked-loss")
-    script = root / "worker.py"
-    script.write_text(FSDP_WORKER)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
-               str(root), *(f"{head},{tiles},{blocks}" for head, tiles, blocks in FSDP_CASES)]
-    result = subprocess.run(
-        command, capture_output=True, text=True, timeout=480, env={**os.environ, "OMP_NUM_THREADS": "1"}
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    mp.start_processes(_fsdp_rank, args=(root, 2), nprocs=2, join=True, start_method="fork")
     return root
 
 
