@@ -9,6 +9,7 @@ logs this prediction beside the measured step time, so the model is checked on e
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from memfit.config import SMALL_STATE_OPTIMIZERS, TrainConfig
@@ -67,6 +68,22 @@ gives 0.90x. The fp32 figure of 1.2 predicted 0.84x and put micro-batch 1 x 4 wi
 logits 7 % ahead of 4 x 1 with chunks; this puts them even, where 4 x 1 chunked ran 8 %
 faster (1.22x and 1.13x the Trainer's 1 x 4): the model's remaining error.
 Not measured on a GPU.
+"""
+SELECTIVE_DISPATCH_CPU_FLOPS = 1.25e9
+"""What selective checkpointing costs a CPU step per checkpointed block and micro-batch beyond its FLOPs, in FLOPs
+at the step's matmul rate.
+
+torch keeps the matmul and attention outputs through a Python dispatch mode that sees every operator of the
+block's forward and again of its recompute, whatever its size; with a small model on a CPU that time, not the 5 %
+of the block's FLOPs selective redoes (memfit.models.flops), is its cost, and it grows with the micro-batches
+(each runs every block again), not with their tokens. Profiled (torch.profiler, the bench model below, seq 128,
+micro-batch 2, one thread): 575 ms of operators without checkpointing, 957 with selective (184 ms of it in the
+dispatch mode itself, 1,360 operators seen), 694 with full checkpointing. The trials of
+benchmarks/bench_planned_vs_trainer.py (6.5M-parameter Llama, 8 blocks of width 256, seq 512, fp32, 2-core AMD
+EPYC, 2 threads, four runs of 2026-11-26 on both ISAs, 16 pairs): at the same micro-batch selective ran 0.93 to
+1.94x the step without checkpointing (median 1.27; without this term the model said 1.015), -0.5 to 3.0 GFLOPs
+more per block and micro-batch at that step's rate (median 1.26). Not measured on a GPU, where the dispatch runs
+ahead of the kernels: not counted there.
 """
 SMALL_CHUNK_COST = 0.01
 """Extra step time of a loss chunk of 256 tokens over one of 1024 (a tie-break, as a fraction).
@@ -188,6 +205,10 @@ def estimated_step_seconds(changes: dict[str, Any], config: TrainConfig, est: Es
     seconds = flops / (rate * feeding)
     if 1 < chunk < 1024:  # (a run's own prediction marks any chunked loss as chunk size 1)
         seconds *= 1 + SMALL_CHUNK_COST
+    if device == "cpu" and str(changes.get("gradient_checkpointing", "off")).startswith("selective"):
+        every = max(1, int(changes.get("checkpoint_every", config.memory.checkpoint_every)))
+        blocks = math.ceil(arch.layers / every)
+        seconds += accumulation * blocks * SELECTIVE_DISPATCH_CPU_FLOPS / rate
     if changes.get("compile", config.memory.compile):
         seconds /= COMPILED_BLOCKS_SPEEDUP.get(device, 1.0)
     trainable = est.details["trainable_parameter_count"]
