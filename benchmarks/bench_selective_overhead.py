@@ -12,8 +12,9 @@ on a CPU with a small model that time, not the FLOPs, is what the planner must w
 This script times one micro-batch's forward and backward of a Llama-shaped model (random weights, fp32 on the
 CPU, the default thread count, the best of --repeats timings each, the three modes interleaved) without
 checkpointing, with selective and with full checkpointing, at each sequence length and micro-batch size, and
-prints what selective adds per block and micro-batch beside what its recomputed FLOPs explain: the speed
-model's SELECTIVE_DISPATCH_SECONDS (src/memfit/prediction/speed_model.py).
+prints what selective adds per block and micro-batch beyond what its recomputed FLOPs explain, in milliseconds
+and in FLOPs at the step's matmul rate: the unit of the speed model's SELECTIVE_DISPATCH_CPU_FLOPS
+(src/memfit/prediction/speed_model.py).
 """
 
 from __future__ import annotations
@@ -71,9 +72,10 @@ def main() -> None:
     print(f"{os.cpu_count()} CPUs, {torch.get_num_threads()} threads, matmul probe {rate / 1e9:.1f} GFLOP/s,"
           f" load {os.getloadavg()[0]:.1f}; model {args.layers} blocks of width {args.hidden}")
     print("| seq | micro-batch | off (s) | selective (s) | full (s) | selective's extra (ms) | its FLOPs explain (ms)"
-          " | extra per block (ms) |")
-    print("|---|---|---|---|---|---|---|---|")
-    per_block = []
+          " | extra per block (ms) | per block (GFLOPs at the step's rate) |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    per_block: list[float] = []
+    flops_per_block: list[float] = []
     for seq in args.seqs:
         for micro in args.micro_batches:
             tokens = torch.randint(0, 256, (micro, seq))
@@ -91,10 +93,14 @@ def main() -> None:
             explained = (flops_selective - flops_off) * micro * seq / step_rate
             extra = best["selective"] - best["off"]
             per_block.append((extra - explained) / args.layers)
+            flops_per_block.append(per_block[-1] * step_rate)
             print(f"| {seq} | {micro} | {best['off']:.3f} | {best['selective']:.3f} | {best['full']:.3f} |"
-                  f" {extra * 1e3:.0f} | {explained * 1e3:.0f} | {per_block[-1] * 1e3:.1f} |")
+                  f" {extra * 1e3:.0f} | {explained * 1e3:.0f} | {per_block[-1] * 1e3:.1f} |"
+                  f" {flops_per_block[-1] / 1e9:.2f} |")
     print(f"\nselective's dispatch per block and micro-batch, beyond its FLOPs: median"
-          f" {statistics.median(per_block) * 1e3:.1f} ms (range {min(per_block) * 1e3:.1f} to {max(per_block) * 1e3:.1f})")
+          f" {statistics.median(per_block) * 1e3:.1f} ms (range {min(per_block) * 1e3:.1f} to {max(per_block) * 1e3:.1f}),"
+          f" {statistics.median(flops_per_block) / 1e9:.2f} GFLOPs at the step's rate"
+          f" ({min(flops_per_block) / 1e9:.2f} to {max(flops_per_block) / 1e9:.2f})")
 
 
 if __name__ == "__main__":
