@@ -333,8 +333,9 @@ def run_all(args: argparse.Namespace, device: str, workdir: Path) -> tuple[dict[
                 "overrides": overrides,
             }
         )
-    # --quick: every run in one worker process, one after another (torch imported once; a smoke run)
-    batch = run_worker(__file__, {"kind": "batch", "specs": specs}, env=env)["results"] if args.quick else None
+    # --quick: every run in this process, one after another (torch imported once; a smoke run). The device is the
+    # spec's, so the worker's CUDA_VISIBLE_DEVICES is not needed for a CPU run here
+    batch = [(memfit_worker if s["kind"] == "memfit" else hf_worker)(s) for s in specs] if args.quick else None
     for number, (name, label, _, _) in enumerate(plan, 1):
         started = time.perf_counter()
         result = batch[number - 1] if batch else run_worker(__file__, specs[number - 1], env=env)
@@ -423,7 +424,8 @@ def report(
         + (
             " process; the reference and the baseline alternate and their figures are medians."
             if not args.quick
-            else " --quick: every row in one process, one after another, so a row's peak is the highest so far."
+            else " --quick: every row in this script's process, one after another, so a row's peak is the highest"
+            " so far."
         ),
         "",
         "tokens/s: median over the steps after warm-up of the step's tokens divided by the time from the end of"

@@ -107,13 +107,14 @@ def _paged_beside(model: str, full, cap: int, gpu) -> Any:
                            command=command, trades=[])
 
 
-def _measure(model: str, result, cap: int, steps: int, workdir: Path, device: str) -> dict[str, Any]:
-    """Train the plan's steps in a fresh process (a run's model and allocator state never meet the next run's)."""
+def _measure(model: str, result, cap: int, steps: int, workdir: Path, device: str, here: bool) -> dict[str, Any]:
+    """Train the plan's steps in a fresh process (a run's model and allocator state never meet the next run's);
+    `here` (the --quick CPU smoke run): in this process, as its peaks are the tracker's live tensors of each run."""
     from memfit.prediction.planner import plan_to_overrides
 
     spec = {"model": model, "changes": plan_to_overrides(result), "cap": cap, "steps": steps, "workdir": str(workdir),
             "device": device, "name": result.command}
-    row = run_worker(__file__, spec, timeout=3600)
+    row = worker(spec) if here else run_worker(__file__, spec, timeout=3600)
     row.update(estimated_peak_bytes=result.estimated_peak_bytes, estimated_host_bytes=result.host_bytes,
                command=result.command, trades=result.trades)
     return row
@@ -218,7 +219,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
         rows = {}
         for name, result in plans.items():
             print(f"{name}: {result.command}", file=sys.stderr)
-            rows[name] = _measure(model, result, cap, args.steps, workdir, device)
+            rows[name] = _measure(model, result, cap, args.steps, workdir, device, args.quick)
     shape = "Llama-3.1-8B preset shape, random weights" if device == "cuda" else (
         f"reduced Llama: {shape['num_hidden_layers']} blocks, hidden {shape['hidden_size']}, vocabulary"
         f" {shape['vocab_size']}, random weights")

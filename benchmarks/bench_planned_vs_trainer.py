@@ -28,9 +28,9 @@ The bench model is Llama-shaped: 8 blocks of width 256 (4 heads, MLP 688), the b
   trials, in sample) and leave-one-out (each candidate predicted from the others' measurements),
   for each `--isa` (`AVX2`: ONEDNN_MAX_CPU_ISA=AVX2; `aten-default`: ATEN_CPU_CAPABILITY=default).
 
-Each run is a fresh process (a worker of this script or of bench_peers.py). `--quick` runs them in two
-processes instead (the plain run with the Trainer's grid, then memfit's two runs with the Trainer's repeat),
-each run still its own call of the same worker: it checks that every step runs, not how fast.
+Each run is a fresh process (a worker of this script or of bench_peers.py). `--quick` runs them all in this
+script's process instead, each run still its own call of the same worker with its own environment variables
+(the default ISA only): it checks that every step runs, not how fast.
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ def memfit_worker(spec: dict[str, Any]) -> dict[str, Any]:
     trials.with_trials = keep
     try:
         return _memfit_run(spec, shown)
-    finally:  # --quick runs several workers in one process: the next one wraps the original again
+    finally:  # --quick runs every worker in one process: the next one wraps the original again
         trials.with_trials, trials.TRIAL_SHARE = original, share
 
 
@@ -218,6 +218,20 @@ def _timed_worker(spec: dict[str, Any]) -> dict[str, Any]:
     return {**result, "seconds": time.perf_counter() - started}
 
 
+def _in_this_process(job: dict[str, Any]) -> dict[str, Any]:
+    """--quick: one job in this process, its environment (the cache directory, no GPU) set around it only."""
+    saved = {name: os.environ.get(name) for name in job["env"]}
+    os.environ.update(job["env"])
+    try:
+        return _timed_worker(job["spec"])
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def _trainer_settings(effective: int, bf16: bool) -> list[tuple[str, dict[str, Any]]]:
     settings = []
     for micro in (m for m in (8, 4, 2, 1) if effective % m == 0 and m <= effective):
@@ -241,16 +255,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="write the section into this markdown file")
     args = parser.parse_args(argv)
     if args.worker:
-        spec = json.loads(args.worker)
-        if spec["kind"] == "batch":  # --quick: several runs, one after another, in this one process
-            emit_result({"results": [_timed_worker(one) for one in spec["specs"]]})
-        else:
-            emit_result(_worker(spec))
+        emit_result(_worker(json.loads(args.worker)))
         return 0
     shape = "quick" if args.quick else "bench"
     steps = 4 if args.quick else args.steps
     seq_len, effective = (64, 4) if args.quick else (512, 8)
     isas = args.isa or (["default"] if args.quick else ["default", "AVX2", "aten-default"])
+    if args.quick and any(ISA_ENV[isa] for isa in isas):  # read by torch as it loads, so only in a fresh process
+        parser.error("--quick runs every job in this process, on its default ISA: leave --isa out or drop --quick")
     raw: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="memfit-bench-planned-") as tmp:
         work = Path(tmp)
@@ -290,12 +302,9 @@ def main(argv: list[str] | None = None) -> int:
             return result
 
         def run(*jobs: dict[str, Any]) -> list[dict[str, Any]]:
-            """Each job in a fresh process; with --quick, all of them in one (same env: one ISA)."""
+            """Each job in a fresh process; with --quick, all of them in this one (the default ISA only)."""
             if args.quick:
-                env = {k: v for job in jobs for k, v in job["env"].items()}
-                batch = {"kind": "batch", "specs": [job["spec"] for job in jobs]}
-                results = run_worker(__file__, batch, timeout=1800, env=env)["results"]
-                return [record(job, result) for job, result in zip(jobs, results, strict=True)]
+                return [record(job, _in_this_process(job)) for job in jobs]
             out = []
             for job in jobs:
                 started = time.perf_counter()
@@ -308,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
         plain_job = hf(f"Trainer plain (bs {effective} x 1, fp32)", {"batch_size": effective, "bf16": False,
                                                                      "optim": "adamw_torch_fused"})
         grid = _trainer_settings(effective, not args.no_bf16)
-        if args.quick:  # the plain run and the grid in one process: the budget needs only the plain run's peak
+        if args.quick:  # the plain run with the grid's last two settings: the budget needs only the plain run's peak
             grid = grid[-2:]
             plain, *tried = run(plain_job, *(hf(label, knobs) for label, knobs in grid))
         else:
@@ -330,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
         fitting = [r for r in tried if r["tracked_peak_bytes"] <= budget]
         best = max(fitting, key=lambda r: r["tokens_per_second"]) if fitting else None
         again_job = [hf(f"{best['label']} (again, after memfit)", best["ran"])] if best else []
-        if args.quick:  # memfit's two runs and the Trainer's repeat in the second process
+        if args.quick:  # memfit's runs and the Trainer's repeat after the grid
             results = run(*(job for _, job in memfit_jobs), *again_job)
             runs = dict(zip([key for key, _ in memfit_jobs], results[:len(memfit_jobs)], strict=True))
             again = results[len(memfit_jobs)] if best else None

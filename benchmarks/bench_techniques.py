@@ -22,8 +22,8 @@ Every row runs twice, each time in a fresh process started from the command line
   the tracker and split into parameters, gradients, optimizer state, activations and
   other. Two steps, because the optimizer state only exists from the end of the first.
 
-`--quick` runs every command in one warm process instead (`--serve`: the commands one after another, through
-memfit's own `main`), so torch is imported once; its "process peak RSS" is then the highest so far.
+`--quick` runs every command in this script's process instead (one after another, through memfit's own `main`),
+so torch is imported once; its "process peak RSS" is then the highest so far.
 
 What ran instead of what was asked (no bitsandbytes, offload on a CPU, ...) is read from
 the `fallbacks` field of the metrics' summary line and shown in the table.
@@ -155,74 +155,66 @@ def run_measured(command: list[str], log_path: Path, env: dict[str, str], timeou
         return process.returncode, usage.ru_maxrss * 1024, stdout.read()  # ru_maxrss is in KiB on Linux
 
 
-class Server:
-    """One warm process (this script with --serve) that runs `memfit ARGS` commands one after another.
-
-    Stands in for run_measured with --quick: the same exit code and stdout, the process's peak RSS so far.
-    """
-
-    def __init__(self, env: dict[str, str]) -> None:
-        self.process = subprocess.Popen(
-            [sys.executable, __file__, "--serve"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            env={**os.environ, **env},
-        )
-
-    def run(self, command: list[str], log_path: Path, env: dict[str, str], timeout: float) -> tuple[int, int, str]:
-        assert command[1:3] == ["-m", "memfit"], command
-        out_path = log_path.with_suffix(".stdout")
-        request = {"args": command[3:], "stderr": str(log_path), "stdout": str(out_path)}
-        self.process.stdin.write(json.dumps(request) + "\n")
-        self.process.stdin.flush()
-        reply = self.process.stdout.readline()
-        if not reply:
-            raise RuntimeError(
-                f"the --serve process died (exit {self.process.wait()}); its last command's log: {log_path}"
-            )
-        answer = json.loads(reply)
-        return answer["code"], answer["peak_bytes"], out_path.read_text()
-
-    def close(self) -> None:
-        self.process.stdin.close()
-        self.process.wait(timeout=60)
-
-
-def serve() -> None:
-    """The --serve loop: one JSON request a line on stdin, its memfit command run with fds 1 and 2 in files."""
+def run_here(args: list[str], stdout_path: str, stderr_path: str) -> tuple[int, int]:
+    """`memfit ARGS` through memfit's own `main` in this process, fds 1 and 2 in files; its exit code and the
+    process's peak RSS so far (bytes)."""
     import resource
 
     from memfit.cli.main import main as memfit_main
 
-    replies = os.fdopen(os.dup(1), "w")
-    for line in sys.stdin:
-        request = json.loads(line)
-        with open(request["stdout"], "w") as out, open(request["stderr"], "w") as err:
+    with open(stdout_path, "w") as out, open(stderr_path, "w") as err:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        saved = os.dup(1), os.dup(2)
+        os.dup2(out.fileno(), 1)
+        os.dup2(err.fileno(), 2)
+        try:
+            code = memfit_main(args)
+        except SystemExit as exit_:
+            code = exit_.code if isinstance(exit_.code, int) else 1
+        except BaseException:  # reported through the log, as a failed process would
+            import traceback
+
+            traceback.print_exc()
+            code = 1
+        finally:
             sys.stdout.flush()
             sys.stderr.flush()
-            saved = os.dup(1), os.dup(2)
-            os.dup2(out.fileno(), 1)
-            os.dup2(err.fileno(), 2)
-            try:
-                code = memfit_main(list(request["args"]))
-            except SystemExit as exit_:
-                code = exit_.code if isinstance(exit_.code, int) else 1
-            except BaseException:  # reported through the log, as a failed process would
-                import traceback
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            os.close(saved[0])
+            os.close(saved[1])
+    return code or 0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
-                traceback.print_exc()
-                code = 1
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os.dup2(saved[0], 1)
-                os.dup2(saved[1], 2)
-                os.close(saved[0])
-                os.close(saved[1])
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-        replies.write(json.dumps({"code": code or 0, "peak_bytes": peak}) + "\n")
-        replies.flush()
+
+class InProcess:
+    """--quick: every command in this script's process (torch is imported once), its environment set around it.
+
+    Stands in for run_measured with the same exit code and stdout, the process's peak RSS so far.
+    """
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.env = env
+
+    def run(self, command: list[str], log_path: Path, env: dict[str, str], timeout: float) -> tuple[int, int, str]:
+        assert command[1:3] == ["-m", "memfit"], command
+        out_path = log_path.with_suffix(".stdout")
+        variables = {**self.env, **env}
+        variables.pop("PYTHONPATH", None)  # memfit is imported already; the path is for a fresh process
+        saved = {name: os.environ.get(name) for name in variables}
+        os.environ.update(variables)
+        try:
+            code, peak = run_here(command[3:], str(out_path), str(log_path))
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+        return code, peak, out_path.read_text()
+
+    def close(self) -> None:
+        """Nothing to stop: the commands ran in this process."""
 
 
 def failure(what: str, code: int, log_path: Path) -> RuntimeError:
@@ -423,9 +415,6 @@ def report(
 
 
 def main(argv: list[str] | None = None) -> int:
-    if (sys.argv[1:] if argv is None else argv) == ["--serve"]:
-        serve()
-        return 0
     args = parse_args(argv)
     device = resolve_device(args.device)
     env = {"CUDA_VISIBLE_DEVICES": ""} if device == "cpu" else {}
@@ -443,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="memfit-bench-techniques-") as name:
         workdir = Path(name)
         parameters = save_model(workdir / "model", "quick" if args.quick else "20m", SEED)
-        server = Server(env) if args.quick else None
+        server = InProcess(env) if args.quick else None
         try:
             for number, (row, _, flags) in enumerate(rows, 1):
                 row_started = time.perf_counter()
