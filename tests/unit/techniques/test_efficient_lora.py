@@ -216,11 +216,15 @@ def test_the_run_applies_it_unless_switched_off(efficient):
 
 @pytest.fixture(scope="module")
 def long_context_llama(tmp_path_factory):
-    """A Llama whose activations dominate at 2048 tokens, saved where the real loading code reads it."""
+    """A Llama whose activations dominate at 2048 tokens, saved where the real loading code reads it.
+
+    Two blocks: the tracker's per-operator cost is most of these runs' time and grows with the blocks, while the
+    saving and the estimate's error do not depend on the depth (4 blocks: saving 33 % and 24 %, estimate -7.1 to
+    +5.0 %; 2 blocks: 36 % and 25 %, -7.7 to +6.2 %)."""
     from memfit.models.tiny import save_llama
 
     root = tmp_path_factory.mktemp("efficient-lora-run")
-    model = save_llama(root / "model", hidden_size=128, intermediate_size=352, num_hidden_layers=4,
+    model = save_llama(root / "model", hidden_size=128, intermediate_size=352, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2)
     corpus = root / "corpus.txt"
     corpus.write_text("memory gradient batch token model layer training fits device loss step\n\n" * 4000)
