@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from memfit.errors import UsageError
+from memfit.models.config_key import config_key
 from memfit.models.optimizer_state import (
     SMALL_STATE_OPTIMIZERS,
     LowRankSettings,
@@ -61,7 +62,7 @@ _INVENTORIES: dict[tuple[str, int], ParameterInventory] = {}
 
 def parameter_inventory(hf_config: Any, lora_r: int = 0) -> ParameterInventory:
     """Shapes from a meta-device build (no memory, under a second for 70B); cached per config."""
-    key = (hf_config.to_json_string(use_diff=False), lora_r)
+    key = (config_key(hf_config), lora_r)  # kept per config state: the planner asks thousands of times
     if key not in _INVENTORIES:
         _INVENTORIES[key] = _build_inventory(hf_config, lora_r)
     return _INVENTORIES[key]

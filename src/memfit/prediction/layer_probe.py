@@ -32,6 +32,8 @@ import copy
 from functools import lru_cache
 from typing import Any
 
+from memfit.models.config_key import config_key
+
 PROBE_SEQ_LENS = (64, 128, 256)
 
 
@@ -59,7 +61,7 @@ def probed_layer_parts(hf_config: Any, weight_bytes: int, autocast: bool, attent
     on an fp32 residual stream they run in fp32, autocast or not. Over blocks of several kinds
     both are the average per layer.
     """
-    key = hf_config.to_json_string(use_diff=False)
+    key = config_key(hf_config)  # memfit train's loaded config (use_cache off) shares the estimate's probes
     _CONFIGS.setdefault(key, copy.deepcopy(hf_config))
     attention = supported_attention(hf_config, attention)
     # FlexAttention (gpt-oss on CUDA: models.attention_support) cannot run on fake CPU tensors: probe
@@ -136,7 +138,7 @@ def supported_attention(hf_config: Any, attention: str, device_type: str = "cpu"
 
 def block_kinds(hf_config: Any) -> list[tuple]:
     """One signature per layer of the model (its modules' types and parameter shapes): equal for alike blocks."""
-    key = hf_config.to_json_string(use_diff=False)
+    key = config_key(hf_config)
     if key not in _KINDS:
         from memfit.models.presets import build_meta_model
 
