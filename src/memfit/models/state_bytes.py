@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from memfit.errors import UsageError
@@ -52,7 +53,7 @@ class ParameterInventory:
     expert_adapters: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = field(default_factory=list)
     """LoRA pairs on the fused experts (PEFT's target_parameters, rank r per expert): (weight name, A, B) each."""
 
-    @property
+    @cached_property  # once per inventory: the planner reads it in each of its thousands of estimates
     def total(self) -> int:
         return sum(math.prod(s) for s in self.shapes)
 
