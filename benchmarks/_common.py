@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -21,6 +22,7 @@ import platform
 import statistics
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -217,6 +219,21 @@ def run_worker(
             return json.loads(line[len(RESULT_PREFIX) :])
     tail = "\n".join((completed.stdout + completed.stderr).strip().splitlines()[-15:])
     raise RuntimeError(f"worker {spec.get('name', '')} failed (exit {completed.returncode}):\n{tail}")
+
+
+@contextlib.contextmanager
+def environment(values: dict[str, str]) -> Iterator[None]:
+    """These environment variables set inside the block, as they were after it (a --quick run in this process)."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def median(values: list[float]) -> float | None:

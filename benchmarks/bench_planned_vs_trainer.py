@@ -46,7 +46,16 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import emit_result, machine_description, markdown_table, median, run_worker, today, write_section  # noqa: E402
+from _common import (  # noqa: E402
+    emit_result,
+    environment,
+    machine_description,
+    markdown_table,
+    median,
+    run_worker,
+    today,
+    write_section,
+)
 
 SECTION = "Planned run with trials against the Trainer's best setting"
 MIB = 1024**2
@@ -220,16 +229,8 @@ def _timed_worker(spec: dict[str, Any]) -> dict[str, Any]:
 
 def _in_this_process(job: dict[str, Any]) -> dict[str, Any]:
     """--quick: one job in this process, its environment (the cache directory, no GPU) set around it only."""
-    saved = {name: os.environ.get(name) for name in job["env"]}
-    os.environ.update(job["env"])
-    try:
+    with environment(job["env"]):
         return _timed_worker(job["spec"])
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def _trainer_settings(effective: int, bf16: bool) -> list[tuple[str, dict[str, Any]]]:

@@ -45,6 +45,7 @@ from typing import Any
 from _common import (
     MODEL_SHAPES,
     default_label,
+    environment,
     machine_description,
     markdown_table,
     resolve_device,
@@ -201,16 +202,8 @@ class InProcess:
         out_path = log_path.with_suffix(".stdout")
         variables = {**self.env, **env}
         variables.pop("PYTHONPATH", None)  # memfit is imported already; the path is for a fresh process
-        saved = {name: os.environ.get(name) for name in variables}
-        os.environ.update(variables)
-        try:
+        with environment(variables):
             code, peak = run_here(command[3:], str(out_path), str(log_path))
-        finally:
-            for name, value in saved.items():
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
         return code, peak, out_path.read_text()
 
     def close(self) -> None:
