@@ -76,7 +76,7 @@ at the step's matmul rate.
 torch keeps the matmul and attention outputs through a Python dispatch mode that sees every operator of the
 block's forward and again of its recompute, whatever its size; with a small model on a CPU that time, not the 5 %
 of the block's FLOPs selective redoes (memfit.models.flops), is its cost, and it grows with the micro-batches
-(each runs every block again), not with their tokens. Profiled (torch.profiler, the bench model below, seq 128,
+(each runs every block again), not with their tokens. Profiled (torch.profiler, the model of the benchmark named next, seq 128,
 micro-batch 2, one thread): 575 ms of operators without checkpointing, 957 with selective (184 ms of it in the
 dispatch mode itself, 1,360 operators seen), 694 with full checkpointing. The trials of
 benchmarks/bench_planned_vs_trainer.py (6.5M-parameter Llama, 8 blocks of width 256, seq 512, fp32, 2-core AMD
@@ -164,7 +164,8 @@ def estimated_step_seconds(changes: dict[str, Any], config: TrainConfig, est: Es
     loss), + one MLP forward per step with tiled MLP, QLoRA dequantization +25 %. Small
     micro-batches use the device less well (FEEDING_TOKENS), 8-bit AdamW costs extra per
     parameter on a CPU (OPTIMIZER_STEP_FLOPS), and the chunked loss more than its FLOPs
-    there (CHUNKED_LOSS_COST), and `--compile` divides the compute time by its measured gain
+    there (CHUNKED_LOSS_COST), selective checkpointing its operator dispatch per block and
+    micro-batch there (SELECTIVE_DISPATCH_CPU_FLOPS), and `--compile` divides the compute time by its measured gain
     (COMPILED_BLOCKS_SPEEDUP; `changes["compile"]`, else the config's). Host transfers
     (activation offload, optimizer offload, paged state) are added in full at the host link's
     rate: an upper bound, since their copies overlap compute.
