@@ -9,7 +9,6 @@ logs this prediction beside the measured step time, so the model is checked on e
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from memfit.config import SMALL_STATE_OPTIMIZERS, TrainConfig
@@ -207,8 +206,10 @@ def estimated_step_seconds(changes: dict[str, Any], config: TrainConfig, est: Es
     if 1 < chunk < 1024:  # (a run's own prediction marks any chunked loss as chunk size 1)
         seconds *= 1 + SMALL_CHUNK_COST
     if device == "cpu" and str(changes.get("gradient_checkpointing", "off")).startswith("selective"):
+        from memfit.techniques.checkpointing import checkpointed_block_indices
+
         every = max(1, int(changes.get("checkpoint_every", config.memory.checkpoint_every)))
-        blocks = math.ceil(arch.layers / every)
+        blocks = len(checkpointed_block_indices(arch.layers, every))
         seconds += accumulation * blocks * SELECTIVE_DISPATCH_CPU_FLOPS / rate
     if changes.get("compile", config.memory.compile):
         seconds /= COMPILED_BLOCKS_SPEEDUP.get(device, 1.0)

@@ -7,8 +7,8 @@ plus one block's intermediates, at the cost of about one extra forward (~20-30% 
 `selective` keeps matmul/attention outputs and recomputes the cheap ops: activation memory
 lands between off and full, for the recompute of the cheap ops only (a few percent of a
 step's FLOPs; on a CPU with a small model the dispatch mode that sees every operator costs
-more: prediction/speed_model.SELECTIVE_DISPATCH_CPU_FLOPS). `auto` picks the blocks to checkpoint so the run fits a memory budget
-(techniques.auto_checkpointing).
+more: prediction/speed_model.SELECTIVE_DISPATCH_CPU_FLOPS). `auto` picks the blocks to
+checkpoint so the run fits a memory budget (techniques.auto_checkpointing).
 
 Selective checkpointing goes through `torch.utils.checkpoint.checkpoint` (non-reentrant,
 with a selective-checkpoint `context_fn`). Hugging Face models take those keyword
