@@ -188,26 +188,16 @@ def run_here(args: list[str], stdout_path: str, stderr_path: str) -> tuple[int, 
     return code or 0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
-class InProcess:
-    """--quick: every command in this script's process (torch is imported once), its environment set around it.
-
-    Stands in for run_measured with the same exit code and stdout, the process's peak RSS so far.
-    """
-
-    def __init__(self, env: dict[str, str]) -> None:
-        self.env = env
-
-    def run(self, command: list[str], log_path: Path, env: dict[str, str], timeout: float) -> tuple[int, int, str]:
-        assert command[1:3] == ["-m", "memfit"], command
-        out_path = log_path.with_suffix(".stdout")
-        variables = {**self.env, **env}
-        variables.pop("PYTHONPATH", None)  # memfit is imported already; the path is for a fresh process
-        with environment(variables):
-            code, peak = run_here(command[3:], str(out_path), str(log_path))
-        return code, peak, out_path.read_text()
-
-    def close(self) -> None:
-        """Nothing to stop: the commands ran in this process."""
+def run_in_this_process(command: list[str], log_path: Path, env: dict[str, str], timeout: float) -> tuple[int, int, str]:
+    """--quick's stand-in for run_measured: the memfit command through memfit's own main in this script's process
+    (torch is imported once), its environment set around it; the same exit code and stdout, the process's peak RSS
+    so far. `timeout` is run_measured's: a command here runs to its end."""
+    assert command[1:3] == ["-m", "memfit"], command
+    out_path = log_path.with_suffix(".stdout")
+    variables = {name: value for name, value in env.items() if name != "PYTHONPATH"}  # memfit is imported already
+    with environment(variables):
+        code, peak = run_here(command[3:], str(out_path), str(log_path))
+    return code, peak, out_path.read_text()
 
 
 def failure(what: str, code: int, log_path: Path) -> RuntimeError:
@@ -425,22 +415,18 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="memfit-bench-techniques-") as name:
         workdir = Path(name)
         parameters = save_model(workdir / "model", "quick" if args.quick else "20m", SEED)
-        server = InProcess(env) if args.quick else None
-        try:
-            for number, (row, _, flags) in enumerate(rows, 1):
-                row_started = time.perf_counter()
-                results[row] = result = run_row(args, row, flags, workdir, env, server.run if server else run_measured)
-                if args.json:  # kept up to date, so an interrupted run leaves what it measured
-                    Path(args.json).write_text(json.dumps(results, indent=1))
-                print(
-                    f"[{number}/{len(rows)}] {row}: {result['tokens_per_second'] or 0:.0f} tokens/s, peak"
-                    f" {mib(result['peak_bytes'])} MiB, tracked {mib(result['tracked_peak_bytes'])} MiB"
-                    f" ({time.perf_counter() - row_started:.0f} s)",
-                    file=sys.stderr,
-                )
-        finally:
-            if server:
-                server.close()
+        runner = run_in_this_process if args.quick else run_measured
+        for number, (row, _, flags) in enumerate(rows, 1):
+            row_started = time.perf_counter()
+            results[row] = result = run_row(args, row, flags, workdir, env, runner)
+            if args.json:  # kept up to date, so an interrupted run leaves what it measured
+                Path(args.json).write_text(json.dumps(results, indent=1))
+            print(
+                f"[{number}/{len(rows)}] {row}: {result['tokens_per_second'] or 0:.0f} tokens/s, peak"
+                f" {mib(result['peak_bytes'])} MiB, tracked {mib(result['tracked_peak_bytes'])} MiB"
+                f" ({time.perf_counter() - row_started:.0f} s)",
+                file=sys.stderr,
+            )
     loads.append(f"{os.getloadavg()[0]:.1f}")
     command = "python benchmarks/bench_techniques.py " + " ".join(sys.argv[1:] if argv is None else argv)
     body = report(args, device, results, parameters, command.strip(), loads)
