@@ -10,6 +10,9 @@ TORCH_SPEC ?= torch==2.13.0
 # deepspeed is in the test extras so that its ZeRO equality tests run on CPU too, and the
 # --report-to trackers so that their tests read each tracker's own files back.
 EXTRAS ?= all,dev,deepspeed,tensorboard,wandb,mlflow,lowmem-optim,tasks
+# The demo trains the built-in model in full precision and writes its HTML report: it needs plotly and
+# nothing else optional (`make demo DEMO_EXTRAS=all` installs the rest; `make test` installs what the tests need).
+DEMO_EXTRAS ?= report
 # DeepSpeed's tests run on its CPU accelerator. It compiles its CPU communication op on
 # first use (about 35 s on 2 cores); tests/distributed keeps the build in
 # ~/.cache/memfit/torch-extensions/<environment>, so later runs reuse it.
@@ -21,14 +24,18 @@ $(BIN)/python:
 	$(PYTHON) -m venv --system-site-packages $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 
-$(VENV)/.installed: $(BIN)/python pyproject.toml
+$(VENV)/.installed-demo: $(BIN)/python pyproject.toml
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q -e ".[$(DEMO_EXTRAS)]"
+	touch $@
+
+$(VENV)/.installed: $(VENV)/.installed-demo
 	$(BIN)/python -m pip install -q -e ".[$(EXTRAS)]"
 	touch $@
 
 setup: $(VENV)/.installed
 
-demo: setup
+demo: $(VENV)/.installed-demo
 	$(BIN)/memfit train
 
 # The tests run in one worker per CPU core (pytest-xdist); a test file's tests stay in one worker, and so do

@@ -130,8 +130,8 @@ class TrainingConfig:
     """Micro-batches accumulated before each optimizer step."""
     effective_batch_size: int | None = None
     """Samples per optimizer step (all devices); accumulation is derived from it."""
-    max_steps: int = 200
-    """Optimizer steps to run (the default trains the built-in tiny model in about a minute on 2 CPU cores)."""
+    max_steps: int = 120
+    """Optimizer steps to run (120 train the built-in tiny model in about a minute on 2 idle CPU cores)."""
     epochs: float | None = None
     """Train for this many passes over the data instead of --max-steps."""
     seed: int = 0
