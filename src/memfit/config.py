@@ -2,7 +2,7 @@
 
 TrainConfig holds one dataclass per concern; this module checks them against each other and
 derives the defaults that depend on other settings. Every field has a docstring (shown by
-`memfit train --help`). The same names work
+`memfit train --help-all`). The same names work
 on the command line (with dashes: `--seq-len 512`) and in a YAML file (with
 underscores: `seq_len: 512`), flat or under a section (`data: {seq_len: 512}`).
 Names of other trainers are accepted as aliases (the Hugging Face Trainer's
@@ -24,6 +24,7 @@ from memfit.config_sections import (  # noqa: F401 (the sections' names are memf
     ATTENTION_KINDS,
     CHECKPOINTING_MODES,
     DATASET_FORMATS,
+    DEFAULT_SEQ_LEN,
     EVAL_STRATEGIES,
     KERNEL_CHOICES,
     LR_SCHEDULES,
@@ -115,6 +116,12 @@ class TrainConfig:
             user_set = set(self.user_set)
         return TrainConfig.from_flat(values | changes, user_set | set(changes))
 
+    def with_seq_len(self, seq_len: int | None = None) -> TrainConfig:
+        """This config at `seq_len` (the length the data chose), or at DEFAULT_SEQ_LEN when --seq-len was not given
+        and no data says otherwise (estimate and plan without a dataset); itself when nothing changes."""
+        seq_len = seq_len if seq_len is not None else self.data.seq_len or DEFAULT_SEQ_LEN
+        return self if seq_len == self.data.seq_len else self.replace(seq_len=seq_len)
+
     @property
     def lora_enabled(self) -> bool:
         return self.lora.lora_r > 0
@@ -137,7 +144,7 @@ class TrainConfig:
         for name, value in (
             ("batch-size", t.batch_size),
             ("gradient-accumulation-steps", t.gradient_accumulation_steps),
-            ("seq-len", d.seq_len),
+            ("seq-len", DEFAULT_SEQ_LEN if d.seq_len is None else d.seq_len),  # None: from the data (memfit.data)
             ("checkpoint-every", m.checkpoint_every),
             ("chunk-size", m.chunk_size),
         ):
@@ -147,8 +154,8 @@ class TrainConfig:
             problems.append(f"--max-steps must be at least 1, got {t.max_steps}")
         if t.epochs is not None and t.epochs <= 0:
             problems.append(f"--epochs must be positive, got {t.epochs}")
-        if d.stride < 0 or d.stride >= d.seq_len:
-            problems.append(f"--stride must be between 0 and --seq-len - 1 ({d.seq_len - 1}), got {d.stride}")
+        if d.stride < 0 or (d.seq_len is not None and d.stride >= d.seq_len):  # else checked once the length is known
+            problems.append(f"--stride must be between 0 and --seq-len - 1 ({(d.seq_len or 1) - 1}), got {d.stride}")
         if t.effective_batch_size is not None:
             per_step = t.batch_size * world_size
             if t.effective_batch_size < 1:
@@ -311,7 +318,7 @@ def _derive_chunked_training(values: dict[str, Any], user_set: frozenset[str], d
     checkpointing); attention stays the memory-efficient kernel `--attention auto` picks.
     """
     chunk = int(values.get("chunk_size") or MemoryConfig.chunk_size)
-    seq_len = int(values.get("seq_len") or DataConfig.seq_len)
+    seq_len = int(values.get("seq_len") or DEFAULT_SEQ_LEN)  # not given: 256 until the data says (then derived again)
     why = f"--use-chunked-training at --chunk-size {chunk}"
     if "tiled_mlp" not in user_set:
         tiles = max(1, -(-seq_len // chunk))

@@ -2,7 +2,8 @@
 
 One parser serves every subcommand. Training flags come from the sections of
 `memfit.config`; a subcommand adds its own options as a small dataclass with a
-docstring per field (for example `ProfileOptions`). Unknown flags are errors that
+docstring per field (for example `ProfileOptions`); memfit.cli.help_text makes the
+help pages from the same docstrings. Unknown flags are errors that
 suggest the closest valid one, and every problem is reported at once.
 """
 
@@ -17,7 +18,6 @@ from memfit.config_loading import (
     base_type,
     canonical_name,
     convert_bool,
-    field_docs,
     is_optional,
     known_names,
     load_config,
@@ -101,6 +101,14 @@ def split_argv(argv: list[str], extras: dict) -> tuple[list[tuple[str, Any]], li
     return settings, problems
 
 
+def accepted_flags(extras: list[type] | None = None, train_flags: bool = True) -> list[str]:
+    """Every flag name the parser takes for a command (--help-all lists each), besides --no-SWITCH forms."""
+    names = known_names() if train_flags else []
+    names += [f.name for cls in extras or [] for f in dataclasses.fields(cls)]
+    general = ["--config", "--help", "--help-all"] if train_flags else ["--help", "--help-all"]
+    return [f"--{n.replace('_', '-')}" for n in names] + general
+
+
 def parse_command_line(
     argv: list[str], extras: list[type] | None = None, train_flags: bool = True
 ) -> tuple[TrainConfig, dict[type, Any]]:
@@ -115,8 +123,7 @@ def parse_command_line(
     config_path = None
     train_settings: list[tuple[str, Any]] = []
     extra_values: dict[type, dict[str, Any]] = {cls: {} for cls in extras}
-    valid = [f"--{n.replace('_', '-')}" for n in (known_names() if train_flags else [])]
-    valid += [f"--{n.replace('_', '-')}" for n in extra_fields] + ["--config", "--help"]
+    valid = accepted_flags(extras, train_flags)
     for key, raw in settings:
         name = key.replace("-", "_")
         if name not in extra_fields:  # a subcommand's own option wins over a training alias (--steps)
@@ -163,20 +170,3 @@ def _convert_extra(name: str, raw: Any, cls: type, f: dataclasses.Field) -> Any:
     if choices and value not in choices:
         raise UsageError(f"{label} must be one of {', '.join(map(str, choices))}; got {raw!r}{suggest(str(raw), map(str, choices))}")
     return value
-
-
-def help_text(command: str, summary: str, extras: list[type] | None = None, train_flags: bool = True) -> str:
-    """Help for a subcommand, built from the field docstrings."""
-    lines = [f"usage: memfit {command} [--config FILE.yaml] [--FLAG VALUE ...]", "", summary, ""]
-    groups: list[tuple[str, type]] = [(cls.__name__.removesuffix("Options").lower() or command, cls) for cls in extras or []]
-    if train_flags:
-        groups += list(SECTIONS.items())
-    for title, cls in groups:
-        lines.append(f"{title}:")
-        docs = field_docs(cls)
-        for f in dataclasses.fields(cls):
-            default = f.default if f.default is not dataclasses.MISSING else None
-            flag = f"--{f.name.replace('_', '-')}"
-            lines.append(f"  {flag:<32} {docs.get(f.name, '')} [default: {default}]")
-        lines.append("")
-    return "\n".join(lines)

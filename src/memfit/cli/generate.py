@@ -6,14 +6,15 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from memfit.cli.flags import help_text, parse_command_line
+from memfit.cli.flags import parse_command_line
+from memfit.cli.help_text import CommandHelp, answer_help
 from memfit.cli.merge import split_run_dir
 from memfit.errors import UsageError
 
 SUMMARY = (
     "Sample from the final model of a run (base + adapters for LoRA) through the tokenizer's chat template,\n"
     "to see what the fine-tune learned; a tokenizer without one continues the plain prompt. The same --seed\n"
-    "gives the same text. Usage: memfit generate RUN_DIR --prompt TEXT | --messages FILE."
+    "gives the same text."
 )
 
 
@@ -37,6 +38,12 @@ class GenerateOptions:
     """Behave as if the device had only this much memory (e.g. 8GiB); generation that needs more stops (exit 3)."""
 
 
+HELP = CommandHelp(
+    "generate", "memfit generate RUN_DIR (--prompt TEXT | --messages FILE.json) [--FLAG VALUE ...]", SUMMARY,
+    (GenerateOptions,), train_flags=False, arguments=(("RUN_DIR", "The --output-dir of a memfit train run."),),
+)
+
+
 def read_messages(path: str) -> list[dict]:
     """The conversation of a --messages file; UsageError naming what is wrong."""
     file = Path(path)
@@ -56,9 +63,8 @@ def read_messages(path: str) -> list[dict]:
 
 
 def run(argv: list[str]) -> int:
-    if "--help" in argv or "-h" in argv:
-        print(help_text("generate RUN_DIR", SUMMARY, [GenerateOptions], train_flags=False))
-        return 0
+    if (code := answer_help(argv, HELP)) is not None:
+        return code
     run_dir, rest = split_run_dir(argv, "generate")
     _, extras = parse_command_line(rest, [GenerateOptions], train_flags=False)
     options: GenerateOptions = extras[GenerateOptions]

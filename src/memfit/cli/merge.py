@@ -5,13 +5,14 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 
-from memfit.cli.flags import help_text, parse_command_line
+from memfit.cli.flags import parse_command_line
+from memfit.cli.help_text import CommandHelp, answer_help
 from memfit.errors import UsageError
 
 SUMMARY = (
     "Write the base model of a LoRA run with its adapters merged into the weights: safetensors and the\n"
     "tokenizer, loadable with AutoModelForCausalLM.from_pretrained. A QLoRA run merges into the unquantized\n"
-    "base (loaded again without quantization). Usage: memfit merge RUN_DIR [--output DIR] [--best]."
+    "base (loaded again without quantization)."
 )
 
 
@@ -25,6 +26,12 @@ class MergeOptions:
     """The most memory the merge may hold (e.g. 16GiB); it runs on the CPU, one copy of the base."""
 
 
+HELP = CommandHelp(
+    "merge", "memfit merge RUN_DIR [--output DIR] [--best] [--memory-cap SIZE]", SUMMARY, (MergeOptions,),
+    train_flags=False, arguments=(("RUN_DIR", "The --output-dir of a memfit train run with LoRA adapters."),),
+)
+
+
 def split_run_dir(argv: list[str], command: str) -> tuple[str, list[str]]:
     """The RUN_DIR positional (first argument) and the options after it (a second positional is refused there)."""
     if not argv or argv[0].startswith("-"):
@@ -33,9 +40,8 @@ def split_run_dir(argv: list[str], command: str) -> tuple[str, list[str]]:
 
 
 def run(argv: list[str]) -> int:
-    if "--help" in argv or "-h" in argv:
-        print(help_text("merge RUN_DIR", SUMMARY, [MergeOptions], train_flags=False))
-        return 0
+    if (code := answer_help(argv, HELP)) is not None:
+        return code
     run_dir, rest = split_run_dir(argv, "merge")
     _, extras = parse_command_line(rest, [MergeOptions], train_flags=False)
     options: MergeOptions = extras[MergeOptions]

@@ -2,14 +2,25 @@
 
 from __future__ import annotations
 
+from memfit.cli.help_text import CommandHelp, answer_help
 from memfit.errors import UsageError
+
+HELP = CommandHelp(
+    "presets", "memfit presets [models|gpus]",
+    "List the model and GPU presets usable offline with --model / --gpu (estimate, plan, and train with "
+    "--memory-budget or --gpu): a model's shape and Hugging Face id, a GPU's memory, bf16 support, 16-bit TFLOPS and "
+    "host link.",
+    train_flags=False,
+    arguments=(("models", "Only the model presets (--model NAME, or preset:NAME for random weights of its shape)."),
+               ("gpus", "Only the GPU presets (--gpu NAME)."),
+               ("(neither)", "Both tables.")),
+)
 
 
 def run(argv: list[str]) -> int:
+    if (code := answer_help(argv, HELP)) is not None:
+        return code
     which = argv[0] if argv else "all"
-    if which in ("-h", "--help"):
-        print("usage: memfit presets [models|gpus]\n\nList the model and GPU presets usable offline with --model / --gpu.")
-        return 0
     if which not in ("all", "models", "gpus") or len(argv) > 1:
         raise UsageError(f"memfit presets takes 'models' or 'gpus', got {' '.join(argv)!r}")
     if which in ("all", "models"):

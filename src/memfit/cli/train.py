@@ -4,20 +4,29 @@ from __future__ import annotations
 
 import sys
 
-from memfit.cli.flags import help_text, parse_command_line
+from memfit.cli.flags import parse_command_line
+from memfit.cli.help_text import CommandHelp, answer_help
 
 SUMMARY = (
-    "Train or fine-tune a causal language model. With no flags: the built-in tiny model on the bundled\n"
-    "corpus, about a minute on 2 CPU cores. Out of memory? Halve --batch-size and double\n"
-    "--gradient-accumulation-steps, add --gradient-checkpointing, or let memfit plan it: --memory-budget 16GiB."
+    "Train or fine-tune a causal language model; with no flags, the built-in tiny model on the bundled corpus "
+    "(about a minute on 2 CPU cores). Out of memory? Halve --batch-size and double --gradient-accumulation-steps, "
+    "add --gradient-checkpointing, or plan it: --memory-budget 16GiB."
+)
+HELP = CommandHelp(
+    "train", "memfit train [--config FILE.yaml] [--FLAG VALUE ...]", SUMMARY,
+    first=("config", "model", "dataset", "output_dir", "task", "seq_len", "batch_size", "gradient_accumulation_steps",
+           "max_steps", "epochs", "lr", "lora_r", "quantize", "precision", "gradient_checkpointing", "memory_budget",
+           "gpu", "resume"),
 )
 
 
 def run(argv: list[str]) -> int:
-    if "--help" in argv or "-h" in argv:
-        print(help_text("train", SUMMARY))
-        return 0
+    if (code := answer_help(argv, HELP)) is not None:
+        return code
     config, _ = parse_command_line(argv)
+    from memfit.models.loader import check_model_flags
+
+    check_model_flags(config)  # no such model: one line, before anything is read
     from memfit.train.loop import train
     from memfit.train.planned import decide_before_training
     from memfit.train.run_summary import memory_report
