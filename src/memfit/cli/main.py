@@ -30,13 +30,15 @@ USAGE = "usage: memfit {" + ",".join(COMMANDS) + "} [--FLAG VALUE ...]   (memfit
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["help"] and len(argv) > 1:  # `memfit help train [SECTION]` is `memfit train --help [SECTION]`
+        argv = [argv[1], "--help", *argv[2:]]
     if not argv or argv[0] in ("-h", "--help", "help"):
         if not argv:
             argv = ["train"]  # the embedded default is the first thing a newcomer types
         else:
-            print(USAGE)
-            for name, (_, summary) in COMMANDS.items():
-                print(f"  {name:<16} {summary}")
+            from memfit.cli.help_text import main_help
+
+            print(main_help(COMMANDS))
             return 0
     command, rest = argv[0], argv[1:]
     if command.startswith("--"):
@@ -49,6 +51,11 @@ def main(argv: list[str] | None = None) -> int:
     # (torchao's kernels for other GPUs, deprecation notices, DeepSpeed's accelerator probe).
     for noisy in ("torch.utils._pytree", "torchao", "DeepSpeed", "deepspeed", "accelerate", "bitsandbytes"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
+    # huggingface_hub's HTTP layer warns twice per retry ("'...' thrown while requesting HEAD ...", "Retrying in
+    # 8s"), every file, five times. memfit's own look-up of a model name is never retried and an unreachable Hub
+    # turns the run to the cache (models/loader.py, check_model_flags); what is left is transformers' downloads
+    # riding out a flaky network, which fail or succeed with their own message. Only that module is quieted.
+    logging.getLogger("huggingface_hub.utils._http").setLevel(logging.ERROR)
     module = importlib.import_module(f"memfit.cli.{COMMANDS[command][0]}")
     try:
         return module.run(rest)

@@ -245,7 +245,7 @@ def _with_adapters(model: Any, rank: int) -> Any:
     from peft import LoraConfig, get_peft_model
     from peft.tuners.tuners_utils import BaseTunerLayer
 
-    from memfit.techniques.lora import resolve_targets
+    from memfit.techniques.lora import peft_wrapping_quietly, resolve_targets
 
     # memfit train's default targets: the blocks' linears PEFT accepts for the family (not Mamba's out_proj or
     # conv1d) and the fused experts, run by memfit's split LoRA
@@ -259,7 +259,7 @@ def _with_adapters(model: Any, rank: int) -> Any:
         lora.task_type = "FEATURE_EXTRACTION"
     # every module is already on the one fake device, and PEFT keeps adapters in fp32 either way
     with mock.patch.object(BaseTunerLayer, "_move_adapter_to_device_of_base_layer", lambda *a, **k: None), \
-            mock.patch.object(torch.nn.Module, "to", lambda self, *a, **k: self):
+            mock.patch.object(torch.nn.Module, "to", lambda self, *a, **k: self), peft_wrapping_quietly():
         model = get_peft_model(model, lora)
     if experts:
         from memfit.techniques.expert_lora import apply_split_lora

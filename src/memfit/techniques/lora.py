@@ -246,6 +246,21 @@ def _without_v4_target_conversion():
         conversion.convert_peft_config_for_transformers = original
 
 
+@contextlib.contextmanager
+def peft_wrapping_quietly():
+    """Silence one FutureWarning that memfit cannot avoid: PEFT's `PeftModel.__init__` (0.21) asks
+    `getattr(model, "is_gradient_checkpointing", True)`, a property transformers 5.23 deprecated in favour of
+    `is_activation_checkpointing`, so every LoRA run printed "`is_gradient_checkpointing` is deprecated".
+    memfit reads neither (apply_lora makes the embedding output require grad itself). Only that message is
+    ignored, only while PEFT wraps a model (here and in the estimate's layer probe); drop this once PEFT reads
+    the new name."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        yield
+
+
 # ---------------------------------------------------------------------------
 # Wrapping
 # ---------------------------------------------------------------------------
@@ -297,7 +312,7 @@ def apply_lora(model: nn.Module, lora_cfg: LoraConfig, gradient_checkpointing: b
         bias="none",
         task_type=task_type,
     )
-    with _without_v4_target_conversion():
+    with _without_v4_target_conversion(), peft_wrapping_quietly():
         peft_model = peft.get_peft_model(model, config)
     if targets.experts.parameters:
         from memfit.techniques.expert_lora import apply_split_lora

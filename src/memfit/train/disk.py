@@ -116,7 +116,7 @@ def check_disk_space(session: Any, start_step: int) -> CheckpointSize | None:
             f"the file-size limit (ulimit -f) is {format_bytes(limit)} and a checkpoint file of this run takes"
             f" {format_bytes(largest)}; raise the limit, or add --no-disk-check to go on"
         )
-    if session.dist.is_main:
-        log.info("memfit: disk: %s free in %s; a checkpoint takes about %s (%d kept at once) and the final model %s",
+    if session.dist.is_main:  # it fits (else refused above): nothing to act on, the debug log (MEMFIT_LOG_LEVEL=DEBUG)
+        log.debug("memfit: disk: %s free in %s; a checkpoint takes about %s (%d kept at once) and the final model %s",
                  format_bytes(free), probe, format_bytes(size.checkpoint_bytes), count, format_bytes(size.final_model_bytes))
     return size
