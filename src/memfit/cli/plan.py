@@ -6,10 +6,14 @@ import json
 import sys
 from dataclasses import dataclass, field
 
-from memfit.cli.flags import help_text, parse_command_line
+from memfit.cli.flags import parse_command_line
+from memfit.cli.help_text import CommandHelp, answer_help
 from memfit.units import format_bytes
 
-SUMMARY = "Search micro-batch, checkpointing, precision, 8-bit optimizer, chunked loss, offload, LoRA/QLoRA for the fastest setup that fits."
+SUMMARY = (
+    "Search micro-batch, checkpointing, precision, 8-bit optimizer, chunked loss, offload, LoRA/QLoRA for the fastest setup that fits.\n"
+    "Without --seq-len it plans 256 tokens a sample, or with --dataset the length memfit train takes from the data."
+)
 
 
 @dataclass
@@ -26,13 +30,22 @@ class PlanOptions:
     """Host memory of the training machine, for offloaded activations and optimizer state (e.g. 64GiB); default: this machine's."""
 
 
+HELP = CommandHelp(
+    "plan", "memfit plan (--gpu GPU | --memory-budget SIZE) [--FLAG VALUE ...]", SUMMARY, (PlanOptions,),
+    first=("config", "model", "dataset", "seq_len", "gpu", "memory_budget", "batch_size", "precision"),
+    first_title="the training flags it reads most (it takes every memfit train flag):",
+)
+
+
 def run(argv: list[str]) -> int:
-    if "--help" in argv or "-h" in argv:
-        print(help_text("plan", SUMMARY, [PlanOptions]))
-        return 0
+    if (code := answer_help(argv, HELP)) is not None:
+        return code
     from memfit.prediction.planner import plan
 
     config, extras = parse_command_line(argv, extras=[PlanOptions])
+    from memfit.models.loader import check_model_flags
+
+    check_model_flags(config, weights=False)  # no such model: one line, before anything is read
     options: PlanOptions = extras[PlanOptions]
     basis = None
     if config.data.dataset and "dataset" in (config.user_set or ()):  # plan from the data's own lengths
@@ -41,6 +54,7 @@ def run(argv: list[str]) -> int:
 
         with stdout_to_stderr(options.json):
             config, basis = plan_from_dataset(config)
+    config = config.with_seq_len()  # not given and no dataset: 256 (trials cached for this length match)
     sharding = "zero3" if config.distributed.zero_stage == 3 else config.distributed.sharding
     result = plan(config, allow=options.allow, world_size=options.world_size, sharding=sharding,
                   maximize=options.maximize, host_memory=options.host_memory)
@@ -62,6 +76,7 @@ def _describe(changes: dict) -> str:
         mode + (" (bf16 weights)" if mode == "full" and changes.get("dtype") == "bf16" else ""),
         f"seq-len {changes['seq_len']:,}" if "seq_len" in changes else "",
         f"micro-batch {changes['batch_size']} x {changes['gradient_accumulation_steps']} accumulation",
+        f"precision {changes['precision']}" if changes.get("precision", "auto") != "auto" else "",
         f"checkpointing {changes['gradient_checkpointing']}",
         changes["optimizer"],
         f"loss chunk {changes['loss_chunk_size'] or 'off'}",
@@ -82,15 +97,25 @@ def _describe(changes: dict) -> str:
 
 
 def render(result) -> str:
-    goal = {"seq-len": "the longest context", "batch-size": "the largest micro-batch"}.get(result.maximize, "the fastest setup")
-    lines = [f"{goal} that fits in {format_bytes(result.budget_bytes)} on {result.device} (keeping 5% free):", ""]
-    rows = [(_describe(result.plan), result.estimated_peak_bytes, 1.0)]
-    rows += [(_describe(a["plan"]), a["estimated_peak_bytes"], a["relative_speed"]) for a in result.alternatives]
-    for rank, (text, peak, speed) in enumerate(rows, 1):
+    """The plan for people: the best and its runners-up in rank order, each with its peak and expected speed relative
+    to the best. The rank is by speed; a plan ranked before a faster one (for what it trades, or its headroom) says
+    why under it, and the title says the order is not by speed alone."""
+    rows = [(_describe(result.plan), result.estimated_peak_bytes, 1.0, getattr(result, "rank_note", ""))]
+    rows += [(_describe(a["plan"]), a["estimated_peak_bytes"], a["relative_speed"], a.get("rank_note", ""))
+             for a in result.alternatives]
+    noted = any(note for *_, note in rows)
+    goal = {"seq-len": "the longest context", "batch-size": "the largest micro-batch"}.get(
+        result.maximize, "the best setup" if noted else "the fastest setup")
+    order = ", fastest first except where a plan says why it ranks higher" if noted else ""
+    lines = [f"{goal} that fits in {format_bytes(result.budget_bytes)} on {result.device} (keeping 5% free){order}:",
+             ""]
+    for rank, (text, peak, speed, note) in enumerate(rows, 1):
         host = f", host memory {format_bytes(result.host_bytes)}" if rank == 1 and result.host_bytes else ""
         if rank == 1 and result.load_host_bytes > result.host_bytes:
             host += f" ({format_bytes(result.load_host_bytes)} while it loads: the staged load)"
         lines.append(f"  {rank}. {text}\n     peak {format_bytes(peak)}{host}, relative speed {speed:.2f}")
+        if note:
+            lines.append(f"     {note}")
     if result.trials:
         from memfit.train.trials import describe_trial
 

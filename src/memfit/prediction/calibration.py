@@ -109,7 +109,7 @@ def features(changes: dict[str, Any], config: Any, compute: str) -> dict[str, fl
     `compute` ('bf16' or 'fp32': `memfit.prediction.speed_model.compute_dtype`)."""
     from memfit.models.optimizer_state import SMALL_STATE_OPTIMIZERS
 
-    seq = changes.get("seq_len", config.data.seq_len)
+    seq = changes.get("seq_len", config.data.seq_len_or_default)
     micro = changes.get("batch_size", config.training.batch_size)
     tokens = math.log2(max(1, micro * seq) / 512)
     bf16 = 1.0 if compute == "bf16" else 0.0

@@ -15,10 +15,15 @@ class Candidate:
     estimate: Estimate
     step_seconds: float
     tokens_per_step: int
+    rank_note: str = ""
+    """Why the planner ranks this plan before faster ones ('' when it does not): what it trades, or headroom."""
 
     @property
     def tokens_per_second(self) -> float:
         return self.tokens_per_step / self.step_seconds
+
+    def add_rank_note(self, note: str) -> None:
+        self.rank_note = f"{self.rank_note}; {note}" if self.rank_note else note
 
 
 @dataclass
@@ -32,6 +37,7 @@ class PlanResult:
     relative_speed: float
     command: str
     alternatives: list[dict[str, Any]] = field(default_factory=list)
+    """The runners-up, in rank order: plan, estimated_peak_bytes, relative_speed (to the best), rank_note."""
     tokens_per_second: float = 0.0
     host_bytes: int = 0
     """Host memory the plan needs (offloaded activations, optimizer state off the device)."""
@@ -58,6 +64,8 @@ class PlanResult:
     """Measured on this device (memfit.train.trials, or its cache): each ranked plan's predicted and measured step and peak."""
     chosen_by: str = "speed model"
     """What picked the plan: 'speed model', or 'trials' (the fastest measured) with why in `trials`."""
+    rank_note: str = ""
+    """Why the best is ranked before faster plans ('' when none is faster): what it trades, or headroom (PEAK_TIE)."""
 
     @property
     def host_fits(self) -> bool | None:
@@ -89,6 +97,7 @@ class PlanResult:
             "ranked": list(self.ranked),
             "trials": list(self.trials),
             "chosen_by": self.chosen_by,
+            "rank_note": self.rank_note,
         }
 
 

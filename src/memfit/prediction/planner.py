@@ -34,7 +34,7 @@ from memfit.prediction.plan_result import Candidate, PlanResult, plan_to_overrid
 from memfit.prediction.speed_model import estimated_step_seconds
 from memfit.prediction.trade_offs import trade_offs, train_command
 from memfit.prediction.trial_order import shapes_first
-from memfit.units import GIB
+from memfit.units import GIB, format_bytes
 
 MARGIN = 0.05
 """Fraction of the budget kept free: the analytical estimate's error band is 10 %, usually less."""
@@ -237,12 +237,16 @@ def plan(
             state (75 % of it: the rest is left to the process and the OS); default: this
             machine's total memory, so plan on the machine that trains or say how much it has.
 
+    Without --seq-len (None: from the data, which `plan` does not read) the plan is made at 256 tokens;
+    `memfit plan --dataset D` and a planned `memfit train` take the length from the data first.
+
     Raises:
         DoesNotFitError: nothing fits; the message says how much is needed and what to try.
         UsageError: neither a budget nor a GPU, or a bad `allow` / `maximize`.
     """
     from memfit.models.presets import resolve_model_config
 
+    config = config.with_seq_len()  # not given: DEFAULT_SEQ_LEN
     if allow not in ALLOW:
         raise UsageError(f"--allow must be one of {', '.join(ALLOW)}, got {allow!r}")
     if maximize not in MAXIMIZE:
@@ -304,11 +308,7 @@ def plan(
     elif maximize == "batch-size":
         chosen.sort(key=lambda c: (-c.changes["batch_size"], -c.tokens_per_second))
     else:
-        # fp32 weights before pure bf16 ones (bf16 updates round away small steps), then speed
-        chosen.sort(key=lambda c: (c.changes.get("dtype") == "bf16" and not c.changes.get("lora_r"),
-                                   -c.tokens_per_second, distance_from_adamw(c.changes.get("optimizer")),
-                                   c.estimate.peak_bytes))
-        chosen = _smaller_peak_first(_closest_to_adamw_first(chosen), budget)
+        chosen = rank(chosen, budget)
     best = chosen[0]
     alternatives = [_describe(c, best) for c in _distinct(chosen)[1:3]]
     ranked = [{"plan": dict(c.changes), "step_seconds": c.step_seconds, "estimated_peak_bytes": c.estimate.peak_bytes}
@@ -325,6 +325,7 @@ def plan(
         command=train_command(config, best.changes, gpu_spec, budget_bytes, world_size),
         alternatives=alternatives, tokens_per_second=best.tokens_per_second,
         host_bytes=est.host_bytes, host_available_bytes=est.host_available_bytes, host_limit_bytes=host_limit,
+        rank_note=best.rank_note,
         load_host_bytes=est.load_host_bytes,
         trades=trade_offs(best, config, hf_config, gpu_spec, host_limit, memory_seq_len)
         + [line for line in [_paged_comparison(best, everything, search)] if line], maximize=maximize,
@@ -340,6 +341,36 @@ TRIAL_CANDIDATES = 24
 LOSSY_SPEEDUP = 1.2
 """A small-state optimizer's plan is chosen over an AdamW or 8-bit AdamW plan that fits only when it is expected to
 be at least this much faster (the 8B full fine-tune at batch 2: APOLLO-Mini, 1.29x the paged 8-bit plan)."""
+
+
+def rank(candidates: list[Candidate], budget: int) -> list[Candidate]:
+    """The plans that fit, best first: by expected speed, except where the planner prefers a plan for what it
+    trades (fp32 weights before pure bf16 ones; AdamW and 8-bit AdamW before a small-state optimizer less than
+    LOSSY_SPEEDUP faster, which is then dropped) or for its headroom (PEAK_TIE). A plan ranked before a faster one
+    says why in its `rank_note`, which `memfit plan` prints with it: the order shown is the order it says."""
+    ranked = sorted(candidates, key=lambda c: (_pure_bf16(c), -c.tokens_per_second,
+                                               distance_from_adamw(c.changes.get("optimizer")), c.estimate.peak_bytes))
+    ranked = _closest_to_adamw_first(ranked)
+    _note_fp32_first(ranked)  # after the small-state plans that do not pay are dropped: it compares what is left
+    return _smaller_peak_first(ranked, budget)
+
+
+def _pure_bf16(candidate: Candidate) -> bool:
+    """Full training with bf16 weights (no fp32 master copy): ranked after every fp32-weight plan."""
+    return candidate.changes.get("dtype") == "bf16" and not candidate.changes.get("lora_r")
+
+
+def _note_fp32_first(ranked: list[Candidate]) -> None:
+    """Each fp32-weight plan slower than the fastest pure-bf16 one, which it ranks before, says so."""
+    bf16 = [c for c in ranked if _pure_bf16(c)]
+    if not bf16:
+        return
+    fastest = max(bf16, key=lambda c: c.tokens_per_second)
+    for c in ranked:
+        if not _pure_bf16(c) and c.tokens_per_second < fastest.tokens_per_second:
+            c.add_rank_note(f"ranked before faster plans with pure bf16 weights (up to"
+                            f" {fastest.tokens_per_second / c.tokens_per_second:.2f}x its speed): its fp32 weights"
+                            " keep the small updates that bf16 rounds away")
 
 
 def _closest_to_adamw_first(ranked: list[Candidate]) -> list[Candidate]:
@@ -368,6 +399,12 @@ def _smaller_peak_first(ranked: list[Candidate], budget: int) -> list[Candidate]
             and c.changes.get("optimizer") == best.changes.get("optimizer")
             and c.changes.get("dtype") == best.changes.get("dtype")]
     smallest = min(same, key=lambda c: c.estimate.peak_bytes)
+    if smallest.tokens_per_second < best.tokens_per_second:
+        smallest.add_rank_note(
+            f"ranked first for headroom: {format_bytes(best.estimate.peak_bytes - smallest.estimate.peak_bytes)} less peak"
+            f" than the fastest plan, which fills {100 * best.estimate.peak_bytes / budget:.0f}% of the budget and is"
+            f" expected {100 * (best.tokens_per_second / smallest.tokens_per_second - 1):.1f}% faster (plans within"
+            f" {100 * PEAK_TIE:.0f}% of the fastest count as equally fast)")
     return [smallest] + [c for c in ranked if c is not smallest]
 
 
@@ -399,6 +436,7 @@ def _describe(candidate: Candidate, best: Candidate) -> dict[str, Any]:
         "plan": dict(candidate.changes),
         "estimated_peak_bytes": candidate.estimate.peak_bytes,
         "relative_speed": round(candidate.tokens_per_second / best.tokens_per_second, 3),
+        "rank_note": candidate.rank_note,
     }
 
 

@@ -141,7 +141,7 @@ def compile_planned(device: str, config: TrainConfig, hf_config: Any = None) -> 
         return False
     if config.training.epochs is None:
         from memfit.models.flops import flops_per_token
-        seq = config.data.seq_len
+        seq = config.data.seq_len_or_default
         tokens = config.training.max_steps * config.effective_batch_for(1) * seq
         threshold = compile_pays_after_flops(device) or COMPILE_PAYS_AFTER_FLOPS[device]  # measured here, else ours
         if tokens * flops_per_token(hf_config, seq).model < threshold:
@@ -181,7 +181,7 @@ def estimated_step_seconds(changes: dict[str, Any], config: TrainConfig, est: Es
 
     device = device or ("cpu" if gpu is None else "cuda")
     arch = architecture_of(hf_config)
-    seq = changes.get("seq_len", config.data.seq_len)
+    seq = changes.get("seq_len", config.data.seq_len_or_default)
     micro = changes.get("batch_size", config.training.batch_size)
     accumulation = changes.get("gradient_accumulation_steps", 1)
     tokens = micro * seq * accumulation

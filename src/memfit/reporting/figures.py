@@ -95,11 +95,15 @@ def memory_series(run: RunData) -> list[tuple[str, list[int], list[float], bool]
     elif not run.series("peak_allocated_bytes")[0]:
         fields.append(("peak_memory_bytes", "device: peak", False))
     found = []
+    sampled = run.sampled_steps  # the default tracks one early step: its "curve" is one point, named so and put last
     for key, label, host in fields:
         xs, ys = run.series(key)
         if xs:
+            if key == "tracked_peak_bytes" and sampled:
+                label = label.replace("(tracker)", f"(tracker, step {', '.join(map(str, sorted(sampled)))})")
             found.append((label, xs, ys, host))
-    return found
+    # What compares over the steps comes first (memfit compare overlays each run's first series).
+    return sorted(found, key=lambda series: len(series[1]) == 1 and len(run.steps) > 1)
 
 
 def _panels(run: RunData) -> list[tuple[str, str]]:
@@ -109,12 +113,23 @@ def _panels(run: RunData) -> list[tuple[str, str]]:
         ("grad_norm", "gradient norm"),
         ("tokens_per_second", "tokens/s"),
     ]
-    if run.series("mfu")[0]:
+    if mfu_series(run)[0]:
         panels.append(("mfu", "MFU (% of device peak)"))
     panels.append(("memory", "peak memory"))
     if run.series("micro_batch_size")[0]:
         panels.append(("micro_batch_size", "micro-batch size"))
     return [(key, title) for key, title in panels if (memory_series(run) if key == "memory" else run.series(key)[0])]
+
+
+def mfu_series(run: RunData) -> tuple[list[int], list[float]]:
+    """The steps' MFU as train/speed.py recorded it: each a fraction of a measured peak (a preset's datasheet figure
+    or the matmul probe, measured again where a step beat it: a dotted line). Nothing when the run's summary left
+    MFU out (a step beat every measurement of the peak, so the earlier figures were against a peak too low), or
+    for metrics written before that, whose probed peak was raised to the steps' own rate (their curve sat at 100 %)."""
+    summary = run.summary or {}
+    if summary.get("mfu_note") or "raised to a measured step" in str(run.facts.get("peak_flops_source", "")):
+        return [], []
+    return run.series("mfu")
 
 
 def line_trace(go, xs, ys, name, color=None, dash=None, legendgroup=None, showlegend=True, hover_unit=""):
@@ -159,10 +174,12 @@ def curves_figure(run: RunData):
                 )
             figure.update_yaxes(title_text=unit, row=row, col=col, rangemode="tozero")
         else:
-            xs, ys = run.series(key)
+            xs, ys = mfu_series(run) if key == "mfu" else run.series(key)
             xs, ys = downsample(xs, ys, "min" if key == "micro_batch_size" else "mean")
             if key == "mfu":
                 ys = [100 * y for y in ys]  # the metrics keep a fraction of the device's peak
+                for step in run.series("peak_flops_per_second")[0]:  # a step beat the probe: measured again
+                    figure.add_vline(x=step, line={"color": "#8c8c8c", "dash": "dot", "width": 1}, row=row, col=col)
             figure.add_trace(line_trace(go, xs, ys, key.replace("_", " "), RUN_COLORS[0], showlegend=False), row, col)
             if key == "loss" and run.evaluations:  # the eval loss on the same axes (a token-weighted mean, like the loss)
                 evals = [(e["step"], e["eval_loss"]) for e in run.evaluations if isinstance(e.get("eval_loss"), (int, float))]

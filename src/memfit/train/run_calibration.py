@@ -29,7 +29,7 @@ def learn_from_run(session: Any, summary: dict[str, Any], first_step_seconds: fl
         checkpointing = next((m for m in ("full", "selective") if str(session.checkpointing).startswith(m)), "off")
         changes = {"batch_size": config.training.batch_size, "gradient_accumulation_steps": session.accumulation_steps,
                    "gradient_checkpointing": checkpointing, "loss_chunk_size": session.loss_chunk_size,
-                   "compile": session.compiled != "off"}
+                   "compile": bool(session.compiled_ran)}  # what ran: an eager fallback calibrates as eager
         model_seconds = estimated_step_seconds(changes, config, estimate(config, hf_config=hf_config), None,
                                                hf_config, device="cpu", calibrate=False)
         measured = summary["measured_step_seconds"]

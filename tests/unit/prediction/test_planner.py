@@ -23,7 +23,8 @@ def test_plan_picks_a_configuration_that_fits_and_applies_to_the_config():
     assert result.command.startswith("memfit train --model tiny --seq-len 256 --batch-size ")
     for alternative in result.alternatives:
         assert alternative["estimated_peak_bytes"] <= budget * (1 - MARGIN)
-        assert 0 < alternative["relative_speed"] <= 1.0
+        # a runner-up is faster only where the best says why it ranks first (test_plan_order.py)
+        assert 0 < alternative["relative_speed"] <= 1.0 or result.rank_note
 
 
 def test_a_roomy_budget_trains_everything_fast():

@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from memfit.config import TrainConfig
-from memfit.models.flops import DevicePeak
 from memfit.models.tiny import tiny_config
 from memfit.train.speed import SpeedMeter
 
@@ -20,8 +19,8 @@ def _meter(**changes) -> SpeedMeter:
 def test_start_facts_name_the_flops_the_peak_and_the_prediction():
     facts = _meter().start_facts()
     assert facts["model_flops_per_token"] > 0
-    assert facts["peak_flops_source"] == "matmul probe fp32 on cpu"
-    assert facts["predicted_step_seconds"] > 0
+    assert facts["peak_flops_source"].startswith("matmul probe fp32 on cpu")
+    assert facts["model_step_seconds"] > 0
 
 
 def test_a_cpu_run_is_predicted_with_the_planners_cpu_terms(monkeypatch):
@@ -36,7 +35,7 @@ def test_a_cpu_run_is_predicted_with_the_planners_cpu_terms(monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(speed_model, "estimated_step_seconds", spy)
-    assert _meter().start_facts()["predicted_step_seconds"] > 0
+    assert _meter().start_facts()["model_step_seconds"] > 0
     assert asked == ["cpu"]
 
 
@@ -49,8 +48,8 @@ def test_step_mfu_is_model_flops_over_the_peak():
     meter.step(tokens, seconds / 2)
     summary = meter.summary()
     assert summary["mfu"] == pytest.approx(0.5, rel=1e-3)  # the first (warm-up) step is left out
-    assert summary["measured_over_predicted"] == pytest.approx(summary["measured_step_seconds"]
-                                                               / summary["predicted_step_seconds"], rel=1e-2)
+    assert summary["measured_over_model"] == pytest.approx(summary["measured_step_seconds"]
+                                                           / summary["model_step_seconds"], rel=1e-2)
 
 
 def test_full_checkpointing_predicts_a_longer_step_and_counts_hardware_flops():
@@ -71,22 +70,14 @@ def test_a_cpu_run_logs_mfu_per_step_the_prediction_and_which_kernels_ran(tmp_pa
     result = train(config)
     records = read_metrics(tmp_path / "run" / "metrics.jsonl")
     start, steps, summary = records[0], [r for r in records if "event" not in r], records[-1]
-    assert start["predicted_step_seconds"] > 0 and start["peak_flops_source"].startswith("matmul probe")
+    assert start["model_step_seconds"] > 0 and start["peak_flops_source"].startswith("matmul probe")
     assert len(steps) == 3
-    for record in steps:
-        assert 0 < record["mfu"] <= record["hfu"] <= 1  # no step beats the peak (a busy probe is raised)
+    for record in steps:  # no step beats a measured peak: past one, MFU is left out with the reason
+        assert "mfu" not in record or 0 < record["mfu"] <= record["hfu"] <= 1
         assert record["tokens_per_second"] > 0
+    assert summary["mfu_note"] if summary["mfu"] is None else 0 < summary["mfu"] <= 1
     # Asked for liger on a CPU: PyTorch's kernels ran, and the metrics say so and why.
     assert summary["kernels"] == "none" and summary["compile"] == "off"
     assert "CUDA" in summary["fallbacks"]["kernels"]
-    assert summary["measured_step_seconds"] > 0 and summary["measured_over_predicted"] > 0
+    assert summary["measured_step_seconds"] > 0 and summary["measured_over_model"] > 0
     assert "speed: step" in memory_report(result.summary)
-
-
-def test_a_probe_timed_at_a_busy_moment_is_raised_to_the_rate_a_step_reached():
-    meter = _meter()
-    meter.peak = DevicePeak(meter.peak.flops_per_second / 1000, "matmul probe fp32 on cpu")  # far too low
-    record = meter.step(tokens=64, seconds=0.01)
-    assert record["hfu"] == pytest.approx(1.0) and 0 < record["mfu"] <= record["hfu"]
-    assert meter.peak.source == "matmul probe fp32 on cpu (raised to a measured step)"
-    assert meter.summary()["peak_flops_source"] == meter.peak.source

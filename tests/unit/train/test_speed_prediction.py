@@ -52,7 +52,7 @@ def test_what_the_run_really_does_decides_not_what_was_asked():
     config = _config(activation_offload=True, optimizer_offload=True, max_grad_norm=0.0, compile=True, tiled_mlp=4)
     # on a CPU optimizer offload falls back (the state is in host memory already) and compile may run eager
     session = SimpleNamespace(config=config, fallbacks={"optimizer_offload": "no effect on CPU"},
-                              compiled="off (asked, ran eager)")
+                              compiled="off (asked, ran eager)", compiled_ran=False)
     ran = techniques_that_run(session)
     assert ran == {"activation_offload": True, "tiled_mlp": 4, "compile": False, "optimizer_offload": False}
     asked = techniques_that_run(None, config)
