@@ -4,21 +4,23 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from memfit.cli.help_text import CommandHelp, answer_help
 from memfit.errors import UsageError
 
 USAGE = "usage: memfit report RUN_DIR [-o FILE.html]"
-HELP = f"""{USAGE}
-
-Write one self-contained HTML file (plotly.js inline, no network needed to open it) about a run:
-what ran and what fell back, loss, learning rate, gradient norm, tokens/s and peak memory over the
-steps with OOM recoveries and resumes marked, and, when the tracker ran (--track-memory, or a
-memory cap on CPU), the memory at the peak by category beside memfit's estimate, one step's
-timeline stacked by category, the modules and tensors holding the most, and advice.
-memfit train writes the same file as RUN_DIR/report.html at the end of every run (--no-report skips it).
-
-  RUN_DIR              the --output-dir of a memfit train run (or its metrics.jsonl)
-  -o, --output FILE    where to write the report [default: RUN_DIR/report.html]
-"""
+HELP = CommandHelp(
+    "report", USAGE.removeprefix("usage: "),
+    "Write one self-contained HTML file (plotly.js inline, no network needed to open it) about a run: what ran and "
+    "what fell back, loss, learning rate, gradient norm, tokens/s and peak memory over the steps with OOM recoveries "
+    "and resumes marked, and, when the tracker ran (one early step by default; every step with --track-memory or a "
+    "memory cap on CPU), the memory at the peak "
+    "by category beside memfit's estimate, one step's timeline stacked by category, the modules and tensors holding "
+    "the most, and advice. memfit train writes the same file as RUN_DIR/report.html at the end of every run "
+    "(--no-report skips it).",
+    train_flags=False,
+    arguments=(("RUN_DIR", "The --output-dir of a memfit train run (or its metrics.jsonl)."),
+               ("-o, --output FILE.html", "Where to write the report. Default: RUN_DIR/report.html.")),
+)
 
 
 def parse_arguments(argv: list[str], usage: str) -> tuple[list[str], str | None]:
@@ -47,9 +49,8 @@ def parse_arguments(argv: list[str], usage: str) -> tuple[list[str], str | None]
 
 
 def run(argv: list[str]) -> int:
-    if "--help" in argv or "-h" in argv:
-        print(HELP)
-        return 0
+    if (code := answer_help(argv, HELP)) is not None:
+        return code
     runs, output = parse_arguments(argv, USAGE)
     if len(runs) != 1:
         raise UsageError(f"give one run directory ({len(runs)} given); {USAGE} (memfit compare overlays several)")

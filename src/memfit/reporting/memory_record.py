@@ -1,7 +1,8 @@
 """What the tracker measured, kept beside the metrics so a report can be drawn later.
 
 `save_memory_record(directory, tracker, steps, config, facts)` writes
-`memory_timeline.json` at the end of a run that ran the tracker: the timeline of the
+`memory_timeline.json` at the end of a run that ran the tracker (every step with --track-memory,
+one early step by default): the timeline of the
 step where the peak happened (thinned to at most `MAX_TIMELINE_SAMPLES` samples, the
 highest of each stretch kept so the peak survives), the profile (breakdown at the peak,
 phases, top modules, largest tensors, advice, leak warning) and, where it can be made,
@@ -124,26 +125,49 @@ def report_context(config: TrainConfig, facts: dict[str, Any]) -> ReportContext:
     return context
 
 
-def save_memory_record(
-    directory: str | Path, tracker: Any, steps: Sequence[Any], config: TrainConfig, facts: dict[str, Any]
-) -> Path | None:
-    """Write `memory_timeline.json` for a run that ran the tracker; None when no step was tracked.
+def run_memory_record(
+    tracker: Any, steps: Sequence[Any], config: TrainConfig, facts: dict[str, Any]
+) -> dict[str, Any] | None:
+    """The memory record of a run that ran the tracker (see `build_memory_record`); None when no step was tracked.
 
-    `tracker` is the run's `MemoryTracker`, `steps` the `StepMemory` of each step of this launch,
+    `tracker` is the run's `MemoryTracker`, `steps` the `StepMemory` of each tracked step of this launch,
     `facts` what really ran (precision, checkpointing, loss chunk size) as in the metrics' start
-    line, plus "last_step" (the run's step count at the end) and "micro_batch_size" (the one in use).
+    line, plus "last_step" (the run's step count at the end), "micro_batch_size" (the one the tracked
+    steps ran) and, when the tracked steps are not the launch's last ones (the default tracks one early
+    step: train/memory_sample.py), "first_tracked_step" (the run's number of the first of them).
     """
     if not steps:
         return None
     report = build_report(
         steps, tracker.peak_snapshot(), facts.get("device", str(tracker.device)), report_context(config, facts)
     )
-    first_step = int(facts.get("last_step") or len(steps)) - len(steps) + 1
+    first_step = facts.get("first_tracked_step") or int(facts.get("last_step") or len(steps)) - len(steps) + 1
     estimate = analytical_estimate(config, facts.get("micro_batch_size"))
-    record = build_memory_record(report, tracker.timeline(), estimate, first_step)
+    return build_memory_record(report, tracker.timeline(), estimate, int(first_step))
+
+
+def summary_fields(record: dict[str, Any] | None) -> dict[str, Any]:
+    """What the run's summary line says of the estimate beside the tracked peak (the console prints it)."""
+    estimate = (record or {}).get("estimate")
+    if not estimate:
+        return {}
+    return {"estimated_peak_bytes": estimate.get("peak_bytes"), "estimate_error_band": estimate.get("error_band"),
+            "estimate_method": estimate.get("method")}
+
+
+def write_memory_record(directory: str | Path, record: dict[str, Any]) -> Path:
+    """Write `memory_timeline.json` atomically."""
     path = Path(directory) / MEMORY_RECORD_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_suffix(".json.tmp")
     temporary.write_text(json.dumps(record), encoding="utf-8")
     os.replace(temporary, path)  # a reader never sees half a file
     return path
+
+
+def save_memory_record(
+    directory: str | Path, tracker: Any, steps: Sequence[Any], config: TrainConfig, facts: dict[str, Any]
+) -> Path | None:
+    """Write `memory_timeline.json` for a run that ran the tracker (`run_memory_record`); None when no step was tracked."""
+    record = run_memory_record(tracker, steps, config, facts)
+    return write_memory_record(directory, record) if record is not None else None

@@ -14,11 +14,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from memfit.data.samples import describe_facts
 from memfit.reporting import compare, figures
 from memfit.reporting.plan_trials import plan_trials_html
 from memfit.reporting.run_data import RunData
-from memfit.tasks.metrics import METRIC_NAMES
+from memfit.tasks import describe_task, task_class
 from memfit.units import format_bytes
 
 _STYLE = """
@@ -119,6 +118,8 @@ def glance(run: RunData) -> list[tuple[str, str, str]]:
     """(label, value, note) of the cards at the top of the report."""
     facts = run.facts
     cards = [("model", str(facts.get("model", "?")), f"{facts.get('device', '?')} x {facts.get('world_size', 1)}")]
+    if run.task.get("name") not in (None, "causal-lm"):
+        cards.append(("task", str(run.task["name"]), str(run.task.get("head") or "")))
     steps = run.steps[-1]["step"] if run.steps else 0
     finished = run.summary is not None or run.kind == "profile"
     cards.append(("steps", str(steps), "finished" if finished else "no summary: the run did not finish"))
@@ -128,15 +129,17 @@ def glance(run: RunData) -> list[tuple[str, str, str]]:
         )
     if run.evaluations:
         last, summary = run.evaluations[-1], run.summary or {}
-        perplexity = last.get("eval_perplexity")  # "inf" (a string in JSON) when the loss is past exp's range
-        perplexity = _number(perplexity) if isinstance(perplexity, (int, float)) else str(perplexity)
-        note = f"perplexity {perplexity} at step {last['step']}, {last.get('eval_tokens', '?')} target tokens"
+        task = task_class(run.task)  # words the eval: perplexity over target tokens, or accuracy, F1, ... over samples
+        count = task.eval_count(last)
+        scores = task.eval_scores(last)
+        note = f"at step {last['step']}" + (f" over {count}" if count else "")
+        if "perplexity" in task.eval_metrics and scores:
+            note = f"{scores.pop(0)} {note}"  # perplexity, with the loss it is the exp of
         if summary.get("best_eval_step") is not None:
             note += f"; best {_number(summary.get('best_eval_loss'))} at step {summary['best_eval_step']}, kept in best/"
         cards.append(("eval loss", _number(last.get("eval_loss")), note))
-        scores = [f"{name} {_number(last[f'eval_{name}'], 3)}" for name in METRIC_NAMES if f"eval_{name}" in last]
         if scores:  # the task's metrics (memfit.tasks.metrics)
-            cards.append(("eval metrics", scores[0], ", ".join(scores[1:]) + f" at step {last['step']}"))
+            cards.append(("eval metrics", scores[0], ", ".join([*scores[1:], f"at step {last['step']}"])))
     speed = run.typical_tokens_per_second()
     if speed is not None:
         cards.append(("tokens/s", _number(speed, 4), "median over steps after the first"))
@@ -157,6 +160,12 @@ def glance(run: RunData) -> list[tuple[str, str, str]]:
         if not label.startswith("device: peak reserved"):
             name = "peak " + label.split(": ")[-1].replace("peak ", "")
             cards.append((name, format_bytes(max(ys)), "host memory" if host else "device memory"))
+    estimate = (run.memory or {}).get("estimate") or {}
+    measured = ((run.memory or {}).get("profile") or {}).get("peak_bytes")
+    if estimate.get("peak_bytes"):  # beside the tracker's peak: what memfit predicted without running it
+        ratio = f"; measured {measured / estimate['peak_bytes']:.2f}x" if measured else ""
+        cards.append(("estimated peak", format_bytes(estimate["peak_bytes"]),
+                      f"memfit estimate ({estimate.get('method', 'analytical')}, +-{100 * (estimate.get('error_band') or 0):.0f}%){ratio}"))
     oom = len(run.oom_events)
     if oom or run.kind == "train":
         cards.append(("OOM recovered", str(oom), "micro-batch split, update unchanged" if oom else "none needed"))
@@ -171,9 +180,12 @@ def configuration_rows(run: RunData) -> list[tuple[str, str]]:
     """What really ran (from the metrics) and the settings saved with the checkpoint."""
     facts, config = run.facts, run.config or {}
     last = run.steps[-1] if run.steps else {}
-    rows = [("model", facts.get("model")), ("data", config.get("dataset") or ("bundled corpus" if config else None))]
-    if facts.get("data"):  # fine-tuning data: format, loss mask, what the length policy dropped or cut
-        rows.append(("fine-tuning data", describe_facts(facts["data"])))
+    rows = [("model", facts.get("model"))]
+    if run.task:  # what is learned: the head, what the loss is normalised by, what evaluation reports
+        rows.append(("task", describe_task(run.task, evaluated=bool(run.evaluations))))
+    rows.append(("data", config.get("dataset") or ("bundled corpus" if config else None)))
+    if facts.get("data"):  # the data as the task reads it: a table's samples and labels, or the fine-tuning format
+        rows.append(("data as read", task_class(run.task).describe_data(facts["data"])))
     precision = facts.get("precision")
     if facts.get("precision_reason"):
         precision = f"{precision} ({facts['precision_reason']})"
@@ -220,11 +232,28 @@ def configuration_rows(run: RunData) -> list[tuple[str, str]]:
     return [(name, str(value)) for name, value in rows if value is not None]
 
 
+def fallbacks_and_choices(run: RunData) -> tuple[dict[str, str], dict[str, str]]:
+    """(what fell back from what was asked, and why; settings memfit chose from what was asked).
+
+    The metrics' "fallbacks" hold both; "derived_settings" names the second kind (config.derived: clipping off
+    under --optimizer-in-backward, the parts of --chunked-training, ...). An entry whose text changed since it
+    was derived (the technique then fell back at run time) is a fallback.
+    """
+    fallbacks = dict(run.facts.get("fallbacks") or {})
+    derived = run.facts.get("derived_settings") or {}
+    chosen = {name: note for name, note in fallbacks.items() if derived.get(name) == note}
+    return {name: note for name, note in fallbacks.items() if name not in chosen}, chosen
+
+
 def _fallbacks_html(run: RunData) -> str:
-    fallbacks = run.facts.get("fallbacks") or {}
+    fallbacks, chosen = fallbacks_and_choices(run)
+    parts = [f'<div class="warn"><b>{_e(name)}</b>: {_e(note)}</div>' for name, note in fallbacks.items()]
     if not fallbacks:
-        return '<div class="ok">Everything ran as asked: no fallback.</div>'
-    return "".join(f'<div class="warn"><b>{_e(name)}</b>: {_e(note)}</div>' for name, note in fallbacks.items())
+        parts.append('<div class="ok">Everything ran as asked: no fallback.</div>')
+    if chosen:
+        parts.append('<div class="sub">Chosen by memfit from what was asked (not fallbacks): '
+                     + "; ".join(f"<b>{_e(name)}</b>: {_e(note)}" for name, note in chosen.items()) + "</div>")
+    return "".join(parts)
 
 
 def _events_html(run: RunData) -> str:
@@ -244,8 +273,10 @@ def _memory_html(run: RunData) -> str:
             ""
             if run.kind != "train"
             else (
-                '<div class="sub">Run with --track-memory (or memfit profile) for the timeline of a step, the modules and '
-                "the largest tensors at the peak, and advice.</div>"
+                '<div class="sub">The tracker did not run: a run tracks one early step by default, unless '
+                "--no-track-memory, --compile, several ranks or --no-report turn it off. Run with --track-memory (every "
+                "step) or memfit profile for the memory at the peak beside the estimate, the timeline of a step, the "
+                "modules and the largest tensors at the peak, and advice.</div>"
             )
         )
         if breakdown:
@@ -253,10 +284,13 @@ def _memory_html(run: RunData) -> str:
         return "<h2>Memory at the peak</h2>" + (hint or '<div class="sub">The tracker did not run.</div>')
     profile, estimate = record["profile"], record.get("estimate")
     peak = profile.get("peak_bytes") or 1
+    sampled = (run.summary or {}).get("tracked_step")
+    which = (f" The tracker ran on step {sampled} alone (the default: one early step, where the optimizer state "
+             "already exists; --track-memory tracks every step, --no-track-memory none)." if sampled else "")
     parts = [
         "<h2>Memory at the peak</h2>",
         f'<div class="sub">Live tensor bytes counted by the tracker on {_e(profile.get("device"))}: peak '
-        f"{_e(format_bytes(peak))} in step {_e(record.get('peak_step', profile.get('peak_step')))} ({_e(profile.get('peak_phase'))}).</div>",
+        f"{_e(format_bytes(peak))} in step {_e(record.get('peak_step', profile.get('peak_step')))} ({_e(profile.get('peak_phase'))}).{_e(which)}</div>",
     ]
     breakdown = profile.get("breakdown") or {}
     estimated = (estimate or {}).get("breakdown") or {}
@@ -278,10 +312,12 @@ def _memory_html(run: RunData) -> str:
     )
     parts.append('<div class="twocol"><div>' + _table(header, rows + [total], numeric=[1, 2, 3]))
     if estimate:
+        ratio = (f" The measured peak is {peak / estimate['peak_bytes']:.2f}x the estimate."
+                 if estimate.get("peak_bytes") else "")
         parts.append(
             '<div class="sub">The estimate is memfit\'s prediction for this configuration at micro-batch '
             f"{_e(estimate.get('micro_batch_size', '?'))} (memfit estimate, {_e(estimate.get('method', 'analytical'))} "
-            f"method, peak in {_e(estimate.get('peak_phase') or '?')}), made without running it.</div>"
+            f"method, peak in {_e(estimate.get('peak_phase') or '?')}), made without running it.{_e(ratio)}</div>"
         )
     parts.append("</div><div>" + _chart(figures.breakdown_figure(breakdown, estimate), "breakdown") + "</div></div>")
     timeline = record.get("timeline") or {}
@@ -394,7 +430,7 @@ def render_compare(runs: Sequence[RunData]) -> str:
                 _number(run.typical_tokens_per_second()),
                 peak,
                 len(run.oom_events),
-                "; ".join(f"{k}: {v}" for k, v in (facts.get("fallbacks") or {}).items()) or "none",
+                "; ".join(f"{k}: {v}" for k, v in fallbacks_and_choices(run)[0].items()) or "none",
             )
         )
     body = [

@@ -60,6 +60,23 @@ class RunData:
         return xs, ys
 
     @property
+    def task(self) -> dict[str, Any]:
+        """What the run learned: the task facts of its metrics (memfit.tasks.Task.facts), or for a run made before
+        they were recorded the task named in its saved configuration; {} when neither says (a causal LM)."""
+        found = self.facts.get("task")
+        if isinstance(found, dict):
+            return found
+        name = (self.config or {}).get("task")
+        return {"name": name} if isinstance(name, str) else {}
+
+    @property
+    def sampled_steps(self) -> set[int]:
+        """Steps the default ran under the memory tracker alone (train/memory_sample.py): a few times slower than
+        the others, so left out of the typical speed. Empty when every step or none was tracked."""
+        tracked = {record["step"] for record in self.steps if "tracked_peak_bytes" in record}
+        return tracked if len(tracked) < len(self.steps) else set()
+
+    @property
     def evaluations(self) -> list[dict[str, Any]]:
         """The eval lines ({"event": "eval", "step", "eval_loss", ...}) by step; after a resume the later one of a step."""
         by_step = {e["step"]: e for e in self.events if e.get("event") == "eval" and isinstance(e.get("step"), int)}
@@ -80,9 +97,14 @@ class RunData:
         return losses[0] if losses else None
 
     def typical_tokens_per_second(self) -> float | None:
-        """The median over steps, leaving out the first one (it pays for warm-up) when there are more."""
-        _, values = self.series("tokens_per_second")
+        """The median over steps, leaving out the first one (it pays for warm-up) when there are more, and the step
+        the default tracked alone (`sampled_steps`) when there are others."""
+        steps, values = self.series("tokens_per_second")
         values = values[1:] if len(values) > 1 else values
+        steps = steps[1:] if len(steps) > 1 else steps
+        sampled = self.sampled_steps
+        untracked = [value for step, value in zip(steps, values, strict=True) if step not in sampled]
+        values = untracked or values
         return statistics.median(values) if values else None
 
     def typical_mfu(self) -> float | None:

@@ -17,13 +17,14 @@ from memfit.tasks.heads import (
     TableTask,
     TokenClassificationTask,
 )
+from memfit.tasks.metrics import METRIC_LABELS
 
 TASK_CLASSES: dict[str, type[Task]] = {
     cls.name: cls
     for cls in (Task, MaskedLMTask, SequenceClassificationTask, TokenClassificationTask, RegressionTask)
 }
 
-__all__ = ["TASK_CLASSES", "Task", "build_task"]
+__all__ = ["TASK_CLASSES", "Task", "build_task", "describe_task", "task_class"]
 
 
 def build_task(config: Any) -> Task:
@@ -41,7 +42,30 @@ def build_task(config: Any) -> Task:
         task.read_labels(config.data.dataset)
         if task.spec is not None and config.data.packing == "auto":
             # One sample a row, padded to the longest of its micro-batch: a pooled head or a bidirectional
-            # encoder must not see two samples in one row.
+            # encoder must not see two samples in one row. What "auto" means for a table, not a fallback: the
+            # task's facts (the report's task row) say so; --packing samples/wrapped on a table is refused.
             config.data.packing = "off"
-            config.derived["packing"] = f"packing off: --task {task.name} reads one table row a sample"
     return task
+
+
+def task_class(task: str | dict[str, Any] | None) -> type[Task]:
+    """The class of a task by name, or by the facts a run recorded ({"name": ...}); causal LM when unknown.
+
+    What the run summary and the report ask how to word a run's results (Task.eval_status, eval_scores, ...).
+    """
+    name = task.get("name") if isinstance(task, dict) else task
+    return TASK_CLASSES.get(name or "", Task)
+
+
+def describe_task(facts: dict[str, Any], evaluated: bool = True) -> str:
+    """The task facts of a run (Task.facts) in words: the report's task row (`evaluated`: what its evaluations report)."""
+    cls = task_class(facts)
+    parts = [str(facts.get("head") or cls.auto_class), f"loss per {facts.get('loss_per') or cls.unit.removesuffix('s')}"]
+    if facts.get("problem") in ("single-label", "multi-label"):
+        parts.append(facts["problem"])
+    measures = [METRIC_LABELS.get(name, name) for name in facts.get("eval_metrics") or cls.eval_metrics]
+    if measures and evaluated:
+        parts.append("eval: loss, " + ", ".join(measures))
+    if facts.get("packing"):
+        parts.append(f"packing {facts['packing']}")
+    return f"{facts.get('name') or cls.name} ({'; '.join(parts)})"

@@ -8,8 +8,13 @@ A task decides:
   sequence tasks), so any split of an effective batch into micro-batches, OOM halves included, gives
   the same update;
 - `collate`, `prepare` (the masked LM's masks), `load_data` (tables or text), and the metrics
-  evaluation streams (tasks.metrics).
-The step, the OOM split, accumulation and evaluation call these; none branches on a task's name.
+  evaluation streams (tasks.metrics);
+- what the run says about itself: `eval_metrics` and `unit` (what an eval line reports and over what),
+  `facts()` (the metrics' start and summary lines), `eval_status`, `eval_scores`, `eval_count` and
+  `describe_data` (the console, the run summary and the HTML report word the task's results with these:
+  accuracy, F1, MCC and AUROC over samples for a classifier, perplexity over target tokens for a causal LM).
+The step, the OOM split, accumulation, evaluation and the report call these; none branches on a task's name.
+The wording methods are class methods: the report asks the class named in a run's metrics, with no config.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from typing import Any
 import torch
 
 from memfit.data import collate, load_training_data
+from memfit.tasks.metrics import METRIC_LABELS, format_metric
 from memfit.techniques.loss import count_target_tokens
 
 LossFunction = Callable[..., torch.Tensor]
@@ -31,13 +37,20 @@ class Task:
     name = "causal-lm"
     auto_class = "AutoModelForCausalLM"
     unit = "target tokens"
-    """What `count` counts, for the log."""
+    """What `count` counts (the loss is normalised per one of them, and an eval loss is averaged over them)."""
     label_kind: str | None = None
     """What tables.load_table reads from label columns; None: the text and fine-tuning formats (memfit.data)."""
     sequence_level = False
+    """Whether a sample carries one label (pooled head): no packing, no vocabulary logits to chunk."""
     peft_task_type = "CAUSAL_LM"
     """PEFT's task type under --lora-r (techniques.lora): SEQ_CLS/TOKEN_CLS train the head in full."""
-    """Whether a sample carries one label (pooled head): no packing, no vocabulary logits to chunk."""
+    eval_metrics: tuple[str, ...] = ("perplexity",)
+    """What an eval line reports beside the loss, in the order it is shown (each is the line's eval_<name> field;
+    tasks.metrics.METRIC_LABELS names them): perplexity where a token is predicted from a vocabulary, the metric
+    stream's measures (accuracy, F1, ...) elsewhere. A name the line lacks (no scikit-learn, AUROC of one class) is
+    left out."""
+    eval_count_field = "eval_tokens"
+    """The eval line's field that counts the `unit`s the eval loss is averaged over (eval_samples for sequence tasks)."""
 
     def __init__(self, config: Any = None):
         self.config = config
@@ -99,3 +112,36 @@ class Task:
 
     def describe(self) -> str:
         return f"{self.name} ({self.auto_class}; loss normalised per {self.unit.removesuffix('s')})"
+
+    # -- what the run says about the task (console, run summary, HTML report) ------------------
+
+    def facts(self) -> dict[str, Any]:
+        """What the metrics' start and summary lines record about the task (the report's task row)."""
+        return {"name": self.name, "head": self.auto_class, "loss_per": self.unit.removesuffix("s"),
+                "eval_metrics": list(self.eval_metrics)}
+
+    @classmethod
+    def eval_scores(cls, record: dict[str, Any]) -> list[str]:
+        """The task's measures an eval line (or the run's summary) carries, worded: ["accuracy 0.9", "F1 0.8976"]."""
+        return [f"{METRIC_LABELS.get(name, name)} {format_metric(name, record[f'eval_{name}'])}"
+                for name in cls.eval_metrics if record.get(f"eval_{name}") is not None]
+
+    @classmethod
+    def eval_count(cls, record: dict[str, Any]) -> str:
+        """What the eval loss was averaged over: "80 samples", "12,345 target tokens" ("" when the line lacks it)."""
+        count = record.get(cls.eval_count_field)
+        return f"{count:,} {cls.unit}" if isinstance(count, int) and not isinstance(count, bool) else ""
+
+    @classmethod
+    def eval_status(cls, record: dict[str, Any]) -> str:
+        """The console's eval line: "eval loss 0.4745 over 80 samples | accuracy 0.9 | F1 0.8976 | MCC 0.86 | ..."."""
+        count = cls.eval_count(record)
+        head = f"eval loss {record['eval_loss']:.4f}" + (f" over {count}" if count else "")
+        return " | ".join([head, *cls.eval_scores(record)])
+
+    @classmethod
+    def describe_data(cls, facts: dict[str, Any]) -> str:
+        """The data facts of the metrics' start line (data.samples.dataset_facts) in words: the report's data row."""
+        from memfit.data.samples import describe_facts
+
+        return describe_facts(facts)

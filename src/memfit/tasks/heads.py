@@ -72,14 +72,15 @@ class TableTask(Task):
             model.config.pad_token_id = tokenizer.pad_token_id
 
     def load_data(self, data_config: Any, tokenizer: Any, *, role: str = "training", min_samples: int = 1,
-                  max_positions: int | None = None, **_: Any) -> Any:
-        if max_positions is not None and data_config.seq_len > max_positions:
+                  max_positions: int | None = None, say: bool = True, **_: Any) -> Any:
+        if max_positions is not None and data_config.seq_len is not None and data_config.seq_len > max_positions:
             raise UsageError(f"--seq-len {data_config.seq_len} is too long: the model handles at most {max_positions}"
                              " positions; lower --seq-len")
-        try:
+        try:  # --seq-len not given: from the rows' lengths, within the model's positions
             return load_table(data_config.dataset, self.spec, tokenizer, sequence_field=self.config.task.sequence_field,
                               seq_len=data_config.seq_len, truncate=data_config.truncate, min_samples=min_samples,
-                              role=role, label_table=self.config.task.label_table, id_field=self.config.task.id_field)
+                              role=role, label_table=self.config.task.label_table, id_field=self.config.task.id_field,
+                              allow_drop=data_config.allow_drop, max_positions=max_positions, say=say)
         except UsageError as error:
             raise UsageError(f"{role} data: {error}") from None
 
@@ -112,6 +113,18 @@ class TableTask(Task):
 
         return loss_sum
 
+    def facts(self) -> dict[str, Any]:
+        facts = super().facts()
+        if self.spec is not None:  # a table: one row a sample (build_task turned --packing auto off)
+            facts["packing"] = "off: one table row a sample, padded to the longest of its micro-batch"
+        return facts
+
+    @classmethod
+    def describe_data(cls, facts: dict[str, Any]) -> str:
+        if facts.get("format") != "table":
+            return super().describe_data(facts)
+        return describe_table(facts)
+
     def refusals(self, config: Any) -> list[str]:
         found = []
         if config.data.packing in ("samples", "wrapped"):
@@ -129,6 +142,8 @@ class SequenceClassificationTask(TableTask):
     peft_task_type = "SEQ_CLS"
     head_modules = ("classifier", "score", "pooler.dense")  # BERT/ESM classifier, BERT pooler, a decoder score
     sequence_level = True
+    eval_metrics = ("accuracy", "f1", "f1_micro", "f1_macro", "mcc", "auroc")  # single-label or multi-label's
+    eval_count_field = "eval_samples"
 
     def __init__(self, config: Any):
         super().__init__(config)
@@ -136,6 +151,11 @@ class SequenceClassificationTask(TableTask):
         self.multi_label = wanted == "multi-label" or (wanted == "auto" and len(self.fields) > 1)
         self.label_kind = "multi-label" if self.multi_label else "class"
         self.metric_kind = "multi-label" if self.multi_label else "single-label"
+        self.eval_metrics = (("f1_micro", "f1_macro", "accuracy", "auroc") if self.multi_label
+                             else ("accuracy", "f1", "mcc", "auroc"))
+
+    def facts(self) -> dict[str, Any]:
+        return super().facts() | {"problem": self.metric_kind}
 
     def model_config(self) -> dict[str, Any]:
         problem = "multi_label_classification" if self.multi_label else "single_label_classification"
@@ -159,6 +179,7 @@ class RegressionTask(SequenceClassificationTask):
 
     name = "regression"
     label_kind = "number"
+    eval_metrics = ("mse", "r2", "pearson", "spearman")
 
     def __init__(self, config: Any):
         TableTask.__init__(self, config)
@@ -183,6 +204,8 @@ class TokenClassificationTask(TableTask):
     head_modules = ("classifier", "score")
     label_kind = "tokens"
     metric_kind = "tokens"
+    unit = "labelled tokens"
+    eval_metrics = ("accuracy", "f1", "mcc")
 
     def count(self, sample: dict) -> int:
         return int((sample["labels"] != IGNORE_INDEX).sum())
@@ -201,6 +224,8 @@ class MaskedLMTask(TableTask):
     auto_class = "AutoModelForMaskedLM"
     peft_task_type = "FEATURE_EXTRACTION"  # no new head: the adapters alone train (the LM head is tied to the embeddings)
     label_kind = "none"
+    unit = "masked tokens"
+    eval_metrics = ("perplexity",)  # exp of the eval loss over the masked tokens
 
     def __init__(self, config: Any):
         super().__init__(config)
@@ -255,6 +280,26 @@ class MaskedLMTask(TableTask):
             return ["--packing samples restricts attention through causal position ids; masked-LM encoders attend both"
                     " ways: use --packing off, or wrapped for plain text"]
         return []
+
+
+_LABEL_KINDS = {"class": "classes", "multi-label": "labels", "number": "targets", "tokens": "token labels"}
+
+
+def describe_table(facts: dict[str, Any]) -> str:
+    """A table's data facts (data.tables: rows, samples, tokens, labels, the length policy) in words."""
+    text = (f"table: {facts.get('records', 0):,} rows, {facts.get('samples_kept', 0):,} samples of <="
+            f" {facts.get('seq_len')} tokens ({facts.get('tokens', 0):,} tokens)")
+    labels, kind = list(facts.get("labels") or []), facts.get("label_kind")
+    if kind in _LABEL_KINDS and labels:
+        shown = ", ".join(map(str, labels[:10])) + (", ..." if len(labels) > 10 else "")
+        text += f"; {len(labels)}{'+' if len(labels) >= 64 else ''} {_LABEL_KINDS[kind]}: {shown}"
+    elif kind == "none":
+        text += "; sequences only"
+    if facts.get("samples_dropped_long"):
+        text += f"; {facts['samples_dropped_long']:,} longer than {facts.get('seq_len')} tokens dropped"
+    if facts.get("samples_truncated"):
+        text += f"; {facts['samples_truncated']:,} cut to {facts.get('seq_len')} tokens"
+    return text
 
 
 def _no_vocabulary(name: str, config: Any) -> list[str]:

@@ -25,7 +25,20 @@ import torch
 log = logging.getLogger("memfit")
 METRIC_NAMES = ("accuracy", "f1", "f1_micro", "f1_macro", "mcc", "auroc", "mse", "r2", "pearson", "spearman")
 """Every metric a stream may report; eval lines carry each as eval_<name>."""
+METRIC_LABELS = {"accuracy": "accuracy", "f1": "F1", "f1_micro": "F1 micro", "f1_macro": "F1 macro", "mcc": "MCC",
+                 "auroc": "AUROC", "mse": "MSE", "r2": "R2", "pearson": "Pearson", "spearman": "Spearman",
+                 "perplexity": "perplexity"}
+"""How the console, the run summary and the report name each metric (ASCII: a console may not print more)."""
 MISSING_NOTE = "scikit-learn is not installed: evaluation reports the loss only (pip install 'memfit[tasks]')"
+
+
+def format_metric(name: str, value: object) -> str:
+    """One metric's value as the console, the summary and the report print it ("inf" stays a word)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return str(value)  # a perplexity past exp's range is "inf" in the JSON lines
+    if name == "perplexity":
+        return f"{value:,.2f}" if math.isfinite(value) else "inf"
+    return f"{value:.4g}"
 
 
 def sklearn_available() -> bool:

@@ -6,8 +6,11 @@
     ...after each optimizer step:  evaluation = evaluator.maybe_run(step)
     ...then:                       evaluator.publish(evaluation, logger, progress)   # eval line, --save-best
 
-The eval loss is the sum of the token losses of the whole eval set divided by its target
-tokens, so how the set is cut into batches cannot change it; the perplexity is exp(loss).
+The eval loss is the sum of the losses of the whole eval set divided by its units (the task's
+`count`: target tokens, or samples for a sequence task), so how the set is cut into batches
+cannot change it; the perplexity is exp(loss). The console's eval line is the task's wording
+(`Task.eval_status`): perplexity over target tokens for a causal or masked LM, the task's
+metrics (accuracy, F1, MCC, AUROC; MSE, Pearson, ...) over samples for a sequence task.
 Each batch runs the same loss function as the training step (the chunked loss included,
 so the logits of one chunk at most are alive), under `torch.no_grad`: no activation is kept
 for backward and no logits are kept across batches, only two running sums. Its peak is
@@ -359,7 +362,8 @@ class Evaluator:
             logger.log({"step": result.step, **event})
         logger.log(result.record())
         if progress is not None:
-            progress.evaluation(result.step, result.loss, result.perplexity)
+            # The task words it: perplexity over target tokens for a causal LM, accuracy/F1/... over samples for a classifier.
+            progress.evaluation(result.step, self.task.eval_status(result.record()))
         if self.save_best and (self.best is None or result.loss < self.best["eval_loss"]):
             self._save_best(result)
 
@@ -379,7 +383,7 @@ class Evaluator:
         if self.last is None:
             return {}
         summary = {"eval_loss": self.last.loss, "eval_perplexity": self.last.perplexity, "eval_step": self.last.step,
-                   "eval_tokens": self.last.target_tokens,
+                   "eval_tokens": self.last.target_tokens, "eval_samples": self.last.samples,
                    **{f"eval_{name}": value for name, value in self.last.metrics.items()}}
         if self.save_best and self.best is not None:
             summary |= {"best_eval_loss": self.best["eval_loss"], "best_eval_step": self.best["step"],

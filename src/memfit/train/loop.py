@@ -25,9 +25,10 @@ from memfit.checkpoint_files import TrainerState, resolve_resume
 from memfit.config import TrainConfig
 from memfit.data.samples import dataset_facts
 from memfit.memory.stats import memory_stats, reset_peaks
-from memfit.reporting.memory_record import save_memory_record
+from memfit.reporting.memory_record import run_memory_record, summary_fields, write_memory_record
 from memfit.techniques.packed_attention import packing_facts
 from memfit.train.evaluation import Evaluator
+from memfit.train.memory_sample import OneStepSample
 from memfit.train.metrics import NullLogger, build_loggers
 from memfit.train.progress import Progress
 from memfit.train.saving import Saver, prepare_long_run, start_preemption
@@ -59,7 +60,11 @@ def make_logger(session: TrainingSession):
 
 
 def make_tracker(session: TrainingSession, always: bool = False):
-    """The live-tensor tracker, when asked for (or `always`) or when a memory cap must be emulated on CPU."""
+    """The live-tensor tracker of every step, when asked for (or `always`) or when a memory cap must be emulated on CPU.
+
+    Without --track-memory (and without --no-track-memory) the run tracks one early step instead
+    (train.memory_sample): its report then shows the memory at the peak beside the estimate.
+    """
     memory = session.config.memory
     cap = memory.memory_cap
     if session.device.type == "cuda" and cap is not None:
@@ -104,6 +109,8 @@ def train(
     if session.dist.is_main and save_outputs:
         session.output_dir.mkdir(parents=True, exist_ok=True)
     tracker = tracker if tracker is not None else make_tracker(session)
+    # Without a tracker on every step, the default tracks one early step (train/memory_sample.py) for the report.
+    sample = OneStepSample.for_run(session, state.step, save_outputs) if tracker is None else None
     logger = make_logger(session) if save_outputs else NullLogger()
     runner = StepRunner.from_session(session, tracker=tracker, micro_batch_size=micro_batch_size)
     describe_run(session, micro_batch_size)
@@ -115,6 +122,7 @@ def train(
 
     losses: list[float] = []
     memory_steps: list = []
+    tracked_micro_batch = None  # the micro-batch of the tracked steps (the estimate beside them is made for it)
     skipped_steps = 0
     oom_events = 0
     run_peak = 0
@@ -126,10 +134,12 @@ def train(
     # Preemption signals are caught from the first step through the final save: a signal after the last
     # step lets the final checkpoint and model finish (the run ends normally) instead of killing the save.
     with saver.preemption:
-        with tracker if tracker is not None else contextlib.nullcontext(), progress, activation_offload, _oom_is_fatal(runner, config):
+        with (tracker if tracker is not None else contextlib.nullcontext(), progress, activation_offload,
+              _oom_is_fatal(runner, config), sample if sample is not None else contextlib.nullcontext()):
             upcoming = _samples_of(session, state.step)
             first_step = state.step
             for step in range(state.step, session.total_steps):
+                sampled = sample is not None and sample.begin(step + 1, runner, evaluator)  # the one tracked step
                 reset_peaks(session.device)
                 step_started = time.perf_counter()
                 # The next step's samples are fetched now so its first micro-batch is prepared during this step.
@@ -166,14 +176,16 @@ def train(
                     "precision": session.precision.name,
                     "optimizer": session.optimizer_name,
                     "attention": session.attention.implementation,
-                    **speed.step(result.input_tokens * world_size, elapsed),
+                    # The tracked step runs a few times slower: its time stays out of MFU and the measured step.
+                    **(speed.step(result.input_tokens * world_size, elapsed) if not sampled else {}),
                     **stats,
                 }
                 if session.scaler is not None:
                     record["skipped_steps"] = skipped_steps
-                if tracker is not None:
-                    step_memory = tracker.end_step()
+                if tracker is not None or sampled:
+                    step_memory = (tracker or sample.tracker).end_step()
                     memory_steps.append(step_memory)
+                    tracked_micro_batch = result.micro_batch_size
                     tracked_peak = max(tracked_peak or 0, step_memory.peak_bytes)
                     record["tracked_peak_bytes"] = step_memory.peak_bytes
                     record["tracked_breakdown"] = dict(step_memory.breakdown)
@@ -181,22 +193,34 @@ def train(
                 record.update(engine.step_metrics(record))  # every rank takes part
                 logger.log(record)
                 progress.update(state.step, loss, record["tokens_per_second"], stats.get("peak_memory_bytes"))
+                if sampled:
+                    sample.end()  # later steps run untracked
                 if evaluation is not None:
                     evaluator.publish(evaluation, logger, progress)  # the eval line, trackers, --save-best
                 saver.after_step(state)  # every N steps or M minutes; on a preemption signal: save, then exit 75
         wall = time.perf_counter() - started
         saver.finish()  # a background write in flight completes (or raises) before the final save
         final_dir = _save_final(session, state) if save_outputs else None
+    memory_record = None
+    if memory_steps and save_outputs and session.dist.is_main:  # what the HTML report draws of the tracker
+        facts = {**run_facts(session), "last_step": state.step, "micro_batch_size": tracked_micro_batch,
+                 "first_tracked_step": sample.step if sample is not None else None}
+        memory_record = run_memory_record(tracker or sample.tracker, memory_steps, config, facts)
+    resumed = resume_from is not None and bool(losses)
     summary = {
         "event": "summary",
         "steps": state.step,
         "final_loss": losses[-1] if losses else None,
-        "first_loss": losses[0] if losses else None,
+        # The run's first loss (step 1), also after a resume: the metrics file of the run holds it (None if it is gone).
+        "first_loss": (_first_loss_of_run(session) if resumed else losses[0]) if losses else None,
+        **({"resumed_at_step": first_step, "launch_first_loss": losses[0]} if resumed else {}),
         "tokens_seen": state.tokens_seen,
         "wall_seconds": round(wall, 3),
         "peak_memory_bytes": run_peak or None,
         "tracked_peak_bytes": tracked_peak,
         "tracked_breakdown": dict(max(memory_steps, key=lambda m: m.peak_bytes).breakdown) if memory_steps else None,
+        "tracked_step": sample.step if sample is not None and memory_steps else None,  # the default's one step
+        **summary_fields(memory_record),  # the estimate beside the tracked peak
         "oom_events": oom_events,
         "micro_batch_size": runner.micro_batch_size,
         "skipped_steps": skipped_steps,
@@ -212,13 +236,27 @@ def train(
         learn_from_run(session, summary, speed.first_step_seconds)
     logger.log(summary)
     logger.close()
-    if tracker is not None and save_outputs and session.dist.is_main:  # what the HTML report draws of the tracker
-        facts = {**run_facts(session), "last_step": state.step, "micro_batch_size": runner.micro_batch_size}
-        save_memory_record(session.output_dir, tracker, memory_steps, config, facts)
+    if memory_record is not None:
+        write_memory_record(session.output_dir, memory_record)
     return TrainResult(
         state.step, summary["final_loss"], losses, session.output_dir, final_dir, summary["peak_memory_bytes"], tracked_peak,
         summary, memory_steps,
     )
+
+
+def _first_loss_of_run(session: TrainingSession) -> float | None:
+    """The loss of step 1 of a resumed run, from the run's metrics file (the last step-1 line: that run's); None if gone."""
+    from memfit.reporting.run_data import read_jsonl
+
+    output = session.config.output
+    path = Path(output.log_file) if output.log_file else Path(session.output_dir) / "metrics.jsonl"
+    if not session.dist.is_main or not path.is_file():
+        return None
+    found = None
+    for record in read_jsonl(path):
+        if record.get("event") is None and record.get("step") == 1 and isinstance(record.get("loss"), (int, float)):
+            found = float(record["loss"])
+    return found
 
 
 def _check_compiled(session: TrainingSession, logger, tracked: bool) -> None:
@@ -228,7 +266,7 @@ def _check_compiled(session: TrainingSession, logger, tracked: bool) -> None:
     mode always, elsewhere when it compiled nothing. The metrics must name what ran, not what
     was asked.
     """
-    if session.compiled == "off":
+    if not session.compiled_ran:
         return
     from memfit.techniques.compile import compile_stats
 
@@ -240,7 +278,7 @@ def _check_compiled(session: TrainingSession, logger, tracked: bool) -> None:
            " does not run under it" if tracked else "Dynamo fell back to eager")
     reason = f"no graph was compiled in the first step: {why}; the blocks ran eager"
     session.fallbacks["compile"] = reason
-    session.compiled = "off (asked, ran eager)"
+    session.compiled, session.compiled_ran = "off (asked, ran eager)", False
     log.warning("memfit: --compile: %s", reason)
     logger.log({"event": "fallback", "technique": "compile", "reason": reason})
 
@@ -342,10 +380,15 @@ def run_facts(session: TrainingSession) -> dict[str, Any]:
         "seq_len": config.data.seq_len,
         "kernels": session.kernels.description,
         "compile": session.compiled,
+        "compiled_ran": session.compiled_ran,  # what code reads; "compile" is for people
         "rope_scaling": session.loaded.rope_scaling.describe() if session.loaded.rope_scaling else None,
         "packing": packing_facts(session.dataset),
         "data": dataset_facts(session.dataset),
         "fallbacks": dict(session.fallbacks),
+        # Settings memfit chose from others the user gave (config.derived): in the fallbacks above, but nothing asked
+        # for fell back; the report shows them apart.
+        "derived_settings": dict(config.derived) or None,
+        "task": session.task.facts(),  # what is learned: the console, the summary and the report word its results
         "lora": lora_facts(session.model, config.lora) if config.lora.lora_r > 0 else None,  # what trains
         "experts": experts_facts(session.model),  # MoE: the experts implementation that ran, active parameters
         "experts_weights": experts_precision(session.model),  # MoE: "experts nf4" (QLoRA) or the load dtype

@@ -45,11 +45,10 @@ class Progress:
         elif step % self.every == 0 or step == self.total or step == self.start + 1:
             print(f"step {step}/{self.total} | {status}", file=sys.stderr, flush=True)
 
-    def evaluation(self, step: int, loss: float, perplexity: float) -> None:
-        """An evaluation's result: its own line in a pipe, on the bar's status line on a terminal."""
+    def evaluation(self, step: int, status: str) -> None:
+        """An evaluation's result, worded by the task (Task.eval_status): its own line, in a pipe or above the bar."""
         if not self.enabled:
             return
-        status = f"eval loss {loss:.4f} | perplexity {perplexity:,.2f}"
         if self._bar is not None:
             self._bar.console.print(f"step {step}/{self.total} | {status}")
         else:

@@ -264,7 +264,7 @@ def test_eval_dataset_of_conversations(llama_dir, tmp_path):
     conversations.write_text("\n".join(json.dumps(row) for row in rows) + "\n")
     config = load_config(overrides=dict(
         model=str(llama_dir), dataset="builtin:chat", chat_template="chatml", eval_dataset=str(conversations),
-        seq_len=256, batch_size=4, max_steps=1, loss_chunk_size=0, output_dir=str(tmp_path / "out"), **SGD_NO_CLIPPING,
+        seq_len=256, allow_drop=True, batch_size=4, max_steps=1, loss_chunk_size=0, output_dir=str(tmp_path / "out"), **SGD_NO_CLIPPING,
     ))
     result = train(config)
     (last,) = _eval_lines(tmp_path / "out")
@@ -281,7 +281,7 @@ def test_bad_eval_dataset_stops_before_anything_is_written(llama_dir, tmp_path):
     bad.write_text(json.dumps({"messages": [{"role": "user", "content": "Only a question?"}]}) + "\n")
     out = tmp_path / "out"
     config = load_config(overrides=dict(model=str(llama_dir), dataset="builtin:chat", chat_template="chatml",
-                                        eval_dataset=str(bad), seq_len=256, output_dir=str(out)))
+                                        eval_dataset=str(bad), seq_len=256, allow_drop=True, output_dir=str(out)))
     with pytest.raises(UsageError, match="--eval-dataset") as error:
         train(config)
     assert "\n" not in str(error.value)
