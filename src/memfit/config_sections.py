@@ -25,6 +25,8 @@ ROPE_SCALINGS = ("auto", "linear", "yarn", "llama3")
 DATASET_FORMATS = ("auto", "text", "prompt-completion", "messages", "alpaca", "sharegpt")
 TRAIN_ON_CHOICES = ("assistant", "last", "all")
 PACKING_MODES = ("auto", "samples", "off", "wrapped")
+DEFAULT_SEQ_LEN = 256
+"""--seq-len of plain text, and of estimate/plan without a dataset, when none is given (whole samples: from the data)."""
 
 
 def _choices(*values: str) -> dict:
@@ -58,8 +60,8 @@ class DataConfig:
     """Training data: a .txt, .jsonl or .parquet file, hf:NAME[:CONFIG][@SPLIT], or builtin:chat (conversations shipped with memfit). Default: the bundled corpus."""
     text_field: str = "text"
     """Field holding the text in .jsonl, .parquet and Hugging Face datasets."""
-    seq_len: int = 256
-    """Tokens per training sample (window). Lower it if activations do not fit."""
+    seq_len: int | None = None
+    """Tokens per training sample (window); not given: from the data for whole samples (conversations, instructions, tables), 256 for plain text. From the data means the longest sample (or the length keeping 99% of the samples and target tokens when a few are far longer), rounded up to a multiple of 64, within the model's positions; estimate and plan without a dataset use 256. A length that drops more than 1% of the samples or target tokens stops the run: see --truncate, --allow-drop."""
     stride: int = 0
     """Tokens shared by consecutive windows of a long document (0: no overlap)."""
     packing: str = field(default="auto", metadata=_choices(*PACKING_MODES))
@@ -79,9 +81,16 @@ class DataConfig:
     train_on: str = field(default="assistant", metadata=_choices(*TRAIN_ON_CHOICES))
     """Tokens that carry loss in conversations and prompt-completion data: assistant (every answer, end of turn included), last (the final answer) or all (--train-on-prompt)."""
     truncate: bool = False
-    """Cut samples longer than --seq-len instead of dropping them (a cut answer teaches a wrong ending)."""
+    """Cut samples longer than --seq-len to their first --seq-len tokens instead of dropping them (a cut answer teaches a wrong ending); the target tokens cut are counted and said."""
+    allow_drop: bool = False
+    """Train even when --seq-len drops more than 1% of the samples or target tokens (without it such a run stops before training, exit 2, saying the --seq-len that keeps them)."""
     group_by_length: bool = False
     """Train samples of similar length together (the Trainer's name): each step's samples come from a length-sorted group, so micro-batches pad less; the order stays a function of --seed and the effective batch."""
+
+    @property
+    def seq_len_or_default(self) -> int:
+        """--seq-len, or DEFAULT_SEQ_LEN when it was not given and no data chose it yet (what a prediction assumes)."""
+        return DEFAULT_SEQ_LEN if self.seq_len is None else self.seq_len
 
 
 @dataclass

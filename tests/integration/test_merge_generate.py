@@ -25,7 +25,7 @@ INPUT = torch.tensor([[60, 124, 105, 109, 95, 115, 116, 97, 114, 116, 124, 62, 1
 
 def _lora_config(llama_dir, out, **extra):
     values = dict(
-        model=str(llama_dir), dataset="builtin:chat", chat_template="chatml", seq_len=256, batch_size=4, max_steps=1,
+        model=str(llama_dir), dataset="builtin:chat", chat_template="chatml", seq_len=256, allow_drop=True, batch_size=4, max_steps=1,
         lora_r=8, lr=0.5, loss_chunk_size=0, output_dir=str(out), save_every=1, **SGD_NO_CLIPPING,
     )
     return load_config(overrides=values | extra)

@@ -1,8 +1,9 @@
 """`memfit data DATASET --model M`: the data as the model will see it, before any training.
 
 Prints the first samples rendered with the tokens that carry loss marked, then the length
-distribution, the share of tokens that carry loss, what the length policy drops or cuts, and the
-packing efficiency at --seq-len. `--json` gives the same as one object, with each shown sample's
+distribution, the share of tokens that carry loss, what the length policy drops or cuts (a line of its
+own, with the --seq-len that keeps every sample), and the packing efficiency at --seq-len (without
+--seq-len: the length `memfit train` would take from the data). `--json` gives the same as one object, with each shown sample's
 input_ids, labels (-100 where masked) and position_ids. Tokenizes into a temporary directory
 (or --cache-dir): nothing is left behind.
 """
@@ -67,12 +68,16 @@ def inspect_dataset(config: Any, show: int) -> dict[str, Any]:
     name = config.model.tokenizer or config.model.model
     tokenizer = load_tokenizer("tiny" if name.startswith("preset") else name, config.model.trust_remote_code)
     with tempfile.TemporaryDirectory(prefix="memfit-data-") as scratch:
-        data_cfg = dataclasses.replace(config.data, cache_dir=config.data.cache_dir or scratch)
-        dataset = load_training_data(data_cfg, tokenizer)
+        # Shown, never refused: what a drop costs is this command's answer (train refuses over 1%).
+        data_cfg = dataclasses.replace(config.data, cache_dir=config.data.cache_dir or scratch, allow_drop=True)
+        dataset = load_training_data(data_cfg, tokenizer, max_positions=_model_positions(config), say=False)
+        seq_len = dataset.seq_len  # without --seq-len: what the data chose
         supervised = getattr(dataset, "supervised", False)
         if supervised:
             all_lengths = np.diff(np.asarray(dataset.store.offsets))
             policy = dataset.policy.facts()
+            if dataset.policy.from_data is not None:
+                policy["seq_len_choice"] = dataset.policy.from_data.describe()
         else:
             all_lengths = np.asarray(dataset.lengths)
             policy = {}
@@ -83,7 +88,7 @@ def inspect_dataset(config: Any, show: int) -> dict[str, Any]:
             "format": getattr(dataset, "format", "text"),
             "chat_template": getattr(dataset, "template_name", None),
             "train_on": config.data.train_on if supervised else "all",
-            "seq_len": config.data.seq_len,
+            "seq_len": seq_len,
             "records": int(dataset.num_documents),
             "samples": len(dataset),
             "lengths": {
@@ -95,11 +100,53 @@ def inspect_dataset(config: Any, show: int) -> dict[str, Any]:
             "target_tokens": int(dataset.num_target_tokens),
             "loss_token_share": round(int(dataset.num_target_tokens) / max(1, int(kept.sum())), 4),
             "length_policy": policy,
-            "packing_efficiency": round(packing_efficiency(kept, config.data.seq_len), 4),
-            "padded_efficiency": round(float(kept.sum()) / (len(kept) * config.data.seq_len), 4),
+            "packing_efficiency": round(packing_efficiency(kept, seq_len), 4),
+            "padded_efficiency": round(float(kept.sum()) / (len(kept) * seq_len), 4),
             "shown": samples,
         }
     return report
+
+
+def _model_positions(config: Any) -> int | None:
+    """The positions of --model (scaled by --rope-scale), which cap a length from the data; None when unknown."""
+    from memfit.errors import MemfitError
+    from memfit.models.presets import resolve_model_config
+    from memfit.models.rope import scaled_positions
+
+    try:
+        return scaled_positions(resolve_model_config(config.model.model, config.model.trust_remote_code),
+                                config.model.rope_scale, config.model.rope_scaling)
+    except (MemfitError, OSError, ValueError):  # the data is still worth showing
+        return None
+
+
+def length_policy_lines(report: dict[str, Any]) -> list[str]:
+    """What the length does to the samples, one line each: the length from the data, the drop (or the cuts of
+    --truncate) with the target tokens it costs, and the --seq-len that keeps every sample."""
+    from memfit.data.lengths import LOSS_LIMIT_PERCENT
+
+    policy, seq_len = report["length_policy"], report["seq_len"]
+    lines = [policy["seq_len_choice"]] if policy.get("seq_len_choice") else []
+    samples, targets = policy["samples_before"], policy["target_tokens_before"]
+    lost = f"{policy['target_tokens_lost']:,} of {targets:,} target tokens ({100 * policy['target_tokens_lost'] / max(1, targets):.1f}%)"
+    if policy.get("truncate") and policy["samples_truncated"]:
+        lines.append(f"cut: {policy['samples_truncated']:,} of {samples:,} samples cut to their first {seq_len} tokens"
+                     f" (--truncate), {lost} cut off")
+    elif policy["samples_dropped_long"]:
+        share = 100 * policy["samples_dropped_long"] / max(1, samples)
+        over = share > LOSS_LIMIT_PERCENT or policy["target_tokens_lost"] * 100 > LOSS_LIMIT_PERCENT * targets
+        lines.append(f"DROPPED: {policy['samples_dropped_long']:,} of {samples:,} samples ({share:.1f}%) are longer than"
+                     f" --seq-len {seq_len} and would be dropped, {lost} lost"
+                     + ("; memfit train stops on this without --allow-drop or --truncate" if over else ""))
+    elif not policy.get("seq_len_choice"):  # a length from the data says what it keeps
+        lines.append(f"at --seq-len {seq_len}: every sample fits (the longest has {policy['longest_sample']:,} tokens)")
+    if policy["samples_dropped_no_target"]:
+        lines.append(f"{policy['samples_dropped_no_target']:,} samples dropped with nothing left to train on")
+    keep = policy.get("seq_len_keeping_all")
+    if keep and keep != seq_len and (policy["samples_dropped_long"] or policy["samples_truncated"]):
+        lines.append(f"suggested: --seq-len {keep} keeps every sample whole (the longest has {policy['longest_sample']:,}"
+                     " tokens)")
+    return lines
 
 
 def _sample(sample: dict, tokenizer: Any) -> dict[str, Any]:
@@ -137,15 +184,8 @@ def render(report: dict[str, Any], color: bool = False) -> str:
                   f" p99 {lengths['p99']:,}, max {lengths['max']:,}, mean {lengths['mean']:,}"]
     lines.append(f"tokens that carry loss: {report['target_tokens']:,} of {report['tokens']:,}"
                  f" ({report['loss_token_share']:.1%}) in the {report['samples']:,} samples kept")
-    policy = report["length_policy"]
-    if policy:
-        if policy.get("truncate"):
-            what = f"{policy['samples_truncated']:,} cut to {report['seq_len']} tokens (--truncate)"
-        else:
-            what = f"{policy['samples_dropped_long']:,} dropped as longer than {report['seq_len']} tokens (--truncate cuts them)"
-        extra = (f", {policy['samples_dropped_no_target']:,} dropped with nothing left to train on"
-                 if policy["samples_dropped_no_target"] else "")
-        lines.append(f"at --seq-len {report['seq_len']}: {what}{extra}; {policy['target_tokens_lost']:,} target tokens lost")
+    if report["length_policy"]:
+        lines += length_policy_lines(report)
     if report["format"] == "text":  # plain text is laid end to end and cut (--packing wrapped): no packing to weigh
         lines.append(f"plain text in {report['samples']:,} windows of <= {report['seq_len']} tokens:"
                      f" {report['padded_efficiency']:.1%} of positions hold a token")
@@ -159,42 +199,50 @@ def render(report: dict[str, Any], color: bool = False) -> str:
 def plan_from_dataset(config: Any) -> tuple[Any, dict[str, Any]]:
     """`memfit plan --dataset D`: the config with --seq-len taken from D's sample lengths, and what was chosen.
 
-    Conversations and prompt-completion samples are never cut across windows, so the planned length is
-    the longest sample, or the p99 length when a few outliers are over 1.5x longer (those would be dropped,
-    or cut with --truncate). Plain text is cut into windows of any length: --seq-len stays as given.
-    A --seq-len the user gave is kept.
+    Conversations and prompt-completion samples are never cut across windows, so the planned length is the one
+    `memfit train` takes from the data (memfit.data.lengths.seq_len_from_data): the longest sample, or the length
+    keeping 99% of the samples and target tokens when a few outliers are over 1.5x longer, rounded up to a multiple
+    of 64 within the model's positions. Plain text is cut into windows of any length: --seq-len stays as given
+    (256 when not given). A --seq-len the user gave is kept.
     """
     import numpy as np
 
-    lengths, supervised = _sample_lengths(config)
+    from memfit.config import DEFAULT_SEQ_LEN
+    from memfit.data.lengths import seq_len_from_data
+
+    lengths, targets, supervised = _sample_lengths(config)
     quantiles = {f"p{q}": int(np.percentile(lengths, q, method="higher")) for q in (50, 90, 99)}
     longest = int(lengths.max())
     facts: dict[str, Any] = {"samples": len(lengths), **quantiles, "max": longest}
-    given = "seq_len" in (config.user_set or ())
-    if not supervised or given:
-        seq_len = config.data.seq_len
+    if not supervised or config.data.seq_len is not None:
+        seq_len = config.data.seq_len or DEFAULT_SEQ_LEN
         facts["basis"] = "plain text, cut into windows of --seq-len" if not supervised else "--seq-len as given"
-    elif longest <= 1.5 * quantiles["p99"]:
-        seq_len, facts["basis"] = longest, "the longest sample"
     else:
-        seq_len, facts["basis"] = quantiles["p99"], "the p99 sample length (a few outliers are far longer)"
+        choice = seq_len_from_data(lengths, targets, _model_positions(config))
+        seq_len = choice.seq_len
+        facts["basis"] = ("the longest sample" if choice.basis == choice.longest else
+                          "the length keeping 99% of the samples and target tokens (a few outliers are far longer)")
+        if choice.max_positions:
+            facts["basis"] += f", capped at the model's {choice.max_positions:,} positions"
     seq_len = max(seq_len, 2)
     facts["seq_len"] = seq_len
     facts["samples_longer"] = int((lengths > seq_len).sum()) if supervised else 0
-    return (config if seq_len == config.data.seq_len else config.replace(seq_len=seq_len)), facts
+    return config.with_seq_len(seq_len), facts
 
 
 def describe_plan_basis(dataset: str, facts: dict[str, Any]) -> str:
     line = (f"planned at --seq-len {facts['seq_len']:,}: {facts['basis']} of {dataset} ({facts['samples']:,} samples;"
             f" p50 {facts['p50']:,}, p90 {facts['p90']:,}, p99 {facts['p99']:,}, max {facts['max']:,} tokens)")
     if facts["samples_longer"]:
-        line += f"; {facts['samples_longer']:,} longer samples would be dropped (--truncate cuts them)"
+        line += (f"; {facts['samples_longer']:,} longer samples would be dropped (--truncate cuts them; over 1% memfit"
+                 " train stops without --allow-drop)")
     return line
 
 
-def _sample_lengths(config: Any) -> tuple[Any, bool]:
-    """Token counts of every sample of config.data.dataset (whole, before any length policy), and whether it is
-    a supervised format. Tokenized into a temporary directory unless --cache-dir is given."""
+def _sample_lengths(config: Any) -> tuple[Any, Any, bool]:
+    """Token counts and target-token counts of every sample of config.data.dataset (whole, before any length
+    policy), and whether it is a supervised format (plain text: its documents, every token a target). Tokenized
+    into a temporary directory unless --cache-dir is given."""
     import numpy as np
 
     from memfit.data import load_training_data
@@ -206,7 +254,8 @@ def _sample_lengths(config: Any) -> tuple[Any, bool]:
         # No length policy and one document a window: every sample is seen whole.
         data_cfg = dataclasses.replace(config.data, cache_dir=config.data.cache_dir or scratch, seq_len=1 << 30,
                                        stride=0, packing="off", truncate=False)
-        dataset = load_training_data(data_cfg, tokenizer)
+        dataset = load_training_data(data_cfg, tokenizer, say=False)
         if getattr(dataset, "supervised", False):
-            return np.diff(np.asarray(dataset.store.offsets)), True
-        return np.asarray(dataset.lengths, dtype=np.int64).copy(), False
+            return np.diff(np.asarray(dataset.store.offsets)), np.asarray(dataset.store.targets).copy(), True
+        lengths = np.asarray(dataset.lengths, dtype=np.int64).copy()
+        return lengths, lengths, False

@@ -9,7 +9,10 @@ from dataclasses import dataclass, field
 from memfit.cli.flags import help_text, parse_command_line
 from memfit.units import format_bytes
 
-SUMMARY = "Predict the peak memory of one training step (no weights loaded) and whether it fits --gpu / --memory-budget."
+SUMMARY = (
+    "Predict the peak memory of one training step (no weights loaded) and whether it fits --gpu / --memory-budget.\n"
+    "Without --seq-len it estimates 256 tokens a sample, or with --dataset the length memfit train takes from the data."
+)
 
 
 @dataclass
@@ -33,6 +36,13 @@ def run(argv: list[str]) -> int:
 
     config, extras = parse_command_line(argv, extras=[EstimateOptions])
     options: EstimateOptions = extras[EstimateOptions]
+    if _takes_length_from_data(config):
+        from memfit.cli.data import describe_plan_basis, plan_from_dataset
+        from memfit.cli.output import stdout_to_stderr
+
+        with stdout_to_stderr(options.json):  # the length memfit train takes from the data, said on stderr
+            config, basis = plan_from_dataset(config)
+        print(describe_plan_basis(config.data.dataset, basis).replace("planned at", "estimated at"), file=sys.stderr)
     if options.offload:
         config = config.replace(optimizer_offload=True)
     result = estimate(config, method=options.method, world_size=options.world_size)
@@ -41,6 +51,16 @@ def run(argv: list[str]) -> int:
         return 0
     print(render(result))
     return 0
+
+
+def _takes_length_from_data(config) -> bool:
+    """No --seq-len and a --dataset of whole samples (conversations, instructions): memfit train takes the length
+    from the data, so the estimate does too (plain text and tables: 256)."""
+    if config.data.seq_len is not None or not config.data.dataset or "dataset" not in (config.user_set or ()):
+        return False
+    from memfit.data.samples import plain_text
+
+    return config.task.task == "causal-lm" and not plain_text(config.data)
 
 
 def _count(n: int) -> str:

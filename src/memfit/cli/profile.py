@@ -48,7 +48,7 @@ def run(argv: list[str]) -> int:
         if config.output.report:
             from memfit.reporting.run_end import report_after_profile
 
-            report_after_profile(config, report, extra, timeline)
+            report_after_profile(config.with_seq_len(extra["run"]["seq_len"]), report, extra, timeline)  # as it ran
     if options.json:
         print_json(report.to_dict() | extra)
         return 0

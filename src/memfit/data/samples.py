@@ -31,6 +31,7 @@ import torch
 
 from memfit.data.cache import default_cache_dir, token_dtype, tokenizer_fingerprint, vocab_size
 from memfit.data.formats import FieldNames, detect_format, to_example
+from memfit.data.lengths import LengthPolicy, check_length_loss, say_length, start_policy
 from memfit.data.masks import build_sample
 from memfit.data.packing import resolve_packing
 from memfit.data.records import first_record, iter_records
@@ -63,34 +64,6 @@ class SampleStore:
         return len(self.offsets) - 1
 
 
-@dataclass
-class LengthPolicy:
-    """What `--seq-len` and `--truncate` did to the samples, for the log, the metrics and the report."""
-
-    seq_len: int
-    truncate: bool
-    kept: np.ndarray
-    """Indices (into the store) of the samples kept."""
-    lengths: np.ndarray
-    """Tokens of each kept sample (after cutting)."""
-    targets: np.ndarray
-    """Target tokens of each kept sample (after cutting)."""
-    dropped_long: int = 0
-    truncated: int = 0
-    dropped_no_target: int = 0
-    """Samples without a target token left (cut past their answers, or none to begin with)."""
-    target_tokens_lost: int = 0
-    longest: int = 0
-
-    def facts(self) -> dict[str, int | bool]:
-        return {
-            "seq_len": self.seq_len, "truncate": self.truncate, "samples_kept": int(len(self.kept)),
-            "samples_dropped_long": self.dropped_long, "samples_truncated": self.truncated,
-            "samples_dropped_no_target": self.dropped_no_target, "target_tokens_lost": self.target_tokens_lost,
-            "longest_sample": self.longest,
-        }
-
-
 def resolve_format(source: TextSource, requested: str, fields: FieldNames) -> str:
     """The format of `source`: `requested` unless `auto`; text files are text."""
     if source.kind == "txt":
@@ -105,13 +78,17 @@ def resolve_format(source: TextSource, requested: str, fields: FieldNames) -> st
     return detect_format(record, fields, source.label)
 
 
-def apply_length_policy(store: SampleStore, seq_len: int, truncate: bool) -> LengthPolicy:
-    """Keep the samples that fit `seq_len` (or cut the longer ones with `truncate`), and count what it cost."""
+def apply_length_policy(store: SampleStore, seq_len: int | None, truncate: bool,
+                        max_positions: int | None = None) -> LengthPolicy:
+    """Keep the samples that fit `seq_len` (or cut the longer ones with `truncate`), and count what it cost.
+
+    `seq_len` None: the length comes from the data (memfit.data.lengths.seq_len_from_data), within `max_positions`.
+    """
     lengths = np.diff(store.offsets)
     targets = store.targets.astype(np.int64).copy()
+    policy = start_policy(lengths, targets, seq_len, truncate, max_positions)
+    seq_len = policy.seq_len
     long = lengths > seq_len
-    policy = LengthPolicy(seq_len, truncate, np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64),
-                          longest=int(lengths.max()) if len(lengths) else 0)
     kept_lengths = np.minimum(lengths, seq_len)
     if truncate:
         for sample in np.flatnonzero(long):
@@ -198,31 +175,21 @@ class SFTDataset(torch.utils.data.Dataset):
         share = self.num_target_tokens / max(1, self.num_tokens)
         origin = "from cache" if self.from_cache else "tokenized now, cached"
         template = f", template {self.template_name}" if self.template_name else ""
-        line = (f"{self.source}: {self.num_documents:,} records ({self.format}{template}, loss on"
-                f" {self.store.index.get('train_on')}), {len(self):,} samples of <= {self.seq_len} tokens,"
+        # What the length dropped or cut has lines of its own (memfit.data.lengths.length_lines), not a clause here.
+        kept = f"{len(self):,} of {p.samples:,} samples" if len(self) != p.samples else f"{len(self):,} samples"
+        return (f"{self.source}: {self.num_documents:,} records ({self.format}{template}, loss on"
+                f" {self.store.index.get('train_on')}), {kept} of <= {self.seq_len} tokens,"
                 f" {self.num_tokens:,} tokens, {share:.0%} carry loss, {origin}")
-        return line + "; " + length_note(p) if length_note(p) else line
-
-
-def length_note(policy: LengthPolicy) -> str:
-    """What the length policy cost, in words ('' when nothing)."""
-    parts = []
-    if policy.dropped_long:
-        parts.append(f"{policy.dropped_long:,} samples longer than {policy.seq_len} tokens dropped (--truncate cuts them instead)")
-    if policy.truncated:
-        parts.append(f"{policy.truncated:,} samples cut to {policy.seq_len} tokens")
-    if policy.dropped_no_target:
-        parts.append(f"{policy.dropped_no_target:,} samples without a target token dropped")
-    if parts:
-        parts.append(f"{policy.target_tokens_lost:,} target tokens lost")
-    return ", ".join(parts)
 
 
 def load_sft_data(
-    data_cfg: Any, tokenizer: Any, source: TextSource, fmt: str, *, min_samples: int = 1
+    data_cfg: Any, tokenizer: Any, source: TextSource, fmt: str, *, min_samples: int = 1,
+    max_positions: int | None = None, say: bool = True,
 ) -> SFTDataset:
     """Samples of a conversational or prompt-completion source, built once and cached; the length
-    policy applied. Raises UsageError for bad records, a missing template, or too few samples left."""
+    policy applied (--seq-len, or the length from the data when it is None, within `max_positions`).
+    Raises UsageError for bad records, a missing template, a length that drops more than 1% of the samples
+    or target tokens (without --allow-drop), or too few samples left. `say`: log what the length did."""
     fields = field_names(data_cfg)
     template = template_name = choice = None
     if fmt != "prompt-completion" or _conversational_prompts(source, fields):
@@ -244,12 +211,13 @@ def load_sft_data(
     datasets: list[SFTDataset] = []
 
     def check(store: SampleStore) -> None:
-        policy = apply_length_policy(store, data_cfg.seq_len, data_cfg.truncate)
+        policy = apply_length_policy(store, data_cfg.seq_len, data_cfg.truncate, max_positions)
         if len(policy.kept) == 0:
             raise UsageError(empty_message(source.label, store, policy))
+        check_length_loss(policy, source.label, data_cfg.allow_drop)  # before anything is written
         if len(policy.kept) < min_samples:
             raise UsageError(
-                f"{source.label} has {len(policy.kept)} samples that fit --seq-len {data_cfg.seq_len}, fewer than one"
+                f"{source.label} has {len(policy.kept)} samples that fit --seq-len {policy.seq_len}, fewer than one"
                 f" effective batch ({min_samples}); lower --batch-size/--gradient-accumulation-steps or add data"
             )
         datasets.append(SFTDataset(store, policy, fmt, source.label, template_name))
@@ -262,16 +230,20 @@ def load_sft_data(
         build_and_publish(root, key, lambda directory: write_samples(
             directory, source, fmt, fields, renderer, tokenizer, data_cfg.train_on, parts), check)
         datasets[-1].store.from_cache = False
-    if choice and not data_cfg.chat_template:  # said once the data is good: bad input stays one line
+    if choice and not data_cfg.chat_template and say:  # said once the data is good: bad input stays one line
         logger.warning("memfit: chat template: the built-in byte tokenizer has none; conversations are rendered"
                        " with memfit's %s (--chat-template %s)", choice, choice)
+    if say:
+        say_length(datasets[-1].policy, source.label, data_cfg.allow_drop, logger)
     return datasets[-1]
 
 
 def empty_message(label: str, store: SampleStore, policy: LengthPolicy) -> str:
     if policy.dropped_long:
+        keep = policy.seq_len_keeping_all
+        raise_it = f"pass --seq-len {keep} or --truncate" if keep else "raise --seq-len or pass --truncate"
         return (f"no sample of {label} is left: {policy.dropped_long} of {store.num_samples} are longer than --seq-len"
-                f" {policy.seq_len} (the longest has {policy.longest} tokens); raise --seq-len or pass --truncate")
+                f" {policy.seq_len} (the longest has {policy.longest} tokens); {raise_it}")
     return (f"no sample of {label} has a token to train on after cutting to --seq-len {policy.seq_len};"
             " raise --seq-len, or drop --truncate so long samples are skipped instead")
 
@@ -364,7 +336,16 @@ def build_and_publish(root: Path, key: str, write, check) -> None:
 
 
 
-def load_supervised_data(data_cfg: Any, tokenizer: Any, *, min_samples: int = 1) -> SFTDataset | None:
+def plain_text(data_cfg: Any) -> bool:
+    """Whether `data_cfg.dataset` is plain text (windows of --seq-len), not whole samples; reads one record at most."""
+    from memfit.data.records import resolve
+
+    source = resolve(data_cfg.dataset, data_cfg.text_field)
+    return resolve_format(source, data_cfg.dataset_format, field_names(data_cfg)) == "text"
+
+
+def load_supervised_data(data_cfg: Any, tokenizer: Any, *, min_samples: int = 1, max_positions: int | None = None,
+                         say: bool = True) -> SFTDataset | None:
     """The fine-tuning samples of `data_cfg.dataset`, or None when it is plain text (the windows path reads it)."""
     from memfit.data.records import resolve
 
@@ -373,7 +354,7 @@ def load_supervised_data(data_cfg: Any, tokenizer: Any, *, min_samples: int = 1)
     if fmt == "text":
         return None
     resolve_packing(data_cfg.packing, supervised=True)  # whole samples only: --packing wrapped refused before any write
-    return load_sft_data(data_cfg, tokenizer, source, fmt, min_samples=min_samples)
+    return load_sft_data(data_cfg, tokenizer, source, fmt, min_samples=min_samples, max_positions=max_positions, say=say)
 
 
 def dataset_facts(dataset: Any) -> dict[str, Any] | None:
@@ -396,4 +377,6 @@ def describe_facts(facts: dict[str, Any]) -> str:
         cost.append(f"{facts['samples_dropped_no_target']:,} without a target token dropped")
     if cost:
         text += "; " + ", ".join(cost) + f" ({facts.get('target_tokens_lost', 0):,} target tokens lost)"
+    if facts.get("seq_len_from_data"):
+        text += f"; --seq-len {facts.get('seq_len')} from the data"
     return text

@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from memfit.data.lengths import LengthPolicy, check_length_loss, say_length, start_policy
 from memfit.data.windows import IGNORE_INDEX
 from memfit.errors import UsageError
 
@@ -233,7 +234,9 @@ class TableDataset(torch.utils.data.Dataset):
     """Tokenized table rows: `dataset[i]` is {"input_ids", "labels"} (see the module docstring)."""
 
     def __init__(self, input_ids: list[torch.Tensor], labels: list[torch.Tensor], spec: LabelSpec, source: str,
-                 seq_len: int, rows: int, dropped_long: int, truncated: int):
+                 seq_len: int, rows: int, dropped_long: int, truncated: int, policy: LengthPolicy | None = None):
+        self.policy = policy
+        """What --seq-len (or the length from the data) and --truncate did (memfit.data.lengths)."""
         self.input_ids = input_ids
         self.labels = labels
         self.spec = spec
@@ -274,8 +277,9 @@ class TableDataset(torch.utils.data.Dataset):
         return False
 
     def data_facts(self) -> dict[str, Any]:
-        return {"format": "table", "label_kind": self.spec.kind, "labels": self.spec.names[:64], "records": self.rows,
-                "samples_kept": len(self), "tokens": self.num_tokens, "seq_len": self.seq_len,
+        policy = self.policy.facts() if self.policy is not None else {}
+        return {**policy, "format": "table", "label_kind": self.spec.kind, "labels": self.spec.names[:64],
+                "records": self.rows, "samples_kept": len(self), "tokens": self.num_tokens, "seq_len": self.seq_len,
                 "samples_dropped_long": self.dropped_long, "samples_truncated": self.truncated}
 
     @property
@@ -283,26 +287,26 @@ class TableDataset(torch.utils.data.Dataset):
         kinds = {"class": f"{self.spec.num_labels} classes", "multi-label": f"{self.spec.num_labels} labels",
                  "number": f"{len(self.spec.fields)} target(s)", "tokens": f"{self.spec.num_labels} token labels",
                  "none": "sequences only"}
-        line = (f"{self.source}: {self.rows:,} rows ({kinds[self.spec.kind]}), {len(self):,} samples of <= {self.seq_len}"
+        # What the length dropped or cut has lines of its own (memfit.data.lengths.length_lines).
+        return (f"{self.source}: {self.rows:,} rows ({kinds[self.spec.kind]}), {len(self):,} samples of <= {self.seq_len}"
                 f" tokens, {self.num_tokens:,} tokens")
-        if self.dropped_long:
-            line += f"; {self.dropped_long:,} longer than {self.seq_len} tokens dropped (--truncate cuts them instead)"
-        if self.truncated:
-            line += f"; {self.truncated:,} cut to {self.seq_len} tokens"
-        return line
 
 
-def load_table(dataset: str, spec: LabelSpec, tokenizer: Any, *, sequence_field: str, seq_len: int, truncate: bool,
-               min_samples: int = 1, role: str = "training", label_table: str | None = None,
-               id_field: str = "id") -> TableDataset:
+def load_table(dataset: str, spec: LabelSpec, tokenizer: Any, *, sequence_field: str, seq_len: int | None,
+               truncate: bool, min_samples: int = 1, role: str = "training", label_table: str | None = None,
+               id_field: str = "id", allow_drop: bool = False, max_positions: int | None = None,
+               say: bool = True) -> TableDataset:
     """Read and tokenize a table against the label space `spec` (built from the training table).
 
-    Raises UsageError naming the row of a bad label, or when fewer than `min_samples` samples remain.
+    `seq_len` None: the length comes from the rows (memfit.data.lengths.seq_len_from_data), within `max_positions`.
+    A row longer than the length is dropped, or cut to its start with `truncate`.
+
+    Raises UsageError naming the row of a bad label, when the length would drop more than 1% of the rows or
+    target tokens (unless `allow_drop`), or when fewer than `min_samples` samples remain.
     """
     index = {name: i for i, name in enumerate(spec.names)}
-    input_ids: list[torch.Tensor] = []
-    labels: list[torch.Tensor] = []
-    rows = dropped = truncated = 0
+    read: list[tuple[torch.Tensor, torch.Tensor]] = []
+    rows = 0
     for number, row in enumerate(iter_rows(dataset, sequence_field, label_table, id_field), start=1):
         rows += 1
         if not isinstance(row, dict) or _missing(row.get(sequence_field)):
@@ -315,29 +319,57 @@ def load_table(dataset: str, spec: LabelSpec, tokenizer: Any, *, sequence_field:
         else:
             ids = torch.tensor(tokenizer(sequence, add_special_tokens=True)["input_ids"], dtype=torch.long)
             label = _row_label(row, spec, index, *where)
+        read.append((ids, label))
+    lengths = np.array([len(ids) for ids, _ in read], dtype=np.int64)
+    targets = np.array([_target_count(label, spec) for _, label in read], dtype=np.int64)
+    policy = start_policy(lengths, targets, seq_len, truncate, max_positions)
+    seq_len = policy.seq_len
+    input_ids: list[torch.Tensor] = []
+    labels: list[torch.Tensor] = []
+    kept: list[int] = []
+    for sample, ((ids, label), count) in enumerate(zip(read, targets.tolist(), strict=True)):
         if len(ids) > seq_len:
             if not truncate:
-                dropped += 1
+                policy.dropped_long += 1
+                policy.target_tokens_lost += count
                 continue
-            ids, truncated = _truncate(ids, seq_len, tokenizer), truncated + 1
-            if label.dim() == 1 and label.dtype == torch.long:
-                label = label[:seq_len]
+            ids, label = _truncate(ids, seq_len, tokenizer, label)
+            policy.truncated += 1
+            policy.target_tokens_lost += count - _target_count(label, spec)
         input_ids.append(ids)
         labels.append(label)
+        kept.append(sample)
+    policy.kept = np.asarray(kept, dtype=np.int64)
+    policy.lengths = np.array([len(ids) for ids in input_ids], dtype=np.int64)
+    policy.targets = np.array([_target_count(label, spec) for label in labels], dtype=np.int64)
+    if input_ids:  # none left: the message below says so, with what was dropped
+        check_length_loss(policy, dataset, allow_drop)
     if len(input_ids) < min_samples:
-        raise UsageError(f"{dataset} has {len(input_ids)} samples of <= {seq_len} tokens ({dropped} longer dropped), fewer"
-                         f" than {'one effective batch' if role == 'training' else 'one'} ({min_samples}); raise --seq-len,"
+        keep = policy.seq_len_keeping_all
+        raise UsageError(f"{dataset} has {len(input_ids)} samples of <= {seq_len} tokens ({policy.dropped_long} longer"
+                         f" dropped), fewer than {'one effective batch' if role == 'training' else 'one'} ({min_samples});"
+                         f" {f'pass --seq-len {keep}' if keep and policy.dropped_long else 'raise --seq-len'},"
                          " add --truncate, or lower the batch")
-    table = TableDataset(input_ids, labels, spec, dataset, seq_len, rows, dropped, truncated)
-    return table
+    if say:
+        say_length(policy, dataset, allow_drop, log)
+    return TableDataset(input_ids, labels, spec, dataset, seq_len, rows, policy.dropped_long, policy.truncated, policy)
 
 
-def _truncate(ids: torch.Tensor, seq_len: int, tokenizer: Any) -> torch.Tensor:
-    """The first seq_len tokens, keeping the closing special token (SEP / EOS) where the tokenizer adds one."""
+def _target_count(label: torch.Tensor, spec: LabelSpec) -> int:
+    """What a sample adds to the loss's count: its labelled tokens (token classification), else the sample itself."""
+    return int((label != IGNORE_INDEX).sum()) if spec.kind == "tokens" else 1
+
+
+def _truncate(ids: torch.Tensor, seq_len: int, tokenizer: Any,
+              label: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first seq_len tokens, keeping the closing special token (SEP / EOS) where the tokenizer adds one; a label
+    a token (token classification) is cut alike, a label a sample stays."""
+    per_token = label.dim() == 1 and label.dtype == torch.long
     closing = getattr(tokenizer, "sep_token_id", None)
     if closing is not None and int(ids[-1]) == closing:
-        return torch.cat([ids[: seq_len - 1], ids[-1:]])
-    return ids[:seq_len]
+        cut = torch.cat([ids[: seq_len - 1], ids[-1:]])
+        return cut, torch.cat([label[: seq_len - 1], label[-1:]]) if per_token else label
+    return ids[:seq_len], label[:seq_len] if per_token else label
 
 
 def _row_label(row: dict, spec: LabelSpec, index: dict[str, int], dataset: str, number: int) -> torch.Tensor:

@@ -117,10 +117,14 @@ def estimate(
         budget_bytes: memory to compare the peak with.
         hf_config: the model's transformers config (default: resolved from config.model.model).
 
+    Without --seq-len (None: from the data, which an estimate does not read) the step is estimated at 256 tokens.
+
     Raises:
         UsageError: unknown method, sharding, GPU or model.
     """
     from memfit.models.presets import resolve_model_config
+
+    config = config.with_seq_len()  # not given: DEFAULT_SEQ_LEN
 
     if method not in ("analytical", "traced"):
         raise UsageError(f"--method must be analytical or traced, got {method!r}")

@@ -167,7 +167,7 @@ class _Shape:
 
         self.changes, self.config = changes, config
         self.arch = architecture_for(hf_config)
-        self.seq = changes.get("seq_len", config.data.seq_len)
+        self.seq = changes.get("seq_len", config.data.seq_len_or_default)
         micro = changes.get("batch_size", config.training.batch_size)
         self.tokens = micro * self.seq
         self.accumulation = changes.get("gradient_accumulation_steps", 1)

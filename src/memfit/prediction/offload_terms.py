@@ -19,11 +19,11 @@ def host_activations(config: TrainConfig, run: RunShape, hf_config: Any) -> floa
     arch, precision = architecture_for(hf_config), precision_of(run)
     terms = activation_bytes(
         arch, precision, batch_size=config.training.batch_size,
-        seq_len=config.data.seq_len, attention=run.attention, checkpointing=run.checkpointing,
+        seq_len=config.data.seq_len_or_default, attention=run.attention, checkpointing=run.checkpointing,
         checkpoint_every=run.checkpoint_every, mlp_tiles=run.mlp_tiles, offload=run.activation_offload_blocks is None,
-        unchunked_loss=not run.fused_loss and not 0 < run.loss_chunk_size < config.training.batch_size * (config.data.seq_len - 1),
+        unchunked_loss=not run.fused_loss and not 0 < run.loss_chunk_size < config.training.batch_size * (config.data.seq_len_or_default - 1),
     )
-    return offload_first_blocks(terms, run, arch, precision, config.training.batch_size * config.data.seq_len).host
+    return offload_first_blocks(terms, run, arch, precision, config.training.batch_size * config.data.seq_len_or_default).host
 
 
 def offload_first_blocks(terms: ActivationTerms, run: RunShape, arch, precision: Precision,

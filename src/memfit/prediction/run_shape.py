@@ -165,7 +165,7 @@ def resolve_run(config: TrainConfig, hf_config: Any, gpu: GpuSpec | None) -> Run
         from memfit.prediction.encoders import vocabulary_head  # a label head has no vocabulary logits to chunk
 
         vocab = hf_config.vocab_size if vocabulary_head(config) else 0
-        chunk = default_loss_chunk_size(vocab, config.data.seq_len, config.training.batch_size)
+        chunk = default_loss_chunk_size(vocab, config.data.seq_len_or_default, config.training.batch_size)
     offload = config.memory.optimizer_offload or config.distributed.zero_offload or config.distributed.fsdp_offload
     fused_loss = _fused_loss_runs(config.memory.kernels, device_type, hf_config)
     weight_bytes = _BYTES[config.model.dtype]
@@ -178,7 +178,7 @@ def resolve_run(config: TrainConfig, hf_config: Any, gpu: GpuSpec | None) -> Run
         optimizer_in_backward=config.memory.optimizer_in_backward,
         activation_offload=config.memory.activation_offload,
         paged_optimizer=config.optimizer.optimizer == "paged-adamw-8bit" and device_type == "cuda",
-        mlp_tiles=resolve_mlp_tiles(getattr(config.memory, "tiled_mlp", 0), config.data.seq_len),
+        mlp_tiles=resolve_mlp_tiles(getattr(config.memory, "tiled_mlp", 0), config.data.seq_len_or_default),
         fused_loss=fused_loss,
         activation_offload_blocks=config.memory.activation_offload_blocks if config.memory.activation_offload else None,
         # liger's RMSNorm replaces memfit's where its fused loss runs

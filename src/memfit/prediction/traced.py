@@ -94,7 +94,7 @@ def traced_peak(config, run, hf_config, inventory, parts) -> tuple[dict, float, 
     weight_dtype = torch.bfloat16 if quantized else dtypes[run.weight_bytes]
     autocast = {"bf16": torch.bfloat16, "fp16": torch.bfloat16, None: None}[run.autocast]
     setup = StepSetup(
-        config.training.batch_size, config.data.seq_len, weight_dtype, autocast, run.attention.replace("flash", "sdpa"),
+        config.training.batch_size, config.data.seq_len_or_default, weight_dtype, autocast, run.attention.replace("flash", "sdpa"),
         run.checkpointing, run.checkpoint_every, run.loss_chunk_size, torch.device("cpu"),
     )
     traced_config = config.replace(optimizer_impl="fused") if (
@@ -115,9 +115,9 @@ def traced_peak(config, run, hf_config, inventory, parts) -> tuple[dict, float, 
         moment["optimizer_states"] = 0
     arch = architecture_for(hf_config)
     per_layer = activation_bytes(arch, precision_of(run), batch_size=config.training.batch_size,
-                                 seq_len=config.data.seq_len, attention=run.attention, checkpointing="off")[2]
+                                 seq_len=config.data.seq_len_or_default, attention=run.attention, checkpointing="off")[2]
     notes = {"peak_phase": step.peak_phase, "phase_peaks": step.phase_peaks}
-    padding = padding_mask(hf_config, run, precision_of(run), config.training.batch_size, config.data.seq_len,
+    padding = padding_mask(hf_config, run, precision_of(run), config.training.batch_size, config.data.seq_len_or_default,
                            probed=False)
     if step.peak_phase != "optimizer":  # fake tensors read every mask as all ones: the trace ran unpadded
         moment["activations"] += padding.at_peak()

@@ -126,7 +126,7 @@ def small_state_trade(changes: dict[str, Any], config: TrainConfig, est: Estimat
 def train_command(config: TrainConfig, changes: dict[str, Any], gpu: GpuSpec | None, budget: int | None,
                   world_size: int = 1) -> str:
     """The `memfit train ...` command line that runs the plan."""
-    seq_len = changes.get("seq_len", config.data.seq_len)
+    seq_len = changes.get("seq_len", config.data.seq_len_or_default)
     parts = ["memfit", "train", "--model", config.model.model, "--seq-len", str(seq_len)]
     if config.data.dataset:
         parts += ["--dataset", config.data.dataset]

@@ -242,7 +242,7 @@ def auto_checkpointing(model: nn.Module, config, budget_bytes: int | None) -> st
     blocks = transformer_blocks(model)
     parameter = next(model.parameters())
     vocab_size = getattr(model.config, "vocab_size", None) or 2
-    seq_len, batch_size = config.data.seq_len, config.training.batch_size
+    seq_len, batch_size = config.data.seq_len_or_default, config.training.batch_size
     sample = torch.randint(0, vocab_size, (1, seq_len), device=parameter.device)
     try:
         per_sample, outside_per_sample = measure_saved_bytes(model, {"input_ids": sample, "labels": sample}, blocks)

@@ -221,4 +221,4 @@ def packed_mask_estimate(data_cfg: Any, batch: int, attention: str, checkpointin
         return 0
     holding = 1 if checkpointing == "full" else arch.layers
     expanded = 2 * max(0, arch.q_width - arch.kv_width) * element_bytes
-    return block_mask_bytes(batch, data_cfg.seq_len, attention, holding, element_bytes, expanded)
+    return block_mask_bytes(batch, data_cfg.seq_len_or_default, attention, holding, element_bytes, expanded)

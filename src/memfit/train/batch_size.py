@@ -168,7 +168,7 @@ def find_batch_size(config: TrainConfig, margin: float = 0.1, session: TrainingS
     best, probes = search_batch_size(prober, upper=min(MAX_PROBE_BATCH, max(effective, 1) * 64))
     if best == 0:
         raise DoesNotFitError(
-            f"one sample of {config.data.seq_len} tokens does not fit in {format_bytes(limit)}"
+            f"one sample of {session.config.data.seq_len} tokens does not fit in {format_bytes(limit)}"
             f" ({format_bytes(capacity)} less a {margin:.0%} margin); lower --seq-len, add --gradient-checkpointing full,"
             " --lora-r 16 or --optimizer adamw-8bit"
         )

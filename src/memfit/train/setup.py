@@ -114,7 +114,7 @@ def resolve_loss_chunk_size(config: TrainConfig, vocab_size: int) -> int:
         from memfit.techniques.loss import default_loss_chunk_size
     except ImportError:
         return 0
-    return default_loss_chunk_size(vocab_size, config.data.seq_len, config.training.batch_size)
+    return default_loss_chunk_size(vocab_size, config.data.seq_len_or_default, config.training.batch_size)
 
 
 def build_session(config: TrainConfig) -> TrainingSession:
@@ -180,8 +180,11 @@ def _build_session(config: TrainConfig) -> TrainingSession:
     # Data too short for one effective batch is refused before its token cache is written.
     dataset = task.load_data(
         _data_config(config), loaded.tokenizer, max_positions=loaded.max_positions, min_samples=effective_batch,
-        rope_positions=loaded.rope_positions,
+        rope_positions=loaded.rope_positions, say=dist.is_main,  # what the length did: said once, not per rank
     )
+    if dataset.seq_len != config.data.seq_len:  # --seq-len not given: the data chose it (said by the data's loader)
+        config = config.with_seq_len(dataset.seq_len)
+        fallbacks.update(config.derived)  # what was derived from the length (--use-chunked-training's tiles)
     eval_source = load_eval_data(config, _data_config(config), loaded, load=task.load_data)  # --eval-dataset: read like the training data
     if dist.is_main:
         dist.barrier()
@@ -301,7 +304,7 @@ def apply_model_techniques(config: TrainConfig, model: torch.nn.Module,
         log.info("memfit: %s", settled)
     from memfit.techniques.tiled_mlp import apply_tiled_mlp, tiles_for
 
-    tiles = tiles_for(config.data.seq_len, config.memory.tiled_mlp)
+    tiles = tiles_for(config.data.seq_len_or_default, config.memory.tiled_mlp)
     if tiles > 1:
         tiled = apply_tiled_mlp(model, tiles)
         from memfit.techniques.tiled_experts import with_tiled_experts

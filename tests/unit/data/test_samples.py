@@ -68,19 +68,19 @@ def test_samples_carry_labels_only_on_answers(tmp_path, records):
     assert data.num_target_tokens == sum(answer_tokens(r["messages"][1]["content"]) for r in records)
 
 
-def test_long_samples_are_dropped_by_default_with_counts(tmp_path, records):
+def test_long_samples_are_dropped_with_allow_drop_with_counts(tmp_path, records):
     tok = tokenizer()
     seq_len = 80
     lengths = [rendered_length(tok, r) for r in records]
     long = [i for i, n in enumerate(lengths) if n > seq_len]
-    assert long  # the data has samples to drop
+    assert long  # the data has samples to drop (2 of 5: without --allow-drop refused, tests/unit/data/test_length_policy.py)
     data = load_training_data(DataConfig(dataset=str(write(tmp_path / "d.jsonl", records)), seq_len=seq_len,
-                                         cache_dir=str(tmp_path / "cache")), tok)
+                                         allow_drop=True, cache_dir=str(tmp_path / "cache")), tok)
     assert len(data) == len(records) - len(long)
     assert data.policy.dropped_long == len(long)
     assert data.policy.target_tokens_lost == sum(answer_tokens(records[i]["messages"][1]["content"]) for i in long)
     assert max(data.lengths) <= seq_len
-    assert f"{len(long)} samples longer than {seq_len} tokens dropped" in data.description
+    assert f"{len(records) - len(long)} of {len(records)} samples of <= {seq_len} tokens" in data.description
     facts = data.data_facts()
     assert facts["samples_dropped_long"] == len(long) and facts["target_tokens_lost"] == data.policy.target_tokens_lost
 
@@ -158,7 +158,8 @@ def test_second_load_reads_the_cache_and_options_change_the_key(tmp_path, record
     again = load_training_data(cfg, tokenizer())
     assert not first.from_cache and again.from_cache
     assert [again[i]["labels"].tolist() for i in range(5)] == [first[i]["labels"].tolist() for i in range(5)]
-    shorter = load_training_data(DataConfig(dataset=path, seq_len=80, cache_dir=cfg.cache_dir), tokenizer())
+    shorter = load_training_data(DataConfig(dataset=path, seq_len=80, allow_drop=True, cache_dir=cfg.cache_dir),
+                                 tokenizer())
     assert shorter.from_cache  # the length policy applies on load: no new tokenization
     everything = load_training_data(DataConfig(dataset=path, seq_len=256, train_on="all", cache_dir=cfg.cache_dir),
                                     tokenizer())
