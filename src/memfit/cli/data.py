@@ -16,13 +16,14 @@ import tempfile
 from dataclasses import dataclass
 from typing import Any
 
-from memfit.cli.flags import help_text, parse_command_line
+from memfit.cli.flags import parse_command_line
+from memfit.cli.help_text import CommandHelp, answer_help
 from memfit.errors import UsageError
 
 SUMMARY = (
     "Show a dataset as the model sees it: the first samples rendered through the chat template with the\n"
     "tokens that carry loss marked, the length distribution (p50/p90/p99/max), the share of tokens with\n"
-    "loss, the samples --seq-len drops or cuts, and the packing efficiency. Usage: memfit data DATASET --model M."
+    "loss, the samples --seq-len drops or cuts, and the packing efficiency."
 )
 MARK_OPEN, MARK_CLOSE = "[[", "]]"
 COLOR_OPEN, COLOR_CLOSE = "\033[1;32m", "\033[0m"
@@ -36,13 +37,23 @@ class DataOptions:
     """Print one JSON object on stdout and nothing else."""
 
 
+HELP = CommandHelp(
+    "data", "memfit data DATASET [--model MODEL] [--FLAG VALUE ...]", SUMMARY, (DataOptions,),
+    first=("config", "model", "seq_len", "dataset_format", "chat_template", "train_on", "packing", "truncate"),
+    arguments=(("DATASET", "The data, as --dataset takes it: a .txt, .jsonl or .parquet file, hf:NAME, builtin:chat."),),
+    first_title="the training flags it reads most (it takes every memfit train flag):",
+)
+
+
 def run(argv: list[str]) -> int:
-    if "--help" in argv or "-h" in argv:
-        print(help_text("data", SUMMARY, [DataOptions]))
-        return 0
+    if (code := answer_help(argv, HELP)) is not None:
+        return code
     if argv and not argv[0].startswith("--"):
         argv = ["--dataset", argv[0], *argv[1:]]
     config, extras = parse_command_line(argv, [DataOptions])
+    from memfit.models.loader import check_model_flags
+
+    check_model_flags(config)  # no such model: one line, before anything is read
     options: DataOptions = extras[DataOptions]
     if options.show < 0:
         raise UsageError(f"--show must be 0 or more, got {options.show}")

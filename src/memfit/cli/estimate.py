@@ -6,7 +6,8 @@ import json
 import sys
 from dataclasses import dataclass, field
 
-from memfit.cli.flags import help_text, parse_command_line
+from memfit.cli.flags import parse_command_line
+from memfit.cli.help_text import CommandHelp, answer_help
 from memfit.units import format_bytes
 
 SUMMARY = (
@@ -27,14 +28,24 @@ class EstimateOptions:
     """Keep the optimizer state on the CPU (same as --optimizer-offload)."""
 
 
+HELP = CommandHelp(
+    "estimate", "memfit estimate [--config FILE.yaml] [--FLAG VALUE ...]", SUMMARY, (EstimateOptions,),
+    first=("config", "model", "seq_len", "batch_size", "lora_r", "quantize", "precision", "gradient_checkpointing",
+           "gpu", "memory_budget"),
+    first_title="the training flags it reads most (it takes every memfit train flag):",
+)
+
+
 def run(argv: list[str]) -> int:
-    if "--help" in argv or "-h" in argv:
-        print(help_text("estimate", SUMMARY, [EstimateOptions]))
-        return 0
+    if (code := answer_help(argv, HELP)) is not None:
+        return code
     import memfit.train.traced  # noqa: F401  (registers the step --method traced runs)
     from memfit.prediction.estimator import estimate
 
     config, extras = parse_command_line(argv, extras=[EstimateOptions])
+    from memfit.models.loader import check_model_flags
+
+    check_model_flags(config, weights=False)  # no such model: one line, before anything is read
     options: EstimateOptions = extras[EstimateOptions]
     if _takes_length_from_data(config):
         from memfit.cli.data import describe_plan_basis, plan_from_dataset

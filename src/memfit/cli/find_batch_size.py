@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from memfit.cli.flags import help_text, parse_command_line
+from memfit.cli.flags import parse_command_line
+from memfit.cli.help_text import CommandHelp, answer_help
 from memfit.errors import UsageError
 from memfit.units import format_bytes
 
@@ -22,11 +23,21 @@ class FindBatchSizeOptions:
     """Print one JSON object on stdout and nothing else."""
 
 
+HELP = CommandHelp(
+    "find-batch-size", "memfit find-batch-size [--config FILE.yaml] [--FLAG VALUE ...]", SUMMARY,
+    (FindBatchSizeOptions,),
+    first=("config", "model", "seq_len", "lora_r", "precision", "gradient_checkpointing", "memory_cap"),
+    first_title="the training flags it reads most (it takes every memfit train flag):",
+)
+
+
 def run(argv: list[str]) -> int:
-    if "--help" in argv or "-h" in argv:
-        print(help_text("find-batch-size", SUMMARY, [FindBatchSizeOptions]))
-        return 0
+    if (code := answer_help(argv, HELP)) is not None:
+        return code
     config, extras = parse_command_line(argv, [FindBatchSizeOptions])
+    from memfit.models.loader import check_model_flags
+
+    check_model_flags(config)  # no such model: one line, before anything is read
     options = extras[FindBatchSizeOptions]
     if not 0 <= options.margin < 1:
         raise UsageError(f"--margin must be a fraction between 0 and 1 (e.g. 0.1), got {options.margin}")

@@ -5,7 +5,8 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
-from memfit.cli.flags import help_text, parse_command_line
+from memfit.cli.flags import parse_command_line
+from memfit.cli.help_text import CommandHelp, answer_help
 from memfit.errors import UsageError
 
 SUMMARY = (
@@ -29,11 +30,21 @@ class ProfileOptions:
     """How many modules and tensors to list."""
 
 
+HELP = CommandHelp(
+    "profile", "memfit profile [--config FILE.yaml] [--FLAG VALUE ...]", SUMMARY, (ProfileOptions,),
+    first=("config", "model", "dataset", "seq_len", "batch_size", "lora_r", "precision", "gradient_checkpointing",
+           "memory_cap", "output_dir"),
+    first_title="the training flags it reads most (it takes every memfit train flag):",
+)
+
+
 def run(argv: list[str]) -> int:
-    if "--help" in argv or "-h" in argv:
-        print(help_text("profile", SUMMARY, [ProfileOptions]))
-        return 0
+    if (code := answer_help(argv, HELP)) is not None:
+        return code
     config, extras = parse_command_line(argv, [ProfileOptions])
+    from memfit.models.loader import check_model_flags
+
+    check_model_flags(config)  # no such model: one line, before anything is read
     options = extras[ProfileOptions]
     if options.steps < 1:
         raise UsageError(f"--steps must be at least 1, got {options.steps}")
