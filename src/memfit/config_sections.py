@@ -1,6 +1,6 @@
 """The sections of a memfit run's configuration: one dataclass per concern, each field documented.
 
-Every field's docstring is its `memfit train --help` text. memfit.config puts the sections
+Every field's docstring is its `memfit train --help-all` text. memfit.config puts the sections
 together (TrainConfig), checks them against each other and derives the defaults that depend on
 other settings; the names here are imported from there too.
 """
@@ -183,8 +183,8 @@ class MemoryConfig:
     """With --memory-budget / --gpu: time the planner's best few configurations for a few real steps under the same cap and train with the fastest measured (at most a tenth of the run's predicted time, cached per model, device and settings under $MEMFIT_CACHE_DIR or ~/.cache/memfit); --no-trial trusts the speed model."""
     oom_recovery: bool = True
     """On out-of-memory, split the micro-batch and redo it, keeping the exact update."""
-    track_memory: bool = False
-    """Track live tensor bytes by category during training and add them to the metrics."""
+    track_memory: bool | None = None
+    """Track live tensor bytes by category during training and add them to the metrics: every step (a few times slower each); default: one early step, for the report's memory at the peak beside the estimate (one process, with the report, without --compile); --no-track-memory: none."""
     tiled_mlp: int | None = None
     """Run each block's MLP over N sequence tiles, recomputing one tile at a time in backward (0: off; default: on for long sequences)."""
     efficient_norm: bool = True

@@ -78,7 +78,10 @@ class TrainingSession:
     kernels: KernelChoice = field(default_factory=KernelChoice)
     """Fused kernels that run (techniques/kernels.py); its fused_loss, when set, replaces the plain loss."""
     compiled: str = "off"
-    """What --compile compiled ('4 of 4 blocks (inductor) and the loss'), or 'off'."""
+    """What --compile compiled ('4 of 4 blocks (inductor) and the loss'), or 'off': for people, never parsed."""
+    compiled_ran: bool = False
+    """Whether compiled blocks run: set where they are compiled, cleared after the first step when Dynamo ran them
+    eager (train/loop.py). The speed model and its calibration read this, not `compiled`."""
     token_loss: Callable[..., torch.Tensor] | None = None
     """--compile: the compiled logits-to-loss tail (techniques.loss.token_loss_sum); None: the eager one."""
     eval_dataset: Any = None
@@ -205,10 +208,10 @@ def _build_session(config: TrainConfig) -> TrainingSession:
     # Only once the data is checked (its sequence length against the model too): techniques log what they do.
     loaded.model, checkpointing = apply_model_techniques(config, loaded.model, task.peft_task_type)
     kernels = apply_kernels(loaded.model, config.memory.kernels, device, fallbacks)  # liger on CUDA, else PyTorch's
-    compiled, token_loss = "off", None
+    compiled, compiled_ran, token_loss = "off", False, None
     if config.memory.compile:
         choice = compile_blocks(loaded.model, device, fallbacks=fallbacks)
-        compiled = choice.description
+        compiled, compiled_ran = choice.description, choice.compiled_blocks > 0
         if choice.compiled_blocks and kernels.fused_loss is None:  # liger's fused loss never builds the logits
             token_loss, compiled = compile_token_loss(), f"{compiled} and the loss"
     model = loaded.model
@@ -239,6 +242,7 @@ def _build_session(config: TrainConfig) -> TrainingSession:
         fallbacks=fallbacks,
         kernels=kernels,
         compiled=compiled,
+        compiled_ran=compiled_ran,
         token_loss=token_loss,
         eval_dataset=eval_dataset,
         task=task,
@@ -280,7 +284,9 @@ def apply_model_techniques(config: TrainConfig, model: torch.nn.Module,
         if config.memory.efficient_lora:
             from memfit.techniques.efficient_lora import apply_efficient_lora
 
-            log.info("memfit: efficient LoRA: %s", apply_efficient_lora(model))
+            # On by default and nothing to act on: the debug log (MEMFIT_LOG_LEVEL=DEBUG). An adapter that falls back
+            # to PEFT's path at run time is still said, as a fallback (loop._check_efficient_lora).
+            log.debug("memfit: efficient LoRA: %s", apply_efficient_lora(model))
     if config.memory.expert_offload:  # frozen experts in host memory, brought per layer (before tiled experts wrap it)
         from memfit.techniques.expert_streaming import apply_expert_streaming
 
@@ -318,7 +324,8 @@ def apply_model_techniques(config: TrainConfig, model: torch.nn.Module,
     if config.memory.efficient_norm:
         from memfit.techniques.rms_norm import apply_efficient_rms_norm
 
-        log.info("memfit: efficient RMSNorm: %s", apply_efficient_rms_norm(model))
+        # On by default, exact, and nothing to act on ("0 of 5 norms" on an encoder's LayerNorms): the debug log.
+        log.debug("memfit: efficient RMSNorm: %s", apply_efficient_rms_norm(model))
     return model, checkpointing
 
 
