@@ -266,6 +266,21 @@ def peft_wrapping_quietly():
 # ---------------------------------------------------------------------------
 
 
+def keep_nf4_layout(model: nn.Module) -> int:
+    """Keep every bitsandbytes 4-bit linear's weights in the standard NF4 layout; returns how many were found.
+
+    On a CPU with AVX-512 bf16, bitsandbytes repacks a `Linear4bit`'s weights in place into an inference layout the
+    first time it runs in eval mode on an input without gradient (an evaluation pass, `memfit generate`). memfit
+    reads those weights in the standard layout afterwards (the merge, the NF4 head's and experts' dequantization),
+    and the repack itself fails on rows shorter than a 64-weight block. Training never takes that path, so the
+    repack buys nothing here.
+    """
+    linears = [m for m in model.modules() if hasattr(m, "support_avx512bf16_for_cpu")]
+    for module in linears:
+        module.support_avx512bf16_for_cpu = False
+    return len(linears)
+
+
 def apply_lora(model: nn.Module, lora_cfg: LoraConfig, gradient_checkpointing: bool,
                task_type: str = "CAUSAL_LM") -> tuple[nn.Module, LoraSummary]:
     """Wrap `model` with LoRA adapters (PEFT); freeze everything else.
@@ -288,6 +303,7 @@ def apply_lora(model: nn.Module, lora_cfg: LoraConfig, gradient_checkpointing: b
     if expert_note:
         log.info("memfit: %s", expert_note)
     quantized = bool(getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False))
+    keep_nf4_layout(model)
     if quantized and any(p.dtype == torch.float16 for p in model.parameters()):
         # PEFT's preparation freezes the base and upcasts every weight it did not quantize
         # to fp32: fp16's range would overflow in the residual stream. Checkpointing is left
