@@ -90,8 +90,9 @@ class SampleView(torch.utils.data.Dataset):
     @property
     def num_samples(self) -> int:
         """Whole samples in these rows (several per row when the base is packed)."""
-        rows = getattr(self.base, "rows", None)
-        return len(self) if rows is None else int(sum(len(rows[int(i)]) for i in self.indices))
+        if getattr(self.base, "packing", None) != "samples":  # one sample a row (a table's `rows` is its row count)
+            return len(self)
+        return int(sum(len(self.base.rows[int(i)]) for i in self.indices))
 
     @property
     def description(self) -> str:

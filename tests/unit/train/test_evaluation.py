@@ -365,3 +365,15 @@ def test_eval_peak_on_cuda_is_at_most_the_steps(llama_dir, text_file, tmp_path):
     torch.cuda.synchronize()
     assert result.target_tokens > 0
     assert torch.cuda.max_memory_allocated() <= step_peak
+
+
+def test_a_held_out_view_counts_one_sample_a_row_unless_its_base_is_packed():
+    """A table's `rows` is its row count, a packed set's `rows` its windows' samples: only the latter is summed."""
+    from types import SimpleNamespace
+
+    from memfit.train.evaluation import SampleView
+
+    table = SimpleNamespace(rows=120, packing="off", lengths=np.full(120, 40))
+    assert SampleView(table, np.arange(24), "evaluation").num_samples == 24
+    packed = SimpleNamespace(rows=[[0, 1], [2], [3, 4, 5]], packing="samples", lengths=np.array([60, 30, 64]))
+    assert SampleView(packed, np.array([0, 2]), "evaluation").num_samples == 5
