@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from memfit.techniques.nf4_state import block_absmax, is_nf4
+from memfit.techniques.nf4_state import block_absmax, dequantize_nf4, is_nf4
 
 GROUP_ATTRIBUTE = "memfit_dequant_group"
 
@@ -35,7 +35,6 @@ def dequant_group(weight: torch.Tensor) -> int:
 def dequantized_experts(weight: torch.Tensor, first: int, last: int, dtype: torch.dtype,
                         absmax: torch.Tensor | None = None) -> torch.Tensor:
     """Experts [first, last) of an NF4 stack, dequantized to `dtype` (absmax: `block_absmax` of its state, if made)."""
-    import bitsandbytes.functional as bnb_functional
     from bitsandbytes.functional import QuantState
 
     state = weight.quant_state
@@ -44,8 +43,7 @@ def dequantized_experts(weight: torch.Tensor, first: int, last: int, dtype: torc
     absmax = block_absmax(state) if absmax is None else absmax
     part = QuantState(absmax=absmax[first * blocks:last * blocks], shape=torch.Size((last - first, rows, columns)),
                       code=state.code, blocksize=state.blocksize, quant_type=state.quant_type, dtype=dtype)
-    # flat: bitsandbytes reads packed bytes whose first dimension is 1 (a group of one expert) as transposed
-    return bnb_functional.dequantize_4bit(weight.data[first:last].reshape(-1), part)
+    return dequantize_nf4(weight.data[first:last], part)
 
 
 def groupable(weight: torch.Tensor) -> bool:

@@ -33,7 +33,7 @@ from torch import nn
 
 from memfit.techniques.expert_dequant_groups import dequant_group, grouped_nf4_mm
 from memfit.techniques.expert_streaming import host_parameter
-from memfit.techniques.nf4_state import is_nf4
+from memfit.techniques.nf4_state import dequantize_nf4, is_nf4
 from memfit.techniques.staged_weights import device_copy, keeps_on_host, staged_device
 
 NF4_BLOCK = 64
@@ -77,13 +77,12 @@ def quantize_expert_weight(weight: torch.Tensor):
 
 def dequantized(weight: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """The 3-D stack an NF4 expert weight stands for, in `dtype` (default: the dtype it was loaded in)."""
-    import bitsandbytes.functional as bnb_functional
 
     state = weight.quant_state
     if dtype is not None and dtype != state.dtype:
         state = copy.copy(state)  # the tensors are shared; only the output dtype differs
         state.dtype = dtype
-    return bnb_functional.dequantize_4bit(weight.data, state)
+    return dequantize_nf4(weight.data, state)
 
 
 def cpu_weight(parameter: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from memfit.techniques.host_embedding import embedding_tied_to_head
-from memfit.techniques.nf4_state import block_absmax, nf4_bytes
+from memfit.techniques.nf4_state import block_absmax, dequantize_nf4, nf4_bytes
 
 HEAD_TILE_WEIGHTS = 1 << 24
 """Weights of one dequantized tile of the head (32 MiB in bf16); rounded down to a multiple of 64 rows."""
@@ -36,7 +36,6 @@ def tile_rows(hidden: int) -> int:
 def dequantized_rows(weight: torch.Tensor, first: int, last: int, dtype: torch.dtype,
                      absmax: torch.Tensor | None = None) -> torch.Tensor:
     """Rows [first, last) of an NF4 head, dequantized to `dtype` (first a multiple of 64)."""
-    import bitsandbytes.functional as bnb_functional
     from bitsandbytes.functional import QuantState
 
     state = weight.quant_state
@@ -46,7 +45,7 @@ def dequantized_rows(weight: torch.Tensor, first: int, last: int, dtype: torch.d
                       shape=torch.Size((last - first, hidden)), code=state.code, blocksize=block,
                       quant_type=state.quant_type, dtype=dtype)
     packed = weight.data.reshape(-1)[first * hidden // 2:last * hidden // 2]
-    return bnb_functional.dequantize_4bit(packed, part)
+    return dequantize_nf4(packed, part)
 
 
 def _tiles(weight: torch.Tensor):

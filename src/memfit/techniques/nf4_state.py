@@ -7,6 +7,8 @@ bitsandbytes' packed weights with a QuantState and dequantize slices of them; bo
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 
@@ -32,3 +34,18 @@ def nf4_bytes(weight: torch.Tensor) -> int:
     if state.state2 is not None:
         tensors += [state.state2.absmax, state.state2.code]
     return sum(t.nbytes for t in tensors if isinstance(t, torch.Tensor))
+
+
+def dequantize_nf4(packed: torch.Tensor, state) -> torch.Tensor:
+    """bitsandbytes' `dequantize_4bit` of `packed` under `state`, in `state.shape`, read through a flat shape.
+
+    `quantize_4bit` runs its 64-weight blocks over the flattened tensor, but bitsandbytes' AVX-512 CPU kernel, given a
+    2-D or 3-D shape, looks a block's absmax up row by row: rows shorter than a block (or a slice of a stack that
+    starts past its first expert) read other blocks' scales (up to 1.9 off where the weights' own rounding is 0.45).
+    Given one flat row, every kernel reads the blocks as they were made.
+    """
+    import bitsandbytes.functional as bnb_functional
+
+    flat = copy.copy(state)  # the tensors are shared; only the shape it is read in differs
+    flat.shape = torch.Size((state.shape.numel(),))
+    return bnb_functional.dequantize_4bit(packed.reshape(-1), flat).reshape(state.shape)
