@@ -51,7 +51,7 @@ def run(argv: list[str]) -> int:
     if argv and not argv[0].startswith("--"):
         argv = ["--dataset", argv[0], *argv[1:]]
     config, extras = parse_command_line(argv, [DataOptions])
-    from memfit.models.loader import check_model_flags
+    from memfit.models.model_names import check_model_flags
 
     check_model_flags(config)  # no such model: one line, before anything is read
     options: DataOptions = extras[DataOptions]

@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger(noisy).setLevel(logging.ERROR)
     # huggingface_hub's HTTP layer warns twice per retry ("'...' thrown while requesting HEAD ...", "Retrying in
     # 8s"), every file, five times. memfit's own look-up of a model name is never retried and an unreachable Hub
-    # turns the run to the cache (models/loader.py, check_model_flags); what is left is transformers' downloads
+    # turns the run to the cache (models/model_names.py, check_model_flags); what is left is transformers' downloads
     # riding out a flaky network, which fail or succeed with their own message. Only that module is quieted.
     logging.getLogger("huggingface_hub.utils._http").setLevel(logging.ERROR)
     module = importlib.import_module(f"memfit.cli.{COMMANDS[command][0]}")

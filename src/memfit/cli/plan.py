@@ -43,7 +43,7 @@ def run(argv: list[str]) -> int:
     from memfit.prediction.planner import plan
 
     config, extras = parse_command_line(argv, extras=[PlanOptions])
-    from memfit.models.loader import check_model_flags
+    from memfit.models.model_names import check_model_flags
 
     check_model_flags(config, weights=False)  # no such model: one line, before anything is read
     options: PlanOptions = extras[PlanOptions]

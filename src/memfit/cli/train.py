@@ -24,7 +24,7 @@ def run(argv: list[str]) -> int:
     if (code := answer_help(argv, HELP)) is not None:
         return code
     config, _ = parse_command_line(argv)
-    from memfit.models.loader import check_model_flags
+    from memfit.models.model_names import check_model_flags
 
     check_model_flags(config)  # no such model: one line, before anything is read
     from memfit.train.loop import train

@@ -17,8 +17,8 @@ from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNot
 
 from memfit.config import TrainConfig
 from memfit.errors import UsageError
-from memfit.models import loader
-from memfit.models.loader import check_model_name
+from memfit.models import loader, model_names
+from memfit.models.model_names import check_model_name
 
 CACHED = "memfit-test/cached-llama"
 
@@ -35,14 +35,14 @@ def hub(tmp_path, monkeypatch):
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    monkeypatch.setattr(loader, "_hub_answers", {})
+    monkeypatch.setattr(model_names, "_hub_answers", {})
     state = types.SimpleNamespace(asked=[], answer="[Errno 111] Connection refused")
 
     def ask(hub_id):
         state.asked.append(hub_id)
         return state.answer
 
-    monkeypatch.setattr(loader, "_ask_hub", ask)
+    monkeypatch.setattr(model_names, "_ask_hub", ask)
     monkeypatch.chdir(tmp_path)
     return state
 
@@ -60,7 +60,7 @@ def test_an_unknown_name_is_refused_after_one_look_up_with_the_closest_names(hub
     assert hub.asked == ["llama-9000-tiny"]
     assert message.startswith("unknown model 'llama-9000-tiny' (did you mean tiny, ")
     assert "the Hub could not be reached ([Errno 111] Connection refused)" in message
-    hub.answer = loader._NOT_ON_HUB
+    hub.answer = model_names._NOT_ON_HUB
     assert "the Hub has no such model" in _refusal("nobody-memfit/llama-3.1-8bb")
     assert "llama-3.1-8b" in _refusal("nobody-memfit/llama-3.1-8bb")
 
@@ -123,7 +123,7 @@ def _response(status: int):
 @pytest.mark.parametrize("raised, answer", [
     (None, None),
     (GatedRepoError("gated", response=_response(403)), None),
-    (RepositoryNotFoundError("404", response=_response(404)), loader._NOT_ON_HUB),
+    (RepositoryNotFoundError("404", response=_response(404)), model_names._NOT_ON_HUB),
     (HfHubHTTPError("500", response=_response(500)), None),
     (OSError("[Errno -2] Name or service not known"), "[Errno -2] Name or service not known"),
 ], ids=["exists", "gated", "not-found", "server-error", "no-network"])
@@ -138,10 +138,10 @@ def test_the_look_up_is_one_head_without_retries(raised, answer, monkeypatch):
             raise raised
 
     monkeypatch.setattr(huggingface_hub, "get_hf_file_metadata", head)
-    assert loader._ask_hub("nobody-memfit/model") == answer
+    assert model_names._ask_hub("nobody-memfit/model") == answer
     (url, kwargs), = calls
     assert url.endswith("nobody-memfit/model/resolve/main/config.json")
-    assert kwargs == {"timeout": loader.HUB_LOOKUP_TIMEOUT_S, "retry_on_errors": False}
+    assert kwargs == {"timeout": model_names.HUB_LOOKUP_TIMEOUT_S, "retry_on_errors": False}
 
 
 @pytest.fixture
