@@ -78,6 +78,15 @@ class TrainConfig:
         """Flat names the user gave (file or flags); None for a config built in code."""
         self.derived: dict[str, str] = {}
         """Settings memfit chose because the user left them out: flat name -> why (log and metrics)."""
+        self.extensions: dict[str, Any] = {name: cls() for name, cls in _EXTENSION_SECTIONS.items()}
+        """The settings of techniques registered beyond memfit's own, one section each (`register_section`)."""
+
+    def __getattr__(self, name: str) -> Any:
+        # only reached for names that are not attributes: a registered technique's section, `config.<name>`
+        extensions = self.__dict__.get("extensions", {})
+        if name in extensions:
+            return extensions[name]
+        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
 
     @classmethod
     def from_flat(cls, values: dict[str, Any], user_set: Iterable[str] | None = None) -> TrainConfig:
@@ -93,14 +102,16 @@ class TrainConfig:
         sections: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
         for name, value in values.items():
             sections[index[name][0]][name] = value
-        config = cls(**{name: SECTIONS[name](**settings) for name, settings in sections.items()})
+        config = cls(**{name: SECTIONS[name](**settings) for name, settings in sections.items()
+                         if name not in _EXTENSION_SECTIONS})
+        config.extensions = {name: SECTIONS[name](**sections[name]) for name in _EXTENSION_SECTIONS}
         config.user_set, config.derived = names, derived
         config.validate()
         return config
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """Nested plain dict (what checkpoints store and YAML files can hold)."""
-        return dataclasses.asdict(self)
+        return dataclasses.asdict(self) | {name: dataclasses.asdict(section) for name, section in self.extensions.items()}
 
     def flat(self) -> dict[str, Any]:
         """Every field by its flat name."""
@@ -277,6 +288,31 @@ def _small_state_optimizer_problems(o: OptimizerConfig, lo: LoraConfig, optimize
 # ---------------------------------------------------------------------------
 # Field index, derived defaults
 # ---------------------------------------------------------------------------
+
+
+_EXTENSION_SECTIONS: dict[str, type] = {}
+"""Sections of techniques registered beyond memfit's own (resolution/registry.py), by technique name."""
+
+
+def register_section(name: str, section: type) -> None:
+    """Add a registered technique's settings (a dataclass, a docstring per field) as a section of every config.
+
+    Its fields become flags, YAML keys and help entries like every other setting. A field name another section
+    already has is refused (a flat name means one setting).
+    """
+    if name in SECTIONS:
+        raise ValueError(f"a config section named {name!r} exists already")
+    taken = set(field_index())
+    clashes = [f.name for f in dataclasses.fields(section) if f.name in taken]
+    if clashes:
+        raise ValueError(f"section {name!r}: the setting {clashes[0]!r} exists already")
+    SECTIONS[name] = section
+    _EXTENSION_SECTIONS[name] = section
+
+
+def unregister_section(name: str) -> None:
+    SECTIONS.pop(name, None)
+    _EXTENSION_SECTIONS.pop(name, None)
 
 
 def field_index() -> dict[str, tuple[str, dataclasses.Field]]:

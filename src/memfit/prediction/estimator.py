@@ -86,7 +86,9 @@ from memfit.prediction.run_shape import (
 )
 from memfit.prediction.tiled_experts import tiled_moe_terms
 from memfit.prediction.traced import traced_peak
+from memfit.resolution.registry import memory_terms
 from memfit.techniques.packed_attention import packed_mask_estimate
+from memfit.techniques.technique import MemoryFacts
 
 BREAKDOWN_KEYS = CATEGORIES  # the one category set: estimate, traced estimate and profile report the same
 
@@ -360,14 +362,10 @@ def _analytical_peak(config, run: RunShape, hf_config, inventory, parts,
     at_first_block = activations + cache + first_grads
     at_last_block = max(0.0, fixed) + released + cache / max(1, arch.layers) + arch.layers * block_grads
     in_flight_grads = first_grads if at_first_block >= at_last_block else arch.layers * block_grads
-    other = 0.0
-    if run.quantize == "4bit":
-        # one dequantized linear weight at a time (the embedding and head stay 16-bit)
-        other += 2 * max((math.prod(s) for s in inventory.shapes if len(s) == 2 and arch.vocab not in s), default=0)
-        other = max(other, parts["experts_dequantized_bytes"])  # or one NF4 expert stack, dequantized (experts.py)
-    if run.paged_optimizer:
-        # The driver brings the state of the tensor being stepped onto the device and pages the rest out.
-        other += parts["optimizer_states_full"] * parts["largest_trainable"] / max(1, parts["trainable_count"])
+    # What the techniques add by themselves (QLoRA's dequantized weight, paged state, ...: their TECHNIQUE's terms);
+    # "other" is resident through every phase, the other categories join the peak moment.
+    technique_terms = memory_terms(run, MemoryFacts(arch, inventory, hf_config, config, parts, b * s))
+    other = technique_terms.pop("other", 0.0)
     resident = parts["parameters"] + parts["optimizer_states"] + other
     # Micro-batches after the first of an optimizer step run with the earlier ones' gradients
     # accumulated: the whole gradient is live through their forward and backward, and backward
@@ -410,6 +408,8 @@ def _analytical_peak(config, run: RunShape, hf_config, inventory, parts,
                   "optimizer_states": parts["optimizer_states"], "activations": 0, "logits": 0,
                   "other": other + end_extra}
         phase = "optimizer step" if parts["optimizer_temporaries"] >= 2 * tied_grad else "backward"
+    for category, size in technique_terms.items():
+        moment[category] = moment.get(category, 0) + size
     notes = {"peak_phase": phase, "activation_bytes": int(activations), "logits_bytes": int(logits),
              "autocast_weight_copies_bytes": int(cache), "host_activation_bytes": int(terms.host),
              "padding_mask_bytes": int(padding.at_peak()),

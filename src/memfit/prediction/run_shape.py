@@ -11,7 +11,6 @@ together with the activation moment into an estimate.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any
 
 from memfit.config import TrainConfig
@@ -27,9 +26,10 @@ from memfit.models.state_bytes import (
     small_state_optimizer_bytes,
 )
 from memfit.prediction.activations import Precision, architecture_of
+from memfit.resolution.resolve import resolve
+from memfit.techniques.resolved_run import ResolvedRun
 
 SHARDINGS = ("none", "ddp", "zero1", "zero2", "zero3", "fsdp")
-_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 def host_available_bytes() -> int | None:
@@ -60,35 +60,8 @@ def host_breakdown(run: RunShape, parts: dict[str, Any], host_activations: float
     return {"activations": int(host_activations), "optimizer_states": int(optimizer)}
 
 
-@dataclass(frozen=True)
-class RunShape:
-    """The choices of a run that decide its memory, resolved for the target device."""
-
-    device_type: str
-    weight_bytes: int
-    autocast: str | None  # "bf16", "fp16" or None
-    attention: str  # sdpa, flash or eager
-    checkpointing: str
-    checkpoint_every: int
-    loss_chunk_size: int
-    optimizer: str
-    optimizer_impl: str
-    lora_r: int
-    quantize: str
-    optimizer_offload: bool
-    optimizer_in_backward: bool = False
-    activation_offload: bool = False
-    paged_optimizer: bool = False
-    """Paged 8-bit AdamW on CUDA: the state lives in unified memory that the driver pages to host."""
-    mlp_tiles: int = 0
-    fused_loss: bool = False
-    """liger-kernel's fused linear cross-entropy: the logits are never held."""
-    activation_offload_blocks: int | None = None
-    """Partial offload: only the first N blocks' saved inputs go to host (None: everything saved)."""
-    efficient_norm: bool = False
-    """memfit's RMSNorm keeps its input and the fp32 1/rms only (techniques/rms_norm.py)."""
-    efficient_lora: bool = False
-    """memfit's adapter path keeps no fp32 copy of an adapter's input (techniques/efficient_lora.py)."""
+RunShape = ResolvedRun
+"""The estimator's name for the resolved run (memfit.techniques.resolved_run)."""
 
 
 def tiled_mlp_available() -> bool:
@@ -96,30 +69,6 @@ def tiled_mlp_available() -> bool:
     import importlib.util
 
     return importlib.util.find_spec("memfit.techniques.tiled_mlp") is not None
-
-
-def _fused_loss_runs(kernels: str, device_type: str, hf_config: Any) -> bool:
-    """Whether the run would use liger's fused loss (the logits never held), by techniques.kernels' rule.
-
-    Never on a CPU, where `--kernels liger` falls back. On a GPU: `auto` only where liger-kernel is
-    installed here and covers the family; an explicit `liger` also when it is not installed on the
-    planning machine (the user asked for it on the GPU machine), unless it is installed and says the
-    family is not covered.
-    """
-    if kernels == "none" or device_type != "cuda":
-        return False
-    import importlib.util
-
-    import torch
-
-    from memfit.techniques.kernels import liger_unavailable_reason
-
-    if importlib.util.find_spec("liger_kernel") is None:
-        return kernels == "liger"
-    try:
-        return liger_unavailable_reason(torch.device("cuda"), getattr(hf_config, "model_type", "")) == ""
-    except ImportError:  # liger-kernel installed without what it needs (Triton) on this machine
-        return kernels == "liger"
 
 
 def resolve_mlp_tiles(tiled_mlp: int | None, seq_len: int) -> int:
@@ -133,58 +82,13 @@ def resolve_mlp_tiles(tiled_mlp: int | None, seq_len: int) -> int:
 
 
 def resolve_run(config: TrainConfig, hf_config: Any, gpu: GpuSpec | None) -> RunShape:
-    """What the training loop would run for `config` on `gpu` (or this machine without one)."""
+    """What the training loop would run for `config` on `gpu` (or this machine without one): the registry's
+    resolver (memfit.resolution.resolve), for a device described by a GPU preset."""
     import torch
-
-    from memfit.techniques.loss import default_loss_chunk_size
-    from memfit.techniques.precision import choose_precision
 
     device_type = "cuda" if gpu is not None or torch.cuda.is_available() else "cpu"
     bf16_ok = gpu.bf16 if gpu is not None else device_type == "cpu" or torch.cuda.is_bf16_supported()
-    precision = choose_precision(config.memory.precision, device_type, bf16_ok)  # the training loop's policy
-    autocast = precision.name if precision.autocast_dtype is not None else None
-    attention = config.model.attention
-    if attention in ("auto", "flex"):
-        attention = "sdpa"  # flash-attn and FlexAttention keep the same tensors as SDPA's flash kernel
-    from memfit.prediction.layer_probe import supported_attention
-
-    # the kernel the family runs there: eager without an SDPA path (Mamba-2; gpt-oss on a CPU), FlexAttention
-    # for gpt-oss's attention sinks on CUDA
-    attention = supported_attention(hf_config, attention, device_type)
-    if attention == "sdpa" and device_type == "cuda" and autocast is None and _BYTES[config.model.dtype] == 4 and (
-            _grouped_query(hf_config)):
-        # fp32 SDPA with grouped-query attention on CUDA: the flash kernel takes no fp32 and the memory-efficient
-        # one no GQA, so PyTorch runs its math kernel, which keeps [heads, s, s] probabilities as eager attention
-        # does (an H100 measured 1,330 MiB against 66 MiB in bf16: docs/gpu-truth.md)
-        attention = "eager"
-    checkpointing = config.memory.gradient_checkpointing
-    if checkpointing == "auto":
-        checkpointing = "full"  # auto checkpoints as few blocks as the budget allows: full is its upper bound
-    chunk = config.memory.loss_chunk_size
-    if chunk is None:
-        from memfit.prediction.encoders import vocabulary_head  # a label head has no vocabulary logits to chunk
-
-        vocab = hf_config.vocab_size if vocabulary_head(config) else 0
-        chunk = default_loss_chunk_size(vocab, config.data.seq_len_or_default, config.training.batch_size)
-    offload = config.memory.optimizer_offload or config.distributed.zero_offload or config.distributed.fsdp_offload
-    fused_loss = _fused_loss_runs(config.memory.kernels, device_type, hf_config)
-    weight_bytes = _BYTES[config.model.dtype]
-    if config.lora.quantize != "none" and config.model.dtype == "fp16":
-        weight_bytes = 4  # PEFT upcasts an fp16 base's unquantized weights, and so the residual stream (lora.py)
-    return RunShape(
-        device_type, weight_bytes, autocast, attention, checkpointing, config.memory.checkpoint_every,
-        chunk, config.optimizer.optimizer, getattr(config.optimizer, "optimizer_impl", "auto"),
-        config.lora.lora_r, config.lora.quantize, offload,
-        optimizer_in_backward=config.memory.optimizer_in_backward,
-        activation_offload=config.memory.activation_offload,
-        paged_optimizer=config.optimizer.optimizer == "paged-adamw-8bit" and device_type == "cuda",
-        mlp_tiles=resolve_mlp_tiles(getattr(config.memory, "tiled_mlp", 0), config.data.seq_len_or_default),
-        fused_loss=fused_loss,
-        activation_offload_blocks=config.memory.activation_offload_blocks if config.memory.activation_offload else None,
-        # liger's RMSNorm replaces memfit's where its fused loss runs
-        efficient_norm=getattr(config.memory, "efficient_norm", False) and not fused_loss,
-        efficient_lora=getattr(config.memory, "efficient_lora", False) and config.lora.lora_r > 0,
-    )
+    return resolve(config, hf_config, device_type, bf16_supported=bf16_ok)
 
 
 def sharding_of(config: TrainConfig, sharding: str) -> str:
@@ -238,12 +142,6 @@ def state_parts(config: TrainConfig, run: RunShape, inventory: ParameterInventor
         "trainable_shapes": trainable_shapes,
         "trainable_bytes": trainable_bytes,
     }
-
-
-def _grouped_query(hf_config: Any) -> bool:
-    heads = getattr(hf_config, "num_attention_heads", None) or 0
-    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
-    return 0 < kv_heads < heads
 
 
 def precision_of(run: RunShape) -> Precision:

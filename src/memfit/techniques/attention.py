@@ -69,3 +69,48 @@ def attention_that_ran(model: torch.nn.Module) -> str:
     hf_name = getattr(config, "_attn_implementation", None) or "eager"
     reverse = {v: k for k, v in HF_NAMES.items()}
     return reverse.get(hf_name, hf_name)
+
+
+def _resolve(facts, run) -> dict:
+    """The kernel the estimate counts: flash-attn and FlexAttention keep SDPA's flash kernel's tensors."""
+    from memfit.models.attention_support import kernel_for_family
+
+    attention = facts.config.model.attention
+    if attention in ("auto", "flex"):
+        attention = "sdpa"
+    if facts.hf_config is not None and attention in _FAMILY_NAMES:
+        # the kernel the family runs there: eager without an SDPA path (Mamba-2; gpt-oss on a CPU), FlexAttention
+        # for gpt-oss's attention sinks on CUDA
+        runs, _ = kernel_for_family(facts.hf_config, _FAMILY_NAMES[attention], facts.device_type)
+        if runs != _FAMILY_NAMES[attention]:
+            attention = {"flex_attention": "flex"}.get(runs, runs)
+    if attention == "sdpa" and facts.device_type == "cuda" and run.autocast is None and run.weight_bytes == 4 and (
+            _grouped_query(facts.hf_config)):
+        # fp32 SDPA with grouped-query attention on CUDA: the flash kernel takes no fp32 and the memory-efficient
+        # one no GQA, so PyTorch runs its math kernel, which keeps [heads, s, s] probabilities as eager attention
+        # does (an H100 measured 1,330 MiB against 66 MiB in bf16: docs/gpu-truth.md)
+        attention = "eager"
+    return {"attention": attention}
+
+
+_FAMILY_NAMES = {"sdpa": "sdpa", "flash": "flash_attention_2", "flash_attention_2": "flash_attention_2",
+                 "flex": "flex_attention", "flex_attention": "flex_attention"}
+
+
+def _grouped_query(hf_config) -> bool:
+    heads = getattr(hf_config, "num_attention_heads", None) or 0
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    return 0 < kv_heads < heads
+
+
+def _technique():
+    from memfit.techniques.technique import Technique
+
+    return Technique(
+        name="attention", stage="choice", settings=("attention",), after=("precision",), resolve=_resolve,
+        report=lambda run: {"attention": run.attention},
+        summary="SDPA, flash-attn or FlexAttention: no [batch, heads, seq, seq] probabilities kept",
+    )
+
+
+TECHNIQUE = _technique()

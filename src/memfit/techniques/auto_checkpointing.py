@@ -273,3 +273,13 @@ def auto_checkpointing(model: nn.Module, config, budget_bytes: int | None) -> st
         return f"off (auto: predicted peak {format_bytes(peak)} fits {format_bytes(target)})"
     description = apply_gradient_checkpointing(model, "full", block_indices=chosen)
     return f"{description} (auto: predicted peak {format_bytes(peak)} within {format_bytes(target)})"
+
+
+def checkpointing_budget(config) -> int | None:
+    """The memory `--gradient-checkpointing auto` aims at: --memory-budget, --memory-cap, or the named GPU's."""
+    budget = config.memory.memory_budget or config.memory.memory_cap
+    if budget is None and config.memory.gpu:
+        from memfit.gpus import lookup_gpu
+
+        budget = lookup_gpu(config.memory.gpu).memory_bytes
+    return budget

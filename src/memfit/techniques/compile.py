@@ -133,3 +133,30 @@ def compile_stats() -> dict[str, int]:
     from torch._dynamo.utils import counters
 
     return {"compiled_graphs": int(counters["stats"]["unique_graphs"])}
+
+
+def _apply(model: nn.Module, run, context):
+    from memfit.techniques.technique import Applied
+
+    if not run.compiled:
+        return Applied()
+    choice = compile_blocks(model, context.device, fallbacks=context.fallbacks)
+    compiled = choice.compiled_blocks > 0
+    # liger's fused loss never builds the logits: only the plain loss has a tail to compile (the loss recipe does)
+    description = f"{choice.description} and the loss" if compiled and not run.fused_loss else choice.description
+    return Applied(description, changes={"compiled": compiled}, quiet=True)
+
+
+def _technique():
+    from memfit.techniques.technique import Technique
+
+    return Technique(
+        name="compile", settings=("compile",), after=("kernels", "efficient_norm", "tiled_mlp", "lora",
+                                                      "gradient_checkpointing"),
+        resolve=lambda facts, run: {"compiled": facts.config.memory.compile}, apply=_apply,
+        report=lambda run: {"compiled": True} if run.compiled else {},
+        summary="each block compiled (inductor): fewer kernels and intermediates; a compile at the start",
+    )
+
+
+TECHNIQUE = _technique()

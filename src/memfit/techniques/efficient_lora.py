@@ -222,3 +222,26 @@ def apply_efficient_lora(model: nn.Module) -> str:
     kept = len(adapted) - patched
     why = f" ({kept} keep PEFT's: dropout, DoRA, bias or another layer kind)" if kept else ""
     return f"{patched} of {len(adapted)} adapted linears{why}"
+
+
+def _apply(model: nn.Module, run, context):
+    from memfit.techniques.technique import Applied
+
+    if not run.efficient_lora:
+        return Applied()
+    # On by default and nothing to act on: the debug log. An adapter that falls back to PEFT's path at run time is
+    # still said, as a fallback (the loop's check after the first step).
+    return Applied(f"efficient LoRA: {apply_efficient_lora(model)}", quiet=True)
+
+
+def _technique():
+    from memfit.techniques.technique import Technique
+
+    return Technique(
+        name="efficient_lora", settings=("efficient_lora",), after=("lora",), apply=_apply,
+        resolve=lambda facts, run: {"efficient_lora": facts.config.memory.efficient_lora and run.lora_r > 0},
+        summary="adapters keep no fp32 copy of their input: the input itself is reused in backward",
+    )
+
+
+TECHNIQUE = _technique()

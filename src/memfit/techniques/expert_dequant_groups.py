@@ -100,3 +100,25 @@ def set_dequant_group(model: nn.Module, group: int) -> str:
     if whole:
         line += f"; dequantized whole (an expert is not a whole number of 64-weight blocks): {', '.join(whole[:3])}"
     return line
+
+
+def _apply(model: nn.Module, run, context):
+    from memfit.techniques.technique import Applied
+
+    if not run.expert_dequant_group:
+        return Applied()
+    return Applied(f"expert dequant group: {set_dequant_group(model, run.expert_dequant_group)}")
+
+
+def _technique():
+    from memfit.techniques.technique import Technique
+
+    return Technique(
+        name="expert_dequant_group", settings=("expert_dequant_group",), after=("embedding_on_host",), apply=_apply,
+        resolve=lambda facts, run: {"expert_dequant_group": facts.config.memory.expert_dequant_group or 0},
+        report=lambda run: {"expert_dequant_group": run.expert_dequant_group} if run.expert_dequant_group else {},
+        summary="NF4 expert stacks are dequantized a group of experts at a time, not the whole stack",
+    )
+
+
+TECHNIQUE = _technique()

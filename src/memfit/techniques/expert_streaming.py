@@ -285,3 +285,26 @@ def expert_streaming_facts(model: nn.Module) -> dict | None:
         return None
     return {"layers": len(streamer.layers), "host_bytes": streamer.host_bytes,
             "bytes_per_micro_batch": 2 * streamer.host_bytes, "streamed_bytes": streamer.streamed_bytes}
+
+
+def _apply(model: nn.Module, run, context):
+    from memfit.techniques.technique import Applied
+
+    if not run.expert_offload:
+        return Applied()
+    # frozen experts in host memory, brought per layer (before tiled experts wrap them)
+    return Applied(f"expert offload: {apply_expert_streaming(model)}")
+
+
+def _technique():
+    from memfit.techniques.technique import Technique
+
+    return Technique(
+        name="expert_offload", settings=("expert_offload",), after=("lora",), apply=_apply,
+        resolve=lambda facts, run: {"expert_offload": facts.config.memory.expert_offload},
+        report=lambda run: {"expert_offload": True} if run.expert_offload else {},
+        summary="a mixture of experts' frozen expert weights stay in host memory, brought one layer at a time",
+    )
+
+
+TECHNIQUE = _technique()

@@ -82,3 +82,25 @@ def embedding_on_host(model: nn.Module) -> bool:
     """Whether `embedding_to_host` moved this model's input embedding."""
     embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     return bool(getattr(embedding, "memfit_on_host", False))
+
+
+def _apply(model: nn.Module, run, context):
+    from memfit.techniques.technique import Applied
+
+    if not run.embedding_on_host:
+        return Applied()
+    return Applied(f"embedding on host: {embedding_to_host(model)}")  # the frozen input embedding's lookup
+
+
+def _technique():
+    from memfit.techniques.technique import Technique
+
+    return Technique(
+        name="embedding_on_host", settings=("embedding_on_host",), after=("nf4_head",), apply=_apply,
+        resolve=lambda facts, run: {"embedding_on_host": facts.config.memory.embedding_on_host},
+        report=lambda run: {"embedding_on_host": True} if run.embedding_on_host else {},
+        summary="the frozen input embedding stays in host memory; only the looked-up rows reach the device",
+    )
+
+
+TECHNIQUE = _technique()

@@ -157,3 +157,51 @@ def fused_loss_sum(
         hidden = hidden.to(head.weight.dtype)
     # The empty logits add exactly 0 and keep the wrappers' backward hooks in the graph.
     return empty_logits.float().sum() + loss(head.weight, hidden, targets.reshape(-1), head.bias).float()
+
+
+def _resolve(facts, run) -> dict:
+    fused = _fused_loss_runs(facts.config.memory.kernels, facts.device_type, facts.hf_config)
+    # liger's RMSNorm replaces memfit's where its fused loss runs
+    return {"kernels": facts.config.memory.kernels, "fused_loss": fused,
+            "efficient_norm": run.efficient_norm and not fused}
+
+
+def _fused_loss_runs(kernels: str, device_type: str, hf_config) -> bool:
+    """Whether the run would use liger's fused loss (the logits never held), by this module's rule.
+
+    Never on a CPU, where `--kernels liger` falls back. On a GPU: `auto` only where liger-kernel is
+    installed here and covers the family; an explicit `liger` also when it is not installed on the
+    planning machine (the user asked for it on the GPU machine), unless it is installed and says the
+    family is not covered.
+    """
+    if kernels == "none" or device_type != "cuda":
+        return False
+    import importlib.util
+
+    if importlib.util.find_spec("liger_kernel") is None:
+        return kernels == "liger"
+    try:
+        return liger_unavailable_reason(torch.device("cuda"), getattr(hf_config, "model_type", "")) == ""
+    except ImportError:  # liger-kernel installed without what it needs (Triton) on this machine
+        return kernels == "liger"
+
+
+def _apply(model: torch.nn.Module, run, context):
+    from memfit.techniques.technique import Applied
+
+    choice = apply_kernels(model, run.kernels, context.device, context.fallbacks)  # liger on CUDA, else PyTorch's
+    return Applied(changes={"fused_loss": choice.fused_loss is not None}, quiet=True)
+
+
+def _technique():
+    from memfit.techniques.technique import Technique
+
+    return Technique(
+        name="kernels", settings=("kernels",), after=("efficient_norm", "tiled_mlp", "lora"),
+        resolve=_resolve, apply=_apply,
+        report=lambda run: {"fused_loss": True} if run.fused_loss else {},
+        summary="liger-kernel's fused RMSNorm, SwiGLU, RoPE and linear cross-entropy (CUDA): the logits never held",
+    )
+
+
+TECHNIQUE = _technique()

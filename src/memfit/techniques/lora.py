@@ -387,3 +387,56 @@ def load_adapter_weights(model: nn.Module, directory: str | Path) -> None:
         raise UsageError(
             f"adapter in {directory} does not match this model (missing {missing[0]}); check --lora-r and --lora-targets"
         )
+
+
+def _resolve(facts, run) -> dict:
+    lora = facts.config.lora
+    changes = {"lora_r": lora.lora_r, "quantize": lora.quantize}
+    if lora.quantize != "none" and facts.config.model.dtype == "fp16":
+        changes["weight_bytes"] = 4  # PEFT upcasts an fp16 base's unquantized weights, and so the residual stream
+    return changes
+
+
+def _refusals(run, facts) -> list[str]:
+    if run.quantize != "none" and run.lora_r == 0:
+        return ["--quantize needs LoRA: add --lora-r"]
+    if facts.config.model.dtype == "fp16" and run.lora_r == 0:
+        return ["--dtype fp16 cannot be trained in full (fp16 gradients underflow); use --dtype bf16, fp32, or LoRA"]
+    return []
+
+
+def _apply(model: nn.Module, run, context):
+    from memfit.techniques.technique import Applied
+
+    if run.lora_r <= 0:
+        return Applied()
+    # The task's PEFT type: a classification head (new, so never pretrained) trains in full beside the adapters.
+    model, summary = apply_lora(model, context.config.lora, gradient_checkpointing=run.checkpointing_on,
+                                task_type=context.peft_task_type)
+    return Applied(summary.describe(), model=model)
+
+
+def _memory_terms(run, facts) -> dict[str, float]:
+    """QLoRA dequantizes one linear weight at a time (the embedding and head stay 16-bit), or one NF4 expert stack."""
+    if run.quantize != "4bit":
+        return {}
+    import math
+
+    architecture, parts = facts.architecture, facts.parts
+    one_linear = 2 * max((math.prod(s) for s in facts.inventory.shapes if len(s) == 2 and architecture.vocab not in s),
+                         default=0)
+    return {"other": max(one_linear, parts["experts_dequantized_bytes"])}
+
+
+def _technique():
+    from memfit.techniques.technique import Technique
+
+    return Technique(
+        name="lora", settings=("lora_r", "quantize"), after=("gradient_checkpointing",),
+        resolve=_resolve, refusals=_refusals, apply=_apply, memory_terms=_memory_terms,
+        report=lambda run: {"lora_r": run.lora_r, "quantize": run.quantize} if run.lora_r else {},
+        summary="low-rank adapters train beside a frozen (or 4/8-bit) base: no gradients or optimizer state for it",
+    )
+
+
+TECHNIQUE = _technique()

@@ -238,3 +238,26 @@ def logit_postprocessing(config) -> Callable[[torch.Tensor], torch.Tensor]:
         return logits
 
     return postprocess
+
+
+def _resolve(facts, run) -> dict:
+    chunk = facts.config.memory.loss_chunk_size
+    if chunk is None:  # on where the logits are large; a label head has no vocabulary logits to chunk
+        vocab = getattr(facts.hf_config, "vocab_size", 0) if facts.vocabulary_head else 0
+        chunk = default_loss_chunk_size(vocab or 0, facts.config.data.seq_len_or_default,
+                                        facts.config.training.batch_size)
+    return {"loss_chunk_size": chunk}
+
+
+def _technique():
+    from memfit.techniques.technique import Technique
+
+    return Technique(
+        name="loss_chunking", stage="step", settings=("loss_chunk_size",), after=("kernels",), resolve=_resolve,
+        report=lambda run: {"loss_chunk_size": run.loss_chunk_size} if run.loss_chunk_size else {},
+        summary="the output head and loss run a chunk of tokens at a time: no [batch, seq, vocab] logits; the head"
+                " runs twice",
+    )
+
+
+TECHNIQUE = _technique()

@@ -139,3 +139,26 @@ def quantize_head(model: nn.Module) -> str:
             f" {min(state.shape[0], tile_rows(state.shape[1]))} vocabulary rows at a time")
 
 
+
+
+def _apply(model: nn.Module, run, context):
+    from memfit.techniques.technique import Applied
+
+    if not run.quantize_head:
+        return Applied()
+    # the frozen head in NF4, projected a tile of vocabulary rows at a time
+    return Applied(f"NF4 head: {quantize_head(model)}")
+
+
+def _technique():
+    from memfit.techniques.technique import Technique
+
+    return Technique(
+        name="nf4_head", settings=("quantize_head",), after=("expert_offload",), apply=_apply,
+        resolve=lambda facts, run: {"quantize_head": facts.config.lora.quantize_head},
+        report=lambda run: {"quantize_head": True} if run.quantize_head else {},
+        summary="the frozen output head in NF4 (QLoRA), projected a tile of vocabulary rows at a time",
+    )
+
+
+TECHNIQUE = _technique()

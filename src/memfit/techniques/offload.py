@@ -311,3 +311,24 @@ def activation_offload(
             return (ActivationOffload(None, min_bytes=min_bytes, device=device),
                     f"no list of transformer blocks to count {blocks} of: every saved tensor is offloaded")
     return ActivationOffload(model, min_bytes=min_bytes, device=device, blocks=blocks), None
+
+
+def _resolve(facts, run) -> dict:
+    memory = facts.config.memory
+    return {"activation_offload": memory.activation_offload,
+            "activation_offload_blocks": memory.activation_offload_blocks if memory.activation_offload else None}
+
+
+def _technique():
+    from memfit.techniques.technique import Technique
+
+    return Technique(
+        name="activation_offload", stage="step", settings=("activation_offload", "activation_offload_blocks"),
+        after=("gradient_checkpointing",), resolve=_resolve,
+        report=lambda run: ({"activation_offload": run.activation_offload_blocks or "all"}
+                            if run.activation_offload else {}),
+        summary="saved activations go to host memory in forward and come back in backward: the link's time",
+    )
+
+
+TECHNIQUE = _technique()

@@ -135,3 +135,31 @@ class OptimizerInBackward(torch.optim.Optimizer):
         for handle in self._handles:
             handle.remove()
         self._handles = []
+
+
+def _refusals(run, facts) -> list[str]:
+    """What a step that applies each gradient in its own backward hook cannot do."""
+    if not run.optimizer_in_backward:
+        return []
+    config = facts.config
+    try:
+        check_optimizer_in_backward(config.accumulation_for(facts.world_size), config.optimizer.max_grad_norm,
+                                    uses_grad_scaler=run.autocast == "fp16")
+    except UsageError as error:
+        return [str(error)]
+    return []
+
+
+def _technique():
+    from memfit.techniques.technique import Technique
+
+    return Technique(
+        name="optimizer_in_backward", stage="optimizer", settings=("optimizer_in_backward",), after=("optimizer",),
+        resolve=lambda facts, run: {"optimizer_in_backward": facts.config.memory.optimizer_in_backward},
+        refusals=_refusals,
+        report=lambda run: {"optimizer_in_backward": True} if run.optimizer_in_backward else {},
+        summary="each gradient is applied and freed in backward: one tensor's gradient alive, not the model's",
+    )
+
+
+TECHNIQUE = _technique()

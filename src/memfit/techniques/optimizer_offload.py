@@ -171,3 +171,23 @@ def host_stepped(make_optimizer: Callable, device: torch.device | str) -> Callab
         return HostSteppedOptimizer(parameter, make_optimizer, pin)
 
     return make
+
+
+def _resolve(facts, run) -> dict:
+    distributed = facts.config.distributed
+    return {"optimizer_offload": facts.config.memory.optimizer_offload or distributed.zero_offload
+            or distributed.fsdp_offload}
+
+
+def _technique():
+    from memfit.techniques.technique import Technique
+
+    return Technique(
+        name="optimizer_offload", stage="optimizer", settings=("optimizer_offload",), after=("optimizer",),
+        resolve=_resolve, report=lambda run: {"optimizer_offload": True} if run.optimizer_offload else {},
+        summary="the optimizer's state and step in host memory: no state on the device; the link carries gradients"
+                " and weights each step",
+    )
+
+
+TECHNIQUE = _technique()

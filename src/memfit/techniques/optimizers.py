@@ -196,3 +196,30 @@ def _tensors(values: Iterable) -> Iterable[torch.Tensor]:
             yield from _tensors(getattr(value, name) for name in names)
         elif isinstance(value, torch.Tensor):
             yield value
+
+
+def _resolve(facts, run) -> dict:
+    optimizer = facts.config.optimizer.optimizer
+    return {"optimizer": optimizer, "optimizer_impl": facts.config.optimizer.optimizer_impl,
+            "paged_optimizer": optimizer == "paged-adamw-8bit" and facts.device_type == "cuda"}
+
+
+def _paged_memory_terms(run, facts) -> dict[str, float]:
+    """Paged 8-bit AdamW: the driver brings the state of the tensor being stepped onto the device."""
+    if not run.paged_optimizer:
+        return {}
+    parts = facts.parts
+    return {"other": parts["optimizer_states_full"] * parts["largest_trainable"] / max(1, parts["trainable_count"])}
+
+
+def _technique():
+    from memfit.techniques.technique import Technique
+
+    return Technique(
+        name="optimizer", stage="optimizer", settings=("optimizer", "optimizer_impl"), resolve=_resolve,
+        memory_terms=_paged_memory_terms, report=lambda run: {"optimizer": run.optimizer},
+        summary="8-bit, paged and small-state optimizers keep less state per trained parameter than AdamW's 8 bytes",
+    )
+
+
+TECHNIQUE = _technique()

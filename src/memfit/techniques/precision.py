@@ -81,3 +81,25 @@ def choose_precision(requested: str, device_type: str, bf16_supported: bool) -> 
 
 def make_grad_scaler(choice: PrecisionChoice, device: torch.device) -> torch.amp.GradScaler | None:
     return torch.amp.GradScaler(device.type) if choice.grad_scaler else None
+
+
+def _resolve(facts, run) -> dict:
+    """The autocast dtype the training loop's policy picks on the device (raises UsageError as it would)."""
+    choice = choose_precision(facts.config.memory.precision, facts.device_type, facts.bf16_supported)
+    return {"autocast": choice.name if choice.autocast_dtype is not None else None}
+
+
+def _report(run) -> dict:
+    return {"precision": run.autocast or {4: "fp32", 2: "bf16"}.get(run.weight_bytes, "fp32")}
+
+
+def _technique():
+    from memfit.techniques.technique import Technique
+
+    return Technique(
+        name="precision", stage="choice", settings=("precision",), resolve=_resolve, report=_report,
+        summary="bf16/fp16 autocast: 16-bit activations and matmuls; fp16 adds a grad scaler",
+    )
+
+
+TECHNIQUE = _technique()

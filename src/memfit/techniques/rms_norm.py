@@ -173,3 +173,26 @@ def apply_efficient_rms_norm(model: nn.Module) -> str:
         kept = ", ".join(f"{count} {name}" for name, count in other.items())
         done += f"; kept their own forward, which computes another norm: {kept}"
     return done
+
+
+def _apply(model: nn.Module, run, context):
+    from memfit.techniques.technique import Applied
+
+    if not context.config.memory.efficient_norm:
+        return Applied()
+    # On by default, exact, and nothing to act on ("0 of 5 norms" on an encoder's LayerNorms): the debug log.
+    return Applied(f"efficient RMSNorm: {apply_efficient_rms_norm(model)}", quiet=True)
+
+
+def _technique():
+    from memfit.techniques.technique import Technique
+
+    return Technique(
+        name="efficient_norm", settings=("efficient_norm",), after=("tiled_mlp",), apply=_apply,
+        # liger's RMSNorm replaces memfit's where its fused loss runs (the kernels technique comes later)
+        resolve=lambda facts, run: {"efficient_norm": facts.config.memory.efficient_norm},
+        summary="RMSNorm keeps its input and the fp32 1/rms only, not its fp32 intermediates",
+    )
+
+
+TECHNIQUE = _technique()

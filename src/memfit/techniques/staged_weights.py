@@ -206,3 +206,23 @@ def _move(table: dict, name: str, tensor: torch.Tensor, device: torch.device) ->
         tensor.data = new
     else:
         table[name] = new
+
+
+def _apply(model: nn.Module, run, context):
+    from memfit.techniques.technique import Applied
+
+    settled = settle_staged(model)  # what a staged load left in host memory and no technique took
+    return Applied(settled or "")
+
+
+def _technique():
+    from memfit.techniques.technique import Technique
+
+    return Technique(
+        name="staged_weights", after=("lora", "expert_offload", "nf4_head", "embedding_on_host",
+                                      "expert_dequant_group"), apply=_apply,
+        summary="a mixture of experts loads in host memory first; what no technique keeps there then moves",
+    )
+
+
+TECHNIQUE = _technique()

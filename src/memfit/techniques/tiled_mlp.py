@@ -370,3 +370,45 @@ class _RngState:
             if self.device_state is not None:
                 torch.cuda.set_rng_state(self.device_state, self.device)
             yield
+
+
+def _resolve(facts, run) -> dict:
+    tiles = tiles_for(facts.config.data.seq_len_or_default, facts.config.memory.tiled_mlp)
+    return {"mlp_tiles": tiles if tiles > 1 else 0}
+
+
+def _apply(model: nn.Module, run, context):
+    from memfit.errors import UsageError
+    from memfit.techniques.technique import Applied
+    from memfit.techniques.tiled_experts import with_tiled_experts
+
+    if run.mlp_tiles <= 1:
+        return Applied()
+    tiled = apply_tiled_mlp(model, run.mlp_tiles)
+    tiled = with_tiled_experts(model, run.mlp_tiles, tiled)  # each MoE layer's experts call, over token tiles
+    if context.config.memory.tiled_mlp and not find_mlps(model) and not _tiled_experts(model):
+        # asked for and nothing to tile: refused, not ignored
+        raise UsageError(f"--tiled-mlp {context.config.memory.tiled_mlp}: the blocks of {type(model).__name__} have"
+                         " no MLP module (mlp, feed_forward or ffn) nor a feed_forward_chunk method to tile;"
+                         " drop --tiled-mlp")
+    return Applied(f"tiled MLP: {tiled}")
+
+
+def _tiled_experts(model: nn.Module) -> bool:
+    from memfit.techniques.tiled_experts import tiled_experts_facts
+
+    return bool(tiled_experts_facts(model))
+
+
+def _technique():
+    from memfit.techniques.technique import Technique
+
+    return Technique(
+        name="tiled_mlp", settings=("tiled_mlp",), after=("staged_weights", "lora"), resolve=_resolve, apply=_apply,
+        report=lambda run: {"mlp_tiles": run.mlp_tiles} if run.mlp_tiles else {},
+        summary="each MLP runs over tiles of tokens: its intermediate activations are one tile's; one more MLP"
+                " forward in backward",
+    )
+
+
+TECHNIQUE = _technique()

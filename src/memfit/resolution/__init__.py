@@ -1,0 +1,1 @@
+"""What a config becomes: the technique registry and the one function that resolves a run from it."""
