@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from memfit.config import register_section, unregister_section
 from memfit.techniques import (
     attention,
-    checkpointing,
+    auto_checkpointing,
     compile,
     efficient_lora,
     expert_dequant_groups,
@@ -33,7 +33,7 @@ from memfit.techniques import (
     precision,
     rms_norm,
     staged_weights,
-    tiled_mlp,
+    tiled_experts,
 )
 from memfit.techniques.technique import STAGES, Technique
 
@@ -42,7 +42,7 @@ BUILT_IN: tuple[Technique, ...] = (
     precision.TECHNIQUE,
     attention.TECHNIQUE,
     # applied to the model, in this order, before the engine wraps it
-    checkpointing.TECHNIQUE,  # first: LoRA must know whether blocks are checkpointed
+    auto_checkpointing.TECHNIQUE,  # first: LoRA must know whether blocks are checkpointed
     lora.TECHNIQUE,
     efficient_lora.TECHNIQUE,
     expert_streaming.TECHNIQUE,  # before tiled experts wrap the experts' call
@@ -50,7 +50,7 @@ BUILT_IN: tuple[Technique, ...] = (
     host_embedding.TECHNIQUE,
     expert_dequant_groups.TECHNIQUE,
     staged_weights.TECHNIQUE,  # what a staged load left in host memory and no technique above took
-    tiled_mlp.TECHNIQUE,
+    tiled_experts.TECHNIQUE,
     rms_norm.TECHNIQUE,  # liger's RMSNorm, applied next, replaces it where it runs
     kernels.TECHNIQUE,
     compile.TECHNIQUE,  # last: compiles the blocks as the techniques above left them

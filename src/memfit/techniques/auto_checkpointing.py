@@ -20,7 +20,7 @@ from torch import nn
 
 from memfit.errors import UsageError
 from memfit.models.state_bytes import optimizer_state_bytes_for_shapes
-from memfit.techniques.checkpointing import apply_gradient_checkpointing, transformer_blocks
+from memfit.techniques.checkpointing import apply_gradient_checkpointing, checkpointed_count, transformer_blocks
 from memfit.units import format_bytes
 
 # ---------------------------------------------------------------------------
@@ -283,3 +283,34 @@ def checkpointing_budget(config) -> int | None:
 
         budget = lookup_gpu(config.memory.gpu).memory_bytes
     return budget
+
+
+def _resolve(facts, run) -> dict:
+    mode = facts.config.memory.gradient_checkpointing
+    # auto checkpoints as few blocks as the budget allows: full is its upper bound until the model is built
+    return {"checkpointing": "full" if mode == "auto" else mode, "checkpoint_auto": mode == "auto",
+            "checkpoint_every": facts.config.memory.checkpoint_every}
+
+
+def _apply(model: nn.Module, run, context):
+    from memfit.techniques.technique import Applied
+
+    if run.checkpoint_auto:
+        description = auto_checkpointing(model, context.config, checkpointing_budget(context.config))
+    else:
+        description = apply_gradient_checkpointing(model, run.checkpointing, run.checkpoint_every)
+    return Applied(description, changes={"checkpointed_blocks": checkpointed_count(model)}, quiet=True)
+
+
+def _technique():
+    from memfit.techniques.technique import Technique
+
+    return Technique(
+        name="gradient_checkpointing", settings=("gradient_checkpointing", "checkpoint_every"),
+        resolve=_resolve, apply=_apply,
+        report=lambda run: {"checkpointing": run.describe_checkpointing()},
+        summary="blocks keep only their input and recompute the rest in backward: about a third more compute",
+    )
+
+
+TECHNIQUE = _technique()

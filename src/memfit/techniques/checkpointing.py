@@ -128,36 +128,3 @@ def checkpointed_count(model: nn.Module) -> int:
         return 0
     return sum(isinstance(block, CheckpointedBlock) or getattr(block, "gradient_checkpointing", False) is True
                for block in blocks)
-
-
-def _resolve(facts, run) -> dict:
-    mode = facts.config.memory.gradient_checkpointing
-    # auto checkpoints as few blocks as the budget allows: full is its upper bound until the model is built
-    return {"checkpointing": "full" if mode == "auto" else mode, "checkpoint_auto": mode == "auto",
-            "checkpoint_every": facts.config.memory.checkpoint_every}
-
-
-def _apply(model: nn.Module, run, context):
-    from memfit.techniques.technique import Applied
-
-    if run.checkpoint_auto:
-        from memfit.techniques.auto_checkpointing import auto_checkpointing, checkpointing_budget
-
-        description = auto_checkpointing(model, context.config, checkpointing_budget(context.config))
-    else:
-        description = apply_gradient_checkpointing(model, run.checkpointing, run.checkpoint_every)
-    return Applied(description, changes={"checkpointed_blocks": checkpointed_count(model)}, quiet=True)
-
-
-def _technique():
-    from memfit.techniques.technique import Technique
-
-    return Technique(
-        name="gradient_checkpointing", settings=("gradient_checkpointing", "checkpoint_every"),
-        resolve=_resolve, apply=_apply,
-        report=lambda run: {"checkpointing": run.describe_checkpointing()},
-        summary="blocks keep only their input and recompute the rest in backward: about a third more compute",
-    )
-
-
-TECHNIQUE = _technique()

@@ -64,6 +64,8 @@ from memfit.techniques.tiled_mlp import (
     _RngState,
     _tile,
     add_tile_gradients,
+    apply_tiled_mlp,
+    find_mlps,
     is_tiled,
     recompute_context,
     tile_module,
@@ -440,3 +442,42 @@ def tiled_shared_experts(model: nn.Module) -> list[str]:
             if is_tiled(block._modules[name]) or (gate_name and _GATED in block.__dict__):
                 names.append(f"{block_name}.{name}")
     return names
+
+
+def _resolve(facts, run) -> dict:
+    tiles = tiles_for(facts.config.data.seq_len_or_default, facts.config.memory.tiled_mlp)
+    return {"mlp_tiles": tiles if tiles > 1 else 0}
+
+
+def _apply(model: nn.Module, run, context):
+    from memfit.errors import UsageError
+    from memfit.techniques.technique import Applied
+
+    if run.mlp_tiles <= 1:
+        return Applied()
+    tiled = apply_tiled_mlp(model, run.mlp_tiles)
+    tiled = with_tiled_experts(model, run.mlp_tiles, tiled)  # each MoE layer's experts call, over token tiles
+    if context.config.memory.tiled_mlp and not find_mlps(model) and not _tiled_experts(model):
+        # asked for and nothing to tile: refused, not ignored
+        raise UsageError(f"--tiled-mlp {context.config.memory.tiled_mlp}: the blocks of {type(model).__name__} have"
+                         " no MLP module (mlp, feed_forward or ffn) nor a feed_forward_chunk method to tile;"
+                         " drop --tiled-mlp")
+    return Applied(f"tiled MLP: {tiled}")
+
+
+def _tiled_experts(model: nn.Module) -> bool:
+    return bool(tiled_experts_facts(model))
+
+
+def _technique():
+    from memfit.techniques.technique import Technique
+
+    return Technique(
+        name="tiled_mlp", settings=("tiled_mlp",), after=("staged_weights", "lora"), resolve=_resolve, apply=_apply,
+        report=lambda run: {"mlp_tiles": run.mlp_tiles} if run.mlp_tiles else {},
+        summary="each MLP runs over tiles of tokens: its intermediate activations are one tile's; one more MLP"
+                " forward in backward",
+    )
+
+
+TECHNIQUE = _technique()
