@@ -114,3 +114,8 @@ def _technique():
 
 
 TECHNIQUE = _technique()
+
+
+def run_attention(config, device: torch.device, compute_dtype: torch.dtype | None) -> AttentionChoice:
+    """The kernel a run asks the loader for, for its --attention (the model may still run another)."""
+    return choose_attention(config.model.attention, device, compute_dtype)

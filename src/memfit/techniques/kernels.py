@@ -190,7 +190,7 @@ def _apply(model: torch.nn.Module, run, context):
     from memfit.techniques.technique import Applied
 
     choice = apply_kernels(model, run.kernels, context.device, context.fallbacks)  # liger on CUDA, else PyTorch's
-    return Applied(changes={"fused_loss": choice.fused_loss is not None}, quiet=True)
+    return Applied(choice.description, changes={"fused_loss": choice.fused_loss is not None}, quiet=True)
 
 
 def _technique():

@@ -103,3 +103,8 @@ def _technique():
 
 
 TECHNIQUE = _technique()
+
+
+def run_precision(config, device: torch.device) -> PrecisionChoice:
+    """What a run on `device` computes in, for its --precision (the resolver's choice, with its reason and scaler)."""
+    return resolve_precision(config.memory.precision, device)

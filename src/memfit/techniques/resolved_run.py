@@ -32,8 +32,6 @@ class LossRecipe:
     """--compile: the logits-to-loss tail (cast, softcap, log-softmax) is compiled."""
     head_gradient: str = ""
     """How the chunked loss makes the head's gradient: 'in place', 'per chunk', or '' (not chunked, no trained head)."""
-    balancing: bool = False
-    """A mixture of experts adds its router's load-balancing loss as the model defines it."""
 
     def describe(self) -> str:
         if self.fused:
@@ -43,8 +41,6 @@ class LossRecipe:
             parts.append(f"head gradient {self.head_gradient}")
         if self.compiled_tail:
             parts.append("compiled tail")
-        if self.balancing:
-            parts.append("with the router's balancing loss")
         return ", ".join(parts)
 
 
@@ -139,6 +135,14 @@ class ResolvedRun:
         after = ", ".join(f"{name}={value!r}" for name, value in fields.items())
         event = RunEvent(technique, before, after, reason, step)
         return dataclasses.replace(self, **fields, events=(*self.events, event))
+
+    def applied(self, technique: str, reason: str, **fields: Any) -> ResolvedRun:
+        """This run with what applying `technique` settled: a field not known before (None) is filled in
+        silently; one that differs from what was resolved is a change, recorded with `reason`."""
+        unknown = {name: value for name, value in fields.items() if getattr(self, name) is None}
+        run = dataclasses.replace(self, **unknown) if unknown else self
+        known = {name: value for name, value in fields.items() if name not in unknown}
+        return run.changed(technique, reason, **known) if known else run
 
     def with_extra(self, name: str, value: Any) -> ResolvedRun:
         """This run with a registered technique's resolved value (while resolving, not an event)."""

@@ -26,6 +26,7 @@ from memfit.config import TrainConfig
 from memfit.data.samples import dataset_facts
 from memfit.memory.stats import memory_stats, reset_peaks
 from memfit.reporting.memory_record import run_memory_record, summary_fields, write_memory_record
+from memfit.resolution.resolve import report as run_report
 from memfit.techniques.packed_attention import packing_facts
 from memfit.train.evaluation import Evaluator
 from memfit.train.memory_sample import OneStepSample
@@ -266,7 +267,7 @@ def _check_compiled(session: TrainingSession, logger, tracked: bool) -> None:
     mode always, elsewhere when it compiled nothing. The metrics must name what ran, not what
     was asked.
     """
-    if not session.compiled_ran:
+    if not session.run.compiled:
         return
     from memfit.techniques.compile import compile_stats
 
@@ -278,14 +279,14 @@ def _check_compiled(session: TrainingSession, logger, tracked: bool) -> None:
            " does not run under it" if tracked else "Dynamo fell back to eager")
     reason = f"no graph was compiled in the first step: {why}; the blocks ran eager"
     session.fallbacks["compile"] = reason
-    session.compiled, session.compiled_ran = "off (asked, ran eager)", False
+    session.change_run("compile", reason, step=1, compiled=False)
     log.warning("memfit: --compile: %s", reason)
     logger.log({"event": "fallback", "technique": "compile", "reason": reason})
 
 
 def _check_efficient_lora(session: TrainingSession, logger) -> None:
     """After the first step: adapters that ran PEFT's path instead of memfit's efficient one, and why."""
-    if not (session.config.memory.efficient_lora and session.config.lora.lora_r > 0):
+    if not session.run.efficient_lora:
         return
     from memfit.techniques.efficient_lora import fallback_reasons
 
@@ -344,12 +345,12 @@ def _oom_is_fatal(runner: StepRunner, config: TrainConfig):
 
 
 def _activation_offload_context(session: TrainingSession):
-    if not session.config.memory.activation_offload:
+    if not session.run.activation_offload:
         return contextlib.nullcontext()
     from memfit.techniques.offload import activation_offload
 
     context, reason = activation_offload(session.device, model=session.model,
-                                         blocks=session.config.memory.activation_offload_blocks)
+                                         blocks=session.run.activation_offload_blocks)
     if reason:
         session.fallbacks["activation_offload"] = reason
     return context
@@ -374,13 +375,14 @@ def run_facts(session: TrainingSession) -> dict[str, Any]:
         "optimizer": session.optimizer_name,
         "attention": session.attention.implementation,
         "gradient_checkpointing": session.checkpointing,
-        "loss_chunk_size": session.loss_chunk_size,
-        "loss_head_gradient": getattr(session, "head_gradient", "") or None,  # in place / per chunk (chunked loss)
+        "loss_chunk_size": session.run.loss_chunk_size,
+        "loss_head_gradient": session.run.head_gradient or None,  # in place / per chunk (chunked loss)
         "effective_batch_size": session.effective_batch_size,
         "seq_len": config.data.seq_len,
-        "kernels": session.kernels.description,
+        "kernels": session.applied.get("kernels", "none"),
         "compile": session.compiled,
-        "compiled_ran": session.compiled_ran,  # what code reads; "compile" is for people
+        "compiled_ran": session.run.compiled,  # what code reads; "compile" is for people
+        "techniques": run_report(session.run),  # what each technique of the registry says about this run
         "rope_scaling": session.loaded.rope_scaling.describe() if session.loaded.rope_scaling else None,
         "packing": packing_facts(session.dataset),
         "data": dataset_facts(session.dataset),
@@ -422,7 +424,7 @@ def describe_run(session: TrainingSession, micro_batch_size: int) -> None:
         session.optimizer_name,
         session.attention.implementation,
         session.checkpointing,
-        session.loss_chunk_size or "off",
+        session.run.loss_chunk_size or "off",
     )
     for technique, fallback in session.fallbacks.items():
         log.warning("memfit: %s: %s", technique, fallback)

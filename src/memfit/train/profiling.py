@@ -38,14 +38,14 @@ def profile_run(
         extra["snapshot"] = snapshot_path
     output_embeddings = session.model.get_output_embeddings()
     context = ReportContext(
-        gradient_checkpointing=session.checkpointing != "off",
-        optimizer=config.optimizer.optimizer,
-        lora=config.lora.lora_r > 0,
-        loss_chunk_size=session.loss_chunk_size,
+        gradient_checkpointing=session.run.checkpointing_on,
+        optimizer=session.run.optimizer,
+        lora=session.run.lora_r > 0,
+        loss_chunk_size=session.run.loss_chunk_size,
         vocab_size=output_embeddings.weight.shape[0] if output_embeddings is not None else None,
-        optimizer_in_backward=config.memory.optimizer_in_backward,
-        tiled_mlp=config.memory.tiled_mlp or 0,
-        activation_offload=config.memory.activation_offload,
+        optimizer_in_backward=session.run.optimizer_in_backward,
+        tiled_mlp=session.run.mlp_tiles,
+        activation_offload=session.run.activation_offload,
     )
     report = build_report(result.memory_steps, tracker.peak_snapshot(), str(session.device), context, top)
     extra["timeline"] = tracker.timeline()  # the peak step, for the HTML report

@@ -26,10 +26,10 @@ def learn_from_run(session: Any, summary: dict[str, Any], first_step_seconds: fl
 
         model = session.model.get_base_model() if hasattr(session.model, "get_base_model") else session.model
         hf_config = model.config
-        checkpointing = next((m for m in ("full", "selective") if str(session.checkpointing).startswith(m)), "off")
+        run = session.run  # what ran: an eager fallback of --compile calibrates as eager (run.compiled is cleared)
         changes = {"batch_size": config.training.batch_size, "gradient_accumulation_steps": session.accumulation_steps,
-                   "gradient_checkpointing": checkpointing, "loss_chunk_size": session.loss_chunk_size,
-                   "compile": bool(session.compiled_ran)}  # what ran: an eager fallback calibrates as eager
+                   "gradient_checkpointing": run.checkpointing if run.checkpointing_on else "off",
+                   "loss_chunk_size": run.loss_chunk_size, "compile": run.compiled}
         model_seconds = estimated_step_seconds(changes, config, estimate(config, hf_config=hf_config), None,
                                                hf_config, device="cpu", calibrate=False)
         measured = summary["measured_step_seconds"]

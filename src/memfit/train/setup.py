@@ -16,10 +16,10 @@ no grad scaler, no OOM recovery): nothing is changed after the session is built.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import shutil
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,18 +31,20 @@ from memfit.data import BatchSchedule, TokenizedDataset
 from memfit.data.length_groups import build_schedule
 from memfit.distributed.context import DistContext, init_distributed
 from memfit.errors import UsageError
-from memfit.hardware import training_device
+from memfit.hardware import supports_bf16, training_device
 from memfit.memory.stats import configure_cuda_allocator
 from memfit.models.loader import LoadedModel, load_model_and_tokenizer
 from memfit.models.optimizer_state import SMALL_STATE_OPTIMIZERS
+from memfit.resolution.registry import techniques
+from memfit.resolution.resolve import resolve
 from memfit.tasks import Task, build_task
-from memfit.techniques.attention import AttentionChoice, attention_that_ran, choose_attention
-from memfit.techniques.checkpointing import apply_gradient_checkpointing
-from memfit.techniques.compile import compile_blocks, compile_token_loss
-from memfit.techniques.kernels import KernelChoice, apply_kernels
+from memfit.techniques.attention import AttentionChoice, attention_that_ran, run_attention
+from memfit.techniques.loss_recipe import LossFunction
 from memfit.techniques.optimizers import OptimizerChoice, build_optimizer, build_scheduler, parameter_groups
 from memfit.techniques.packed_attention import pack_for_model
-from memfit.techniques.precision import PrecisionChoice, resolve_precision
+from memfit.techniques.precision import PrecisionChoice, run_precision
+from memfit.techniques.resolved_run import ResolvedRun
+from memfit.techniques.technique import ApplyContext
 from memfit.train.engine import Engine, choose_engine
 from memfit.train.evaluation import load_eval_data, split_for_evaluation
 from memfit.train.metrics import check_trackers
@@ -70,27 +72,24 @@ class TrainingSession:
     scheduler: Any
     total_steps: int
     accumulation_steps: int
-    loss_chunk_size: int
-    checkpointing: str
-    """What gradient checkpointing really does ('off', 'full on 4 of 4 blocks', ...)."""
+    run: ResolvedRun
+    """What runs, typed (techniques/resolved_run.py): every part of the run reads its choices here. It changes only
+    through `change_run`, which records why."""
+    loss_function: LossFunction
+    """The loss recipe, built once from `run` and the task (techniques/loss_recipe.py): the step only calls it."""
+    applied: dict[str, str] = field(default_factory=dict)
+    """Technique -> what applying it did, in words, for the log and the metrics (never parsed)."""
     fallbacks: dict[str, str] = field(default_factory=dict)
     """Technique -> what ran instead of what was asked, or what memfit chose, and why (log and metrics)."""
-    kernels: KernelChoice = field(default_factory=KernelChoice)
-    """Fused kernels that run (techniques/kernels.py); its fused_loss, when set, replaces the plain loss."""
-    compiled: str = "off"
-    """What --compile compiled ('4 of 4 blocks (inductor) and the loss'), or 'off': for people, never parsed."""
-    compiled_ran: bool = False
-    """Whether compiled blocks run: set where they are compiled, cleared after the first step when Dynamo ran them
-    eager (train/loop.py). The speed model and its calibration read this, not `compiled`."""
-    token_loss: Callable[..., torch.Tensor] | None = None
-    """--compile: the compiled logits-to-loss tail (techniques.loss.token_loss_sum); None: the eager one."""
     eval_dataset: Any = None
     """The samples evaluation runs on (--eval-dataset or --eval-fraction; train/evaluation.py), or None."""
     task: Task = field(default_factory=Task)
     """What is learned (memfit.tasks): the head's class, the loss and its normalisation, the data, the metrics."""
-    head_gradient: str = ""
-    """How the chunked loss makes the head's gradient: 'in place', 'per chunk' (why: fallbacks), '' (not chunked or
-    no trained head); techniques/chunked_head_loss.py."""
+
+    def change_run(self, technique: str, reason: str, step: int | None = None, **fields: Any) -> None:
+        """Change what runs (an eager fallback of compiled blocks, an OOM escalation): a new resolved run, with the
+        change recorded in its events."""
+        self.run = self.run.changed(technique, reason, step, **fields)
 
     @property
     def model(self) -> torch.nn.Module:
@@ -108,16 +107,17 @@ class TrainingSession:
     def output_dir(self) -> Path:
         return Path(self.config.output.output_dir)
 
+    @property
+    def checkpointing(self) -> str:
+        """What gradient checkpointing does, in words ('off', 'full on 4 of 4 blocks'): for people only."""
+        return self.applied.get("gradient_checkpointing") or self.run.describe_checkpointing()
 
-def resolve_loss_chunk_size(config: TrainConfig, vocab_size: int) -> int:
-    """--loss-chunk-size, or by default on where the logits are large (see techniques.loss)."""
-    if config.memory.loss_chunk_size is not None:
-        return config.memory.loss_chunk_size
-    try:
-        from memfit.techniques.loss import default_loss_chunk_size
-    except ImportError:
-        return 0
-    return default_loss_chunk_size(vocab_size, config.data.seq_len_or_default, config.training.batch_size)
+    @property
+    def compiled(self) -> str:
+        """What --compile compiled, in words, or 'off': for people only (code reads `run.compiled`)."""
+        if not self.run.compiled:
+            return "off (asked, ran eager)" if self.config.memory.compile else "off"
+        return self.applied.get("compile", "on")
 
 
 def build_session(config: TrainConfig) -> TrainingSession:
@@ -135,7 +135,53 @@ def build_session(config: TrainConfig) -> TrainingSession:
         raise
 
 
+@dataclass
+class _Building:
+    """What the phases of `_build_session` hand each other."""
+
+    config: TrainConfig
+    device: torch.device
+    dist: DistContext
+    task: Task
+    fallbacks: dict[str, str]
+    precision: PrecisionChoice
+    attention: AttentionChoice
+    engine: Engine
+    loaded: LoadedModel | None = None
+    attention_ran: str = ""
+
+
 def _build_session(config: TrainConfig) -> TrainingSession:
+    build = _choose_device_and_engine(config)
+    _load_model(build)
+    dataset, eval_dataset, schedule, total_steps = _load_data(build)
+    config = build.config
+    applied: dict[str, str] = {}
+    build.loaded.model, run = apply_model_techniques(config, build.loaded.model, build.task.peft_task_type,
+                                                     run=_resolve(build), device=build.device,
+                                                     fallbacks=build.fallbacks, applied=applied)
+    model = build.loaded.model
+    chosen = build.engine.prepare(model, lambda m: _build_optimizer(config, m, build.device, build.fallbacks))
+    from memfit.techniques.chunked_head_loss import head_gradient_path
+
+    head_gradient = head_gradient_path(model, build.engine.name, run.loss_chunk_size if build.task.name == "causal-lm"
+                                       else 0, run.fused_loss, build.fallbacks)
+    run = dataclasses.replace(run, head_gradient=head_gradient)
+    from memfit.techniques.loss_recipe import build_loss_function
+
+    return TrainingSession(
+        config=config, device=build.device, dist=build.dist, precision=build.precision, attention=build.attention,
+        loaded=build.loaded, dataset=dataset, schedule=schedule, engine=build.engine,
+        optimizer=chosen.optimizer, optimizer_name=chosen.name,
+        scheduler=build_scheduler(chosen.optimizer, config.optimizer, total_steps),
+        total_steps=total_steps, accumulation_steps=config.accumulation_for(build.dist.world_size),
+        run=run, loss_function=build.task.loss_function(build_loss_function(run, model)),
+        applied=applied, fallbacks=build.fallbacks, eval_dataset=eval_dataset, task=build.task,
+    )
+
+
+def _choose_device_and_engine(config: TrainConfig) -> _Building:
+    """Device, ranks, the task, precision, attention and the engine; every refusal the config alone shows."""
     if torch.cuda.is_available():
         configure_cuda_allocator()
     device = training_device()
@@ -145,28 +191,29 @@ def _build_session(config: TrainConfig) -> TrainingSession:
     task = build_task(config)  # reads the training table's labels (they size the head); may set packing off
     # Defaults memfit chose from the other settings; the loop logs each entry once.
     fallbacks: dict[str, str] = dict(config.derived)
-    precision = resolve_precision(config.memory.precision, device)
-    attention = choose_attention(config.model.attention, device, precision.autocast_dtype)
+    precision = run_precision(config, device)
+    attention = run_attention(config, device, precision.autocast_dtype)
     if attention.fell_back:
         fallbacks["attention"] = attention.reason
     engine = choose_engine(config, dist, device, precision, fallbacks)
-    if config.memory.optimizer_in_backward:  # refused combinations stop the run before the data is read
-        from memfit.techniques.optimizer_in_backward import check_optimizer_in_backward
+    # What the techniques refuse in this config stops the run before the model and the data are read (the run is
+    # resolved again, at the data's length and on the loaded model's config, once both are known).
+    resolve(config, None, device.type, bf16_supported=supports_bf16(device), world_size=dist.world_size)
+    return _Building(config, device, dist, task, fallbacks, precision, attention, engine)
 
-        check_optimizer_in_backward(
-            config.accumulation_for(dist.world_size), config.optimizer.max_grad_norm, uses_grad_scaler=precision.grad_scaler
-        )
+
+def _load_model(build: _Building) -> None:
+    """The model and tokenizer (LoRA's quantization at load, MoE experts staged in host memory)."""
+    config, device, task = build.config, build.device, build.task
     if config.lora.lora_r > 0 or config.lora.quantize != "none":
         from memfit.techniques.lora import quantization_config
 
-        quantization = quantization_config(config.lora, precision.autocast_dtype or torch.float32)
+        quantization = quantization_config(config.lora, build.precision.autocast_dtype or torch.float32)
         task.keep_head_unquantized(quantization)  # a new classifier (and pooler) is built, not loaded: never 4/8-bit
     else:
         quantization = None
-    if config.model.dtype == "fp16" and config.lora.lora_r == 0:
-        raise UsageError("--dtype fp16 cannot be trained in full (fp16 gradients underflow); use --dtype bf16, fp32, or LoRA")
-    staged = _staging(config, dist.world_size)  # MoE experts QLoRA shrinks or streaming keeps: loaded on the host
-    loaded = load_model_and_tokenizer(config, device, attention, quantization, auto_class=task.auto_class,
+    staged = _staging(config, build.dist.world_size)  # MoE experts QLoRA shrinks or streaming keeps: loaded on host
+    loaded = load_model_and_tokenizer(config, device, build.attention, quantization, auto_class=task.auto_class,
                                       head_config=task.model_config(), on_host=staged.any)
     if staged.any:
         from memfit.techniques.staged_weights import stage_on_host
@@ -174,9 +221,15 @@ def _build_session(config: TrainConfig) -> TrainingSession:
         log.info("memfit: %s", stage_on_host(loaded.model, device, staged))
     task.prepare_model(loaded.model, loaded.tokenizer)
     ran = attention_that_ran(loaded.model)
-    if ran != attention.implementation:
-        fallbacks["attention"] = f"{attention.implementation} requested, {ran} ran (the model does not support it)"
+    if ran != build.attention.implementation:
+        build.fallbacks["attention"] = (f"{build.attention.implementation} requested, {ran} ran (the model does not"
+                                        " support it)")
+    build.loaded, build.attention_ran = loaded, ran
 
+
+def _load_data(build: _Building):
+    """The training and evaluation samples and the batch schedule; the data may choose the sequence length."""
+    config, dist, loaded, task = build.config, build.dist, build.loaded, build.task
     if not dist.is_main:
         dist.barrier()  # rank 0 tokenizes into the shared cache first; the others then read it
     effective_batch = config.effective_batch_for(dist.world_size)
@@ -187,146 +240,67 @@ def _build_session(config: TrainConfig) -> TrainingSession:
     )
     if dataset.seq_len != config.data.seq_len:  # --seq-len not given: the data chose it (said by the data's loader)
         config = config.with_seq_len(dataset.seq_len)
-        fallbacks.update(config.derived)  # what was derived from the length (--use-chunked-training's tiles)
-    eval_source = load_eval_data(config, _data_config(config), loaded, load=task.load_data)  # --eval-dataset: read like the training data
+        build.fallbacks.update(config.derived)  # what was derived from the length (--use-chunked-training's tiles)
+    eval_source = load_eval_data(config, _data_config(config), loaded, load=task.load_data)  # read like training data
     if dist.is_main:
         dist.barrier()
+    ran = build.attention_ran
     # --packing samples: whole samples share windows, attention restricted to each (or `off` for stateful layers).
     dataset = pack_for_model(dataset, config.data.packing, None, loaded.model, ran, config.data.seq_len,
-                             effective_batch, fallbacks, config.model.attention, device)
+                             effective_batch, build.fallbacks, config.model.attention, build.device)
     if attention_that_ran(loaded.model) != ran:  # packed rows on a GPU switched SDPA to FlexAttention
         ran = attention_that_ran(loaded.model)
-        attention = AttentionChoice(config.model.attention, ran, "packed samples: FlexAttention's document mask")
+        build.attention = AttentionChoice(config.model.attention, ran, "packed samples: FlexAttention's document mask")
     dataset, eval_dataset = split_for_evaluation(config, dataset, eval_source, loaded.model, ran, effective_batch)
     schedule = build_schedule(dataset, effective_batch, config.training.seed, dist.rank, dist.world_size,
                               config.data.group_by_length)  # --group-by-length: steps of similar lengths
     total_steps = (
-        schedule.steps_for_epochs(config.training.epochs) if config.training.epochs is not None else config.training.max_steps
+        schedule.steps_for_epochs(config.training.epochs) if config.training.epochs is not None
+        else config.training.max_steps
     )
     if config.optimizer.warmup_ratio and not config.optimizer.warmup_steps:  # a share of the steps, known only now
         config.optimizer.warmup_steps = math.ceil(config.optimizer.warmup_ratio * total_steps)  # as the Trainer rounds
-    # Only once the data is checked (its sequence length against the model too): techniques log what they do.
-    loaded.model, checkpointing = apply_model_techniques(config, loaded.model, task.peft_task_type)
-    kernels = apply_kernels(loaded.model, config.memory.kernels, device, fallbacks)  # liger on CUDA, else PyTorch's
-    compiled, compiled_ran, token_loss = "off", False, None
-    if config.memory.compile:
-        choice = compile_blocks(loaded.model, device, fallbacks=fallbacks)
-        compiled, compiled_ran = choice.description, choice.compiled_blocks > 0
-        if choice.compiled_blocks and kernels.fused_loss is None:  # liger's fused loss never builds the logits
-            token_loss, compiled = compile_token_loss(), f"{compiled} and the loss"
-    model = loaded.model
-    chosen = engine.prepare(model, lambda m: _build_optimizer(config, m, device, fallbacks))
-    head = model.get_output_embeddings()
-    loss_chunk_size = resolve_loss_chunk_size(config, head.weight.shape[0] if head is not None else 0)
-    from memfit.techniques.chunked_head_loss import head_gradient_path
-
-    head_gradient = head_gradient_path(model, engine.name, loss_chunk_size if task.name == "causal-lm" else 0,
-                                       kernels.fused_loss is not None, fallbacks)
-    return TrainingSession(
-        config=config,
-        device=device,
-        dist=dist,
-        precision=precision,
-        attention=attention,
-        loaded=loaded,
-        dataset=dataset,
-        schedule=schedule,
-        engine=engine,
-        optimizer=chosen.optimizer,
-        optimizer_name=chosen.name,
-        scheduler=build_scheduler(chosen.optimizer, config.optimizer, total_steps),
-        total_steps=total_steps,
-        accumulation_steps=config.accumulation_for(dist.world_size),
-        loss_chunk_size=loss_chunk_size,
-        checkpointing=checkpointing,
-        fallbacks=fallbacks,
-        kernels=kernels,
-        compiled=compiled,
-        compiled_ran=compiled_ran,
-        token_loss=token_loss,
-        eval_dataset=eval_dataset,
-        task=task,
-        head_gradient=head_gradient,
-    )
+    build.config = config
+    return dataset, eval_dataset, schedule, total_steps
 
 
-def apply_model_techniques(config: TrainConfig, model: torch.nn.Module,
-                           peft_task_type: str = "CAUSAL_LM") -> tuple[torch.nn.Module, str]:
-    """Apply the memory techniques that change the model, in this order; returns the model and
-    what gradient checkpointing does.
+def _resolve(build: _Building) -> ResolvedRun:
+    """The run at the data's length, on the loaded model's config, with the kernel the model really runs."""
+    from memfit.techniques.auto_checkpointing import checkpointing_budget
 
-    1. gradient checkpointing (off, full, selective, or auto under a budget)   techniques/checkpointing.py
-    2. LoRA adapters (after checkpointing, which they must know about)          techniques/lora.py
-       and their memory-efficient path (--no-efficient-lora: off)               techniques/efficient_lora.py
-    3. tiled MLP past 8192 tokens or with --tiled-mlp (adapters inside included) techniques/tiled_mlp.py
-       and each MoE layer's experts call alike                                   techniques/tiled_experts.py
-    4. memory-efficient RMSNorm (--no-efficient-norm: off; liger's, applied      techniques/rms_norm.py
-       after, replaces it where it runs)
-    Between 2 and 3: expert offload, the NF4 head, the embedding on host, grouped expert dequantization, then
-    what a staged load left in host memory and none of them took goes to the device (techniques/staged_weights.py).
-    The engine shards or wraps the result afterwards (engine.prepare). Precision (autocast),
-    attention, the chunked loss and the optimizer techniques are chosen in build_session
-    and applied by the step.
+    run = resolve(build.config, build.loaded.model.config, build.device.type,
+                  bf16_supported=supports_bf16(build.device), world_size=build.dist.world_size,
+                  budget_bytes=checkpointing_budget(build.config))
+    return dataclasses.replace(run, attention=build.attention_ran)
+
+
+def apply_model_techniques(config: TrainConfig, model: torch.nn.Module, peft_task_type: str = "CAUSAL_LM", *,
+                           run: ResolvedRun | None = None, device: torch.device | None = None,
+                           fallbacks: dict[str, str] | None = None,
+                           applied: dict[str, str] | None = None) -> tuple[torch.nn.Module, ResolvedRun]:
+    """Apply every technique that changes the model, in registry order (resolution/registry.py); returns the model
+    and the run with what the application settled (blocks checkpointed, whether compiled blocks or liger's loss run).
+
+    `run`: the resolved run (default: resolved here from `config` and the model's config, on `device`). What each
+    technique did, in words, goes to `applied` when given; what fell back, to `fallbacks`. The engine shards or
+    wraps the result afterwards (engine.prepare).
     """
-    if config.memory.gradient_checkpointing in ("off", "full", "selective"):
-        checkpointing = apply_gradient_checkpointing(
-            model, config.memory.gradient_checkpointing, config.memory.checkpoint_every
-        )
-    else:
-        checkpointing = _auto_checkpointing(config, model)
-    if config.lora.lora_r > 0:
-        from memfit.techniques.lora import apply_lora
-
-        # The task's PEFT type: a classification head (new, so never pretrained) trains in full beside the adapters.
-        model, summary = apply_lora(model, config.lora, gradient_checkpointing=checkpointing != "off",
-                                    task_type=peft_task_type)
-        log.info("memfit: %s", summary.describe())
-        if config.memory.efficient_lora:
-            from memfit.techniques.efficient_lora import apply_efficient_lora
-
-            # On by default and nothing to act on: the debug log (MEMFIT_LOG_LEVEL=DEBUG). An adapter that falls back
-            # to PEFT's path at run time is still said, as a fallback (loop._check_efficient_lora).
-            log.debug("memfit: efficient LoRA: %s", apply_efficient_lora(model))
-    if config.memory.expert_offload:  # frozen experts in host memory, brought per layer (before tiled experts wrap it)
-        from memfit.techniques.expert_streaming import apply_expert_streaming
-
-        log.info("memfit: expert offload: %s", apply_expert_streaming(model))
-    if config.lora.quantize_head:  # the frozen head in NF4, projected a tile of vocabulary rows at a time
-        from memfit.techniques.nf4_head import quantize_head
-
-        log.info("memfit: NF4 head: %s", quantize_head(model))
-    if config.memory.embedding_on_host:  # the frozen input embedding's lookup in host memory
-        from memfit.techniques.host_embedding import embedding_to_host
-
-        log.info("memfit: embedding on host: %s", embedding_to_host(model))
-    if config.memory.expert_dequant_group:  # NF4 expert stacks dequantized a group of experts at a time
-        from memfit.techniques.expert_dequant_groups import set_dequant_group
-
-        log.info("memfit: expert dequant group: %s", set_dequant_group(model, config.memory.expert_dequant_group))
-    from memfit.techniques.staged_weights import settle_staged
-
-    settled = settle_staged(model)  # what a staged load left in host memory and no technique took
-    if settled:
-        log.info("memfit: %s", settled)
-    from memfit.techniques.tiled_mlp import apply_tiled_mlp, tiles_for
-
-    tiles = tiles_for(config.data.seq_len_or_default, config.memory.tiled_mlp)
-    if tiles > 1:
-        tiled = apply_tiled_mlp(model, tiles)
-        from memfit.techniques.tiled_experts import with_tiled_experts
-
-        tiled = with_tiled_experts(model, tiles, tiled)  # each MoE layer's experts call, over token tiles
-        if config.memory.tiled_mlp and tiled.startswith("off"):  # asked for and nothing to tile: refused, not ignored
-            raise UsageError(f"--tiled-mlp {config.memory.tiled_mlp}: the blocks of {type(model).__name__} have no MLP"
-                             " module (mlp, feed_forward or ffn) nor a feed_forward_chunk method to tile;"
-                             " drop --tiled-mlp")
-        log.info("memfit: tiled MLP: %s", tiled)
-    if config.memory.efficient_norm:
-        from memfit.techniques.rms_norm import apply_efficient_rms_norm
-
-        # On by default, exact, and nothing to act on ("0 of 5 norms" on an encoder's LayerNorms): the debug log.
-        log.debug("memfit: efficient RMSNorm: %s", apply_efficient_rms_norm(model))
-    return model, checkpointing
+    device = device or next(model.parameters()).device
+    fallbacks = {} if fallbacks is None else fallbacks
+    if run is None:
+        run = resolve(config, model.config, device.type, bf16_supported=supports_bf16(device))
+    context = ApplyContext(config=config, device=device, fallbacks=fallbacks, peft_task_type=peft_task_type)
+    for technique in techniques("model"):
+        done = technique.apply(model, run, context)
+        if done.model is not None:
+            model = done.model
+        if done.description:
+            if applied is not None:
+                applied[technique.name] = done.description
+            (log.debug if done.quiet else log.info)("memfit: %s", done.description)
+        if done.changes:
+            run = run.applied(technique.name, fallbacks.get(technique.name, "as applied to the model"), **done.changes)
+    return model, run
 
 
 def _staging(config: TrainConfig, world_size: int):
@@ -389,14 +363,3 @@ def _build_optimizer(
     if choice.reason:
         fallbacks["optimizer"] = choice.reason
     return choice
-
-
-def _auto_checkpointing(config: TrainConfig, model: torch.nn.Module) -> str:
-    from memfit.techniques.auto_checkpointing import auto_checkpointing
-
-    budget = config.memory.memory_budget or config.memory.memory_cap
-    if budget is None and config.memory.gpu:
-        from memfit.gpus import lookup_gpu
-
-        budget = lookup_gpu(config.memory.gpu).memory_bytes
-    return auto_checkpointing(model, config, budget)

@@ -120,10 +120,8 @@ class SpeedMeter:
         model = session.model
         lm = model.get_base_model() if hasattr(model, "get_base_model") else model
         hf_config = getattr(lm, "config", None)
-        checkpointing = str(getattr(session, "checkpointing", "off"))
-        loss_chunk = int(getattr(session, "loss_chunk_size", 0) or 0)
-        kernels = getattr(session, "kernels", None)
-        fused_loss = kernels is not None and not getattr(kernels, "holds_logits", True)
+        run = session.run
+        checkpointing = run.checkpointing if run.checkpointing_on else "off"
         compute_dtype = getattr(session.precision, "autocast_dtype", None)
         if compute_dtype is None:
             compute_dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
@@ -131,8 +129,8 @@ class SpeedMeter:
         # The techniques are read when the prediction is made: after the first step a --compile that ran eager
         # says so (train/loop.py), and the summary's prediction counts what ran.
         return cls.for_run(
-            hf_config, config, session.device, compute_dtype, checkpointing, loss_chunk > 0 and not fused_loss,
-            int(getattr(session, "accumulation_steps", 1)), world_size, techniques=lambda: techniques_that_run(session),
+            hf_config, config, session.device, compute_dtype, checkpointing, run.loss_chunk_size > 0 and not run.fused_loss,
+            session.accumulation_steps, world_size, techniques=lambda: techniques_that_run(session),
         )
 
     @classmethod
@@ -311,21 +309,19 @@ def techniques_that_run(session: Any, config: Any = None) -> dict[str, Any]:
     """The speed model's settings that a run's techniques decide, as the run really applies them.
 
     Activation offload (its host-link traffic), the tiled MLP (one more MLP forward), `--compile` (whether compiled
-    code ran: the session's `compiled_ran`, not what was asked) and optimizer offload (not where it fell back: on a
-    CPU it does nothing). Without a session (`session=None`), what `config` asks for.
+    code ran: the resolved run's `compiled`, cleared when Dynamo ran the blocks eager) and optimizer offload (not
+    where it fell back: on a CPU it does nothing). Without a session (`session=None`), what `config` asks for.
     """
-    from memfit.techniques.tiled_mlp import tiles_for
+    if session is None:
+        from memfit.resolution.resolve import resolve
 
-    config = session.config if session is not None else config
-    fallbacks = getattr(session, "fallbacks", {}) if session is not None else {}
-    compiled = bool(getattr(session, "compiled_ran", False)) if session is not None else bool(config.memory.compile)
-    tiles = tiles_for(config.data.seq_len, config.memory.tiled_mlp)
-    return {
-        "activation_offload": bool(config.memory.activation_offload),
-        "tiled_mlp": tiles if tiles > 1 else 0,
-        "compile": compiled,
-        "optimizer_offload": bool(config.memory.optimizer_offload) and "optimizer_offload" not in fallbacks,
-    }
+        run = resolve(config, None, "cpu")
+        offloaded = run.optimizer_offload
+    else:
+        run = session.run
+        offloaded = session.config.memory.optimizer_offload and "optimizer_offload" not in session.fallbacks
+    return {"activation_offload": run.activation_offload, "tiled_mlp": run.mlp_tiles, "compile": run.compiled,
+            "optimizer_offload": bool(offloaded)}
 
 
 def _planner_step_seconds(hf_config, config, peak: DevicePeak, checkpointing: str, chunked_loss: bool,

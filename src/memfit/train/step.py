@@ -22,11 +22,11 @@ Where it runs (one process, DDP, FSDP2, DeepSpeed) is the engine's business
 from __future__ import annotations
 
 import contextlib
-import functools
 import gc
 import logging
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,18 +68,6 @@ class StepResult:
     events: list[dict] = field(default_factory=list)
 
 
-def _plain_loss(session):
-    """The loss function without fused kernels: the compiled logits-to-loss tail under --compile."""
-    token_loss = getattr(session, "token_loss", None)
-    plain = functools.partial(causal_lm_loss_sum, token_loss=token_loss) if token_loss is not None else causal_lm_loss_sum
-    if getattr(session, "head_gradient", "") == "per chunk":  # the engine reduces it from hooks (chunked_head_loss.py)
-        plain = functools.partial(plain, in_place_head=False)
-    from memfit.techniques.router_balance import balancing_loss_on, with_balancing_loss
-
-    # An MoE with output_router_logits adds its load-balancing loss as the model defines it (router_balance.py)
-    return with_balancing_loss(plain) if balancing_loss_on(session.model) else plain
-
-
 class StepRunner:
     """Runs optimizer steps; holds the micro-batch size, which OOM recovery lowers.
 
@@ -101,6 +89,7 @@ class StepRunner:
         tracker=None,
         loss_fn=causal_lm_loss_sum,
         task: Task | None = None,
+        on_run_change: Callable[..., None] | None = None,
     ):
         self.model = model
         self.engine = engine
@@ -112,9 +101,11 @@ class StepRunner:
         self.oom_recovery = oom_recovery
         self.checkpointing_on = checkpointing_on
         self.tracker = tracker
-        # What is learned (memfit.tasks): the loss below, its units (target tokens or samples) and the batches.
+        # An OOM escalation changes what runs: said to the session (`TrainingSession.change_run`), an event of its run.
+        self.on_run_change = on_run_change
+        # What is learned (memfit.tasks): its units (target tokens or samples) and the batches.
         self.task = task or Task()
-        self.loss_fn = self.task.loss_function(loss_fn)  # techniques.loss or liger's fused loss for causal LMs
+        self.loss_fn = loss_fn  # the loss recipe (techniques/loss_recipe.py), the task's own where it has one
         # The next micro-batch is collated (and on CUDA copied on a side stream) while this one computes.
         self.prefetcher = BatchPrefetcher(lambda samples: self.task.collate(samples, pad_token_id), device,
                                           drop_full_attention_mask=True)
@@ -136,8 +127,8 @@ class StepRunner:
         mid-pass, and under --optimizer-in-backward (each backward applies an update, so a
         split micro-batch would apply two).
         """
-        memory = session.config.memory
-        wanted = memory.oom_recovery if oom_recovery is None else oom_recovery
+        run = session.run
+        wanted = session.config.memory.oom_recovery if oom_recovery is None else oom_recovery
         return cls(
             model=session.model,
             engine=session.engine,
@@ -145,12 +136,13 @@ class StepRunner:
             precision=session.precision,
             pad_token_id=session.loaded.tokenizer.pad_token_id,
             micro_batch_size=micro_batch_size or session.config.training.batch_size,
-            loss_chunk_size=session.loss_chunk_size,
-            oom_recovery=wanted and session.engine.recovers_from_oom and not memory.optimizer_in_backward,
-            checkpointing_on=session.checkpointing != "off",
+            loss_chunk_size=run.loss_chunk_size,
+            oom_recovery=wanted and session.engine.recovers_from_oom and not run.optimizer_in_backward,
+            checkpointing_on=run.checkpointing_on,
             tracker=tracker,
-            loss_fn=getattr(getattr(session, "kernels", None), "fused_loss", None) or _plain_loss(session),
-            task=getattr(session, "task", None),
+            loss_fn=session.loss_function,
+            task=session.task,
+            on_run_change=session.change_run,
         )
 
     def close(self) -> None:
@@ -294,15 +286,18 @@ class StepRunner:
     def _escalate(self, failure: dict) -> dict:
         """One sample does not fit: switch on what saves memory without changing the numbers."""
         if not self.checkpointing_on:
-            from memfit.techniques.checkpointing import apply_gradient_checkpointing
+            from memfit.techniques.checkpointing import apply_gradient_checkpointing, checkpointed_count
 
             base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
             done = apply_gradient_checkpointing(base, "full")
             self.checkpointing_on = True
             action = f"turned on full gradient checkpointing ({done})"
+            self._change_run("gradient_checkpointing", failure, checkpointing="full",
+                             checkpointed_blocks=checkpointed_count(base))
         elif self.loss_chunk_size == 0:
             self.loss_chunk_size = DEFAULT_LOSS_CHUNK_TOKENS
             action = f"turned on chunked loss ({DEFAULT_LOSS_CHUNK_TOKENS} tokens per chunk)"
+            self._change_run("loss_chunking", failure, loss_chunk_size=DEFAULT_LOSS_CHUNK_TOKENS)
         else:
             raise DoesNotFitError(
                 f"out of memory in {failure['phase']} with micro-batch 1, even with full gradient checkpointing"
@@ -312,6 +307,11 @@ class StepRunner:
         message = f"out of memory in {failure['phase']} at micro-batch 1: {action} and retrying"
         log.warning("memfit: %s", message)
         return {"event": "oom", "phase": failure["phase"], "error": failure["error"], "action": action, "message": message}
+
+    def _change_run(self, technique: str, failure: dict, **fields) -> None:
+        """Record an escalation in the resolved run (the loop reports the run's events)."""
+        if self.on_run_change is not None:
+            self.on_run_change(technique, f"out of memory in {failure['phase']} at micro-batch 1", **fields)
 
     # -- bookkeeping -------------------------------------------------------
 

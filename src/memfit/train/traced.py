@@ -3,7 +3,7 @@
 `trace_step` builds the model from its config (no weights), applies the same model
 techniques as a training run (`apply_model_techniques`: checkpointing, LoRA with the
 same target mapping), prepares it with the single-process engine and the run's
-optimizer, and runs two optimizer steps through `StepRunner.from_session` (the step the
+optimizer, and runs two optimizer steps through `StepRunner` (the step the
 training loop runs), all under `FakeTensorMode` and the `MemoryTracker`. Fake tensors allocate
 nothing, so a 7B step traces on a laptop in seconds; the tracker counts every storage
 the step would hold, in the categories `memfit profile` reports. The second step is
@@ -26,10 +26,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 from collections.abc import Iterator
-from dataclasses import dataclass
-from types import SimpleNamespace
-from typing import Any
 from unittest import mock
 
 import torch
@@ -38,6 +36,8 @@ from memfit.config import TrainConfig
 from memfit.memory.tracker import MemoryTracker
 from memfit.prediction.fake_ops import FakeStepAnswers, quiet_meta_failures
 from memfit.prediction.traced import StepSetup, TracedStep, register_step_tracer
+from memfit.resolution.resolve import resolve
+from memfit.techniques.loss_recipe import build_loss_function
 from memfit.techniques.precision import PrecisionChoice
 from memfit.train.engine import SingleProcessEngine
 from memfit.train.setup import _build_optimizer, apply_model_techniques
@@ -108,21 +108,6 @@ def measure_step_with_allocator(
         runner.close()
 
 
-@dataclass
-class _TracedSession:
-    """What `StepRunner.from_session` reads of a training session, for a model built from its config."""
-
-    config: TrainConfig
-    model: torch.nn.Module
-    engine: SingleProcessEngine
-    device: torch.device
-    precision: PrecisionChoice
-    loaded: Any
-    loss_chunk_size: int
-    checkpointing: str
-    task: Any = None
-
-
 def _build_step(hf_config, train_config: TrainConfig, setup: StepSetup, fake: bool) -> tuple[StepRunner, list[dict]]:
     """The model, engine and step runner of a run shaped by `setup`, and one effective batch of samples."""
     import transformers
@@ -136,6 +121,9 @@ def _build_step(hf_config, train_config: TrainConfig, setup: StepSetup, fake: bo
         checkpoint_every=setup.checkpoint_every,
         # The estimator models an offloaded optimizer state itself; its CPU copies cannot be faked.
         optimizer_offload=False,
+        # Compiling and fused kernels change time, not what the step holds: the traced step runs eager PyTorch.
+        compile=False,
+        kernels="none",
     )
     with _fake_module_moves() if fake else contextlib.nullcontext():
         # Under fake tensors model.to(dtype) fails: the dtype is given at construction instead.
@@ -155,7 +143,8 @@ def _build_step(hf_config, train_config: TrainConfig, setup: StepSetup, fake: bo
             model.tie_weights()
         model.config.use_cache = False
         model.train()
-        model, checkpointing = apply_model_techniques(config, model, task.peft_task_type)
+        run = dataclasses.replace(resolve(config, hf_config, setup.device.type), loss_chunk_size=setup.loss_chunk_size)
+        model, run = apply_model_techniques(config, model, task.peft_task_type, run=run, device=setup.device)
     if not fake:
         model.to(setup.device)
     name = {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[setup.autocast_dtype]
@@ -164,18 +153,11 @@ def _build_step(hf_config, train_config: TrainConfig, setup: StepSetup, fake: bo
         setup.device, precision, config.optimizer.max_grad_norm, updates_in_backward=config.memory.optimizer_in_backward
     )
     engine.prepare(model, lambda m: _build_optimizer(config, m, setup.device, {}))
-    session = _TracedSession(
-        config=config,
-        model=model,
-        engine=engine,
-        device=setup.device,
-        precision=precision,
-        loaded=SimpleNamespace(tokenizer=SimpleNamespace(pad_token_id=0)),
-        loss_chunk_size=setup.loss_chunk_size,
-        checkpointing=checkpointing,
-        task=task,
+    runner = StepRunner(
+        model=model, engine=engine, device=setup.device, precision=precision, pad_token_id=0,
+        micro_batch_size=setup.batch_size, loss_chunk_size=run.loss_chunk_size, oom_recovery=False,
+        checkpointing_on=run.checkpointing_on, loss_fn=task.loss_function(build_loss_function(run, model)), task=task,
     )
-    runner = StepRunner.from_session(session, micro_batch_size=setup.batch_size, oom_recovery=False)
     vocab = model.get_input_embeddings().weight.shape[0]
     generator = torch.Generator().manual_seed(0)
     samples = [make_sample(torch.randint(0, vocab, (setup.seq_len,), generator=generator))

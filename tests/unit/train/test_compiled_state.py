@@ -1,5 +1,5 @@
-"""Whether compiled code ran is one typed value (`session.compiled_ran`) that the speed model and its calibration
-both read; `session.compiled` is its description for people.
+"""Whether compiled code ran is one typed value (the resolved run's `compiled`) that the speed model and its
+calibration both read; `session.compiled` is its description for people.
 
 Before, both parsed the description: the loop wrote "off (asked, ran eager)" when Dynamo ran the blocks eager,
 the speed model read `startswith("off")` (eager) and the calibration `!= "off"` (compiled), so a planned run that
@@ -16,9 +16,11 @@ import torch
 from memfit.config import TrainConfig
 from memfit.models.tiny import tiny_config
 from memfit.prediction import calibration
+from memfit.resolution.resolve import resolve
 from memfit.train.loop import _check_compiled
 from memfit.train.metrics import NullLogger
 from memfit.train.run_calibration import learn_from_run
+from memfit.train.setup import TrainingSession
 from memfit.train.speed import speed_line, techniques_that_run
 from memfit.units import GIB
 
@@ -28,12 +30,20 @@ def own_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("MEMFIT_CACHE_DIR", str(tmp_path / "cache"))
 
 
-def _session(compiled: str, compiled_ran: bool) -> SimpleNamespace:
+class _Session(SimpleNamespace):
+    """What `learn_from_run`, the loop's compile check and the speed model read of a TrainingSession."""
+
+    change_run = TrainingSession.change_run
+    compiled = TrainingSession.compiled
+
+
+def _session(compiled: str, compiled_ran: bool) -> _Session:
     """A planned CPU run (`--memory-budget`) as `learn_from_run` and the speed model read it."""
     config = TrainConfig().replace(model="tiny", seq_len=64, batch_size=2, memory_budget=2 * GIB, compile=True)
-    return SimpleNamespace(config=config, device=torch.device("cpu"), dist=SimpleNamespace(world_size=1),
-                           model=SimpleNamespace(config=tiny_config()), checkpointing="off", accumulation_steps=1,
-                           loss_chunk_size=0, compiled=compiled, compiled_ran=compiled_ran, fallbacks={})
+    run = resolve(config, tiny_config(), "cpu").changed("compile", "test", compiled=compiled_ran)
+    return _Session(config=config, device=torch.device("cpu"), dist=SimpleNamespace(world_size=1),
+                    model=SimpleNamespace(config=tiny_config()), accumulation_steps=1, run=run,
+                    applied={"compile": compiled}, fallbacks={})
 
 
 def _learned(session) -> tuple[float, dict]:
@@ -47,7 +57,8 @@ def test_a_compile_that_fell_back_to_eager_calibrates_as_eager_and_is_predicted_
     session = _session("4 of 4 blocks (inductor) and the loss", compiled_ran=True)
     # the first step ran under the tracker: Dynamo ran the blocks eager, and the loop says so
     _check_compiled(session, NullLogger(), tracked=True)
-    assert session.compiled == "off (asked, ran eager)" and session.compiled_ran is False
+    assert session.compiled == "off (asked, ran eager)" and session.run.compiled is False
+    assert session.run.events[-1].technique == "compile"  # the change is an event of the run, with its reason
     assert "ran eager" in session.fallbacks["compile"]
     compile_feature, compile_facts = _learned(session)
     assert compile_feature == 0.0  # the calibration learns an eager step

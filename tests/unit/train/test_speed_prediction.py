@@ -15,6 +15,7 @@ from memfit.config import TrainConfig
 from memfit.models.flops import DevicePeak
 from memfit.models.tiny import tiny_config
 from memfit.prediction.estimator import estimate
+from memfit.resolution.resolve import resolve
 from memfit.train.speed import SpeedMeter, _planner_step_seconds, techniques_that_run
 
 PEAK = DevicePeak(50e12, "test peak")  # a fast device next to a slow host link: the link decides
@@ -51,8 +52,8 @@ def test_the_tiled_mlp_and_optimizer_offload_reach_the_speed_model():
 def test_what_the_run_really_does_decides_not_what_was_asked():
     config = _config(activation_offload=True, optimizer_offload=True, max_grad_norm=0.0, compile=True, tiled_mlp=4)
     # on a CPU optimizer offload falls back (the state is in host memory already) and compile may run eager
-    session = SimpleNamespace(config=config, fallbacks={"optimizer_offload": "no effect on CPU"},
-                              compiled="off (asked, ran eager)", compiled_ran=False)
+    run = resolve(config, tiny_config(), "cpu").changed("compile", "Dynamo ran the blocks eager", compiled=False)
+    session = SimpleNamespace(config=config, fallbacks={"optimizer_offload": "no effect on CPU"}, run=run)
     ran = techniques_that_run(session)
     assert ran == {"activation_offload": True, "tiled_mlp": 4, "compile": False, "optimizer_offload": False}
     asked = techniques_that_run(None, config)
