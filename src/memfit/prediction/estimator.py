@@ -25,7 +25,7 @@ activation terms from `activations.py`, the probe of families outside the closed
 from __future__ import annotations
 
 import math
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from memfit.config import TrainConfig
@@ -45,6 +45,7 @@ from memfit.models.state_bytes import (  # noqa: F401  (re-exported: the estimat
 )
 from memfit.prediction.activations import (
     CLOSED_FORM_FAMILIES,
+    ActivationTerms,
     Precision,
     activation_bytes,
     flash_backward_workspace_bytes,
@@ -70,9 +71,9 @@ from memfit.prediction.estimate_result import (  # noqa: F401  (re-exported: mem
 from memfit.prediction.expert_streaming import streaming_host_and_notes, with_streamed_experts
 from memfit.prediction.experts import balancing_loss_bytes, moe_details, with_nf4_experts
 from memfit.prediction.in_backward import untied_edge_steps
-from memfit.prediction.load_peak import load_peak
+from memfit.prediction.load_peak import LoadPeak, load_peak
 from memfit.prediction.offload_terms import host_activations, offload_first_blocks
-from memfit.prediction.padding_mask import padding_mask
+from memfit.prediction.padding_mask import PaddingMask, padding_mask
 from memfit.prediction.qlora_levers import with_qlora_levers
 from memfit.prediction.run_shape import (
     RunShape,
@@ -124,9 +125,37 @@ def estimate(
     Raises:
         UsageError: unknown method, sharding, GPU or model.
     """
-    from memfit.models.presets import resolve_model_config
-
     config = config.with_seq_len()  # not given: DEFAULT_SEQ_LEN
+    request = _request(config, method, world_size, sharding, gpu, budget_bytes, hf_config)
+    run = resolve_run(config, request.hf_config, request.gpu)
+    inventory, parts, loaded_parameters = _state(request, run)
+    moment, per_layer, notes = _step_moment(request, run, inventory, parts)
+    loading = load_peak(config, request.hf_config, world_size, loaded_parameters, parts, inventory, run.lora_r,
+                        run.quantize, run.weight_bytes)
+    moment = _with_load_and_device(moment, notes, loading, run)
+    host = _host_side(request, run, parts, notes)
+    return _result(request, run, inventory, parts, moment, per_layer, notes, host, loading)
+
+
+@dataclass(frozen=True)
+class _Request:
+    """What an estimate is asked for, checked and resolved: the config, the method, the ranks, the device."""
+
+    config: TrainConfig
+    method: str
+    world_size: int
+    sharding: str
+    """The sharding mode itself (never 'none' where the config's distributed section names one)."""
+    gpu: GpuSpec | None
+    budget_bytes: int | None
+    hf_config: Any
+
+
+def _request(config: TrainConfig, method: str, world_size: int, sharding: str, gpu: GpuSpec | str | None,
+             budget_bytes: int | None, hf_config: Any) -> _Request:
+    """The estimate's request, with its GPU, budget, sharding and model config resolved; UsageError for what
+    cannot be estimated (an unknown method, no ranks, an encoder asked for a causal LM, RoPE scaling without RoPE)."""
+    from memfit.models.presets import resolve_model_config
 
     if method not in ("analytical", "traced"):
         raise UsageError(f"--method must be analytical or traced, got {method!r}")
@@ -149,7 +178,13 @@ def estimate(
         from memfit.models.rope import scaled_positions
 
         scaled_positions(hf_config, config.model.rope_scale, config.model.rope_scaling)  # refuses a model without RoPE
-    run = resolve_run(config, hf_config, gpu_spec)
+    return _Request(config, method, world_size, sharding, gpu_spec, budget_bytes, hf_config)
+
+
+def _state(request: _Request, run: RunShape) -> tuple[ParameterInventory, dict[str, Any], int]:
+    """The model's parameter inventory, the run's state parts after the techniques that shrink or move its frozen
+    weights, and the parameters' bytes as loaded, before them (what the load holds)."""
+    config, hf_config = request.config, request.hf_config
     if run.quantize != "none" and run.lora_r == 0:
         raise UsageError("--quantize needs LoRA: add --lora-r")
     inventory = parameter_inventory(hf_config, run.lora_r)
@@ -160,12 +195,20 @@ def estimate(
                               precision_of(run).compute)  # embedding on host, grouped expert dequantization
     parts = with_streamed_experts(parts, config, inventory, hf_config, run.lora_r, run.quantize, run.weight_bytes,
                                   run.device_type)  # --expert-offload: frozen experts in host memory
+    return inventory, parts, loaded_parameters
+
+
+def _step_moment(request: _Request, run: RunShape, inventory: ParameterInventory,
+                 parts: dict[str, Any]) -> tuple[dict[str, float], float, dict[str, Any]]:
+    """The step's peak moment by the request's method, divided over the ranks, with what neither method counts
+    itself: the balancing loss's router logits (analytical only) and a packed micro-batch's masks."""
+    config, hf_config, method = request.config, request.hf_config, request.method
     if method == "analytical":
-        moment, per_layer, notes = _analytical_peak(config, run, hf_config, inventory, parts, sharding)
+        moment, per_layer, notes = _analytical_peak(config, run, hf_config, inventory, parts, request.sharding)
     else:
         moment, per_layer, notes = traced_peak(config, run, hf_config, inventory, parts)
-    moment = apply_sharding(moment, parts, sharding, world_size, hf_config, run,
-                             notes.get("autocast_weight_copies_bytes", 0))
+    moment = apply_sharding(moment, parts, request.sharding, request.world_size, hf_config, run,
+                            notes.get("autocast_weight_copies_bytes", 0))
     packed_mask = packed_mask_estimate(config.data, config.training.batch_size, run.attention, run.checkpointing,
                                        architecture_for(hf_config), precision_of(run).attention,
                                        config.model.attention, run.device_type, hf_config)
@@ -175,8 +218,13 @@ def estimate(
     if packed_mask:  # --packing samples under SDPA: the block-diagonal mask and its per-layer copies
         moment["activations"] += packed_mask
         notes["packed_mask_bytes"] = packed_mask
-    loading = load_peak(config, hf_config, world_size, loaded_parameters, parts, inventory, run.lora_r, run.quantize,
-                        run.weight_bytes)
+    return moment, per_layer, notes
+
+
+def _with_load_and_device(moment: dict[str, float], notes: dict[str, Any], loading: LoadPeak,
+                          run: RunShape) -> dict[str, float]:
+    """The peak moment with the load's, where the load is the larger, and the CUDA context and allocator slack on
+    a GPU; the load's figures go to `notes`."""
     if loading.device_bytes > sum(moment.values()):  # the load, not the step, is the peak: its weights are all of it
         moment = {key: 0 for key in moment} | {"parameters": loading.device_bytes}
         notes["peak_phase"] = "load"
@@ -187,10 +235,16 @@ def estimate(
     notes["load_peak_bytes"] = loading.device_bytes
     notes["load_host_bytes"] = loading.host_bytes
     notes["staged_load"] = loading.staged
-    peak = int(sum(moment.values()))
+    return moment
+
+
+def _host_side(request: _Request, run: RunShape, parts: dict[str, Any], notes: dict[str, Any]) -> dict[str, int]:
+    """Host bytes by part while training (offloaded activations, optimizer state, the embedding, streamed experts,
+    an async checkpoint's snapshot); the host-link figures go to `notes`."""
+    config = request.config
     offloaded = notes.pop("host_activation_bytes", None)
     if offloaded is None:
-        offloaded = host_activations(config, run, hf_config)
+        offloaded = host_activations(config, run, request.hf_config)
     host = host_breakdown(run, parts, offloaded)
     if parts["embedding_host_bytes"]:
         host["embedding"] = parts["embedding_host_bytes"]
@@ -203,14 +257,23 @@ def estimate(
         host["checkpoint_snapshot"] = int(parts["trainable_count"] * run.weight_bytes + parts["optimizer_states_full"])
     if run.activation_offload:
         notes["pcie_bytes_per_micro_batch"] = 2 * host["activations"]  # out in forward, back in backward
+    return host
+
+
+def _result(request: _Request, run: RunShape, inventory: ParameterInventory, parts: dict[str, Any],
+            moment: dict[str, float], per_layer: float, notes: dict[str, Any], host: dict[str, int],
+            loading: LoadPeak) -> Estimate:
+    """The Estimate: the peak against the budget, the breakdown, the host side and the details people read."""
+    config, hf_config, gpu_spec, budget_bytes = request.config, request.hf_config, request.gpu, request.budget_bytes
+    peak = int(sum(moment.values()))
     fits = headroom = None
     if budget_bytes is not None:
         headroom = int(budget_bytes - peak)
         fits = headroom >= 0
     details = {
         "device": gpu_spec.name if gpu_spec else run.device_type,
-        "sharding": sharding,
-        "world_size": world_size,
+        "sharding": request.sharding,
+        "world_size": request.world_size,
         "parameter_count": inventory.total,
         "parameters_total": inventory.total,
         "parameters_active": inventory.active or inventory.total,  # what one token runs (MoE: top-k experts)
@@ -224,9 +287,9 @@ def estimate(
         **notes,
     }
     return Estimate(
-        model=config.model.model, method=method, peak_bytes=peak,
+        model=config.model.model, method=request.method, peak_bytes=peak,
         breakdown={k: int(moment.get(k, 0)) for k in BREAKDOWN_KEYS}, budget_bytes=budget_bytes, fits=fits,
-        headroom_bytes=headroom, error_band=ERROR_BAND[method], per_layer_activation_bytes=int(per_layer),
+        headroom_bytes=headroom, error_band=ERROR_BAND[request.method], per_layer_activation_bytes=int(per_layer),
         details=details, host_bytes=sum(host.values()), host_breakdown=host,
         host_available_bytes=host_available_bytes() if sum(host.values()) or loading.host_bytes else None,
         load_host_bytes=loading.host_bytes,
@@ -259,13 +322,144 @@ def _layer_per_token(run: RunShape, arch, hf_config, precision: Precision, seq_l
     return norms + (fp32 - norms) * rest_ratio
 
 
+@dataclass(frozen=True)
+class _Step:
+    """What every phase of the analytical step reads: one micro-batch of `config`, run as `run`.
+
+    Built once by `_analytical_peak` so that each phase takes one argument for the run, its state bytes and the
+    model's shape instead of the same dozen.
+    """
+
+    config: TrainConfig
+    run: RunShape
+    hf_config: Any
+    inventory: ParameterInventory
+    parts: dict[str, Any]
+    """The state parts (run_shape.state_parts, after the techniques that move frozen weights)."""
+    sharding: str
+    arch: Any
+    """The model's Architecture (an encoder's or a decoder's: prediction.encoders.architecture_for)."""
+    head: Any
+    """The --task's head: vocabulary logits or a few labels (prediction.encoders.task_head)."""
+    precision: Precision
+    batch: int
+    seq_len: int
+
+    @property
+    def tokens(self) -> int:
+        """Tokens of one micro-batch."""
+        return self.batch * self.seq_len
+
+    @property
+    def in_backward(self) -> bool:
+        """Whether the optimizer steps each gradient inside backward (no whole gradient is ever held)."""
+        return self.run.optimizer_in_backward
+
+
+@dataclass(frozen=True)
+class _Forward:
+    """What the forward pass ends holding, over what stays resident through the whole step."""
+
+    activations: float
+    """Activations kept for backward on the device (the padded micro-batch's masks included)."""
+    cache: float
+    """autocast's 16-bit copies of the fp32 weights, from their first use until backward is past them."""
+    logits: float
+    resident: float
+    """Weights, optimizer state on the device and the techniques' resident bytes ("other")."""
+    other: float
+    """The techniques' resident bytes alone (their memory terms' "other")."""
+    accumulated: float
+    """The whole gradient, held through a later micro-batch of an accumulating step (0 without accumulation)."""
+
+    @property
+    def total(self) -> float:
+        return self.resident + self.accumulated + self.activations + self.cache + self.logits
+
+
+@dataclass(frozen=True)
+class _Gradients:
+    """The gradients backward makes, as its peak sees them (optimizer in backward: as each is stepped)."""
+
+    head: float
+    """The head's gradient, made first and held through the blocks' backward."""
+    block: float
+    """One block's gradients (0 when each is stepped and freed as it arrives)."""
+    largest: float
+    """The largest single gradient (optimizer in backward: the one being stepped)."""
+    step_temporaries: float
+    """The optimizer step's temporaries (optimizer in backward: those of the largest tensor's step)."""
+    head_sums: float
+    """What the chunked loss's backward holds beside the head's gradient (prediction.chunked_head)."""
+    tied: float
+    """A tied embedding's gradient (optimizer in backward: also an untied embedding stepped last)."""
+    tied_end: float
+    """What a tensor stepped at the very end of backward holds (its gradient sum and its step's temporaries)."""
+    edge: float = 0.0
+    """An untied head's and embedding's gradients stepped apart from the blocks (prediction.in_backward)."""
+    edge_temporaries: float = 0.0
+
+
+@dataclass(frozen=True)
+class _Backward:
+    """The moment backward peaks at."""
+
+    total: float
+    activations: float
+    """Activations still held at that moment."""
+    recompute: float
+    """The block being recomputed (checkpointing) or brought back from host memory (offload), and its working set."""
+    gradients: float
+    """Gradients in flight at that moment (not counting accumulated ones)."""
+    temporaries: float
+    """The in-backward optimizer step's temporaries at that moment (0 when the optimizer steps after backward)."""
+
+
+@dataclass(frozen=True)
+class _OptimizerStep:
+    """What the optimizer step holds: every gradient and the step's temporaries, or (in backward) the last step."""
+
+    total: float
+    gradients: float
+    other: float
+    """The "other" category at that moment: the techniques' resident bytes, the step's temporaries or a tied
+    gradient's sum."""
+    phase: str
+    """Where this moment falls: 'optimizer step', or 'backward' when it is a tied gradient's sum at its end."""
+
+
 def _analytical_peak(config, run: RunShape, hf_config, inventory, parts,
                      sharding: str = "none") -> tuple[dict, float, dict]:
+    """The breakdown at the step's peak moment, a block's activation bytes and the notes of how it was found.
+
+    The step is taken phase by phase (what forward ends holding, what backward peaks at, what the optimizer step
+    holds) and the largest moment is its peak; the techniques' own memory terms (their TECHNIQUE's) join it.
+    """
     arch = architecture_for(hf_config)
-    head_shape = task_head(config, arch)  # the --task's head: vocabulary logits or a few labels (prediction.encoders)
-    precision = precision_of(run)
-    b, s = config.training.batch_size, config.data.seq_len
-    padding = padding_mask(hf_config, run, precision, b, s)  # an encoder's padded micro-batch: its attention masks
+    step = _Step(config, run, hf_config, inventory, parts, sharding, arch, task_head(config, arch), precision_of(run),
+                 config.training.batch_size, config.data.seq_len)
+    terms, padding = _saved_activations(step)
+    # What the techniques add by themselves (QLoRA's dequantized weight, paged state, ...: their TECHNIQUE's terms);
+    # "other" is resident through every phase, the other categories join the peak moment.
+    technique_terms = memory_terms(run, MemoryFacts(arch, inventory, hf_config, config, parts, step.tokens))
+    other = technique_terms.pop("other", 0.0)
+    forward = _forward_phase(step, terms, other)
+    gradients = _gradients(step, forward.logits)
+    backward = _backward_phase(step, terms, forward, gradients)
+    moment, phase = _peak_moment(step, forward, backward, _optimizer_step_phase(step, forward, gradients))
+    for category, size in technique_terms.items():
+        moment[category] = moment.get(category, 0) + size
+    notes = {"peak_phase": phase, "activation_bytes": int(forward.activations), "logits_bytes": int(forward.logits),
+             "autocast_weight_copies_bytes": int(forward.cache), "host_activation_bytes": int(terms.host),
+             "padding_mask_bytes": int(padding.at_peak()),
+             "activations_measured_from_model": arch.model_type not in CLOSED_FORM_FAMILIES}
+    return moment, terms.per_layer, notes
+
+
+def _saved_activations(step: _Step) -> tuple[ActivationTerms, PaddingMask]:
+    """The activations one micro-batch saves for backward (kept, recomputed, offloaded), and its padding masks."""
+    run, arch, precision, b, s = step.run, step.arch, step.precision, step.batch, step.seq_len
+    padding = padding_mask(step.hf_config, run, precision, b, s)  # an encoder's padded micro-batch: its attention masks
     full_offload = run.activation_offload and run.activation_offload_blocks is None
     # Offloaded checkpoints of every block and the head peak on the device where offloading every
     # block's input alone does (tracked at 16 and 32 blocks: 21.27 and 21.24 MiB): the head's saved
@@ -275,62 +469,107 @@ def _analytical_peak(config, run: RunShape, hf_config, inventory, parts,
     device_run = replace(run, activation_offload_blocks=arch.layers) if (
         full_offload and run.checkpointing == "full") else run
     # MoE blocks under --tiled-mlp: their tiling (experts and dense MLPs) is counted by prediction.tiled_experts
-    moe = tiled_moe_terms(run, arch, hf_config, precision, b * s, inventory.expert_params, parts["trainable_bytes"],
-                          lambda tiled: _layer_per_token(run, arch, hf_config, precision, s, tiled))
+    moe = tiled_moe_terms(run, arch, step.hf_config, precision, b * s, step.inventory.expert_params,
+                          step.parts["trainable_bytes"],
+                          lambda tiled: _layer_per_token(run, arch, step.hf_config, precision, s, tiled))
     terms = activation_bytes(
         arch, precision, batch_size=b, seq_len=s, attention=run.attention,
         checkpointing=run.checkpointing, checkpoint_every=run.checkpoint_every, mlp_tiles=0 if moe else run.mlp_tiles,
         offload=device_run.activation_offload and device_run.activation_offload_blocks is None,
         layer_per_token=padding.on_layer(
             moe.layer_per_token if moe else tiled_layer_per_token(  # an encoder's tiled feed-forward: its norm too
-                _layer_per_token(run, arch, hf_config, precision, s), arch, precision, run.mlp_tiles), b * s),
+                _layer_per_token(run, arch, step.hf_config, precision, s), arch, precision, run.mlp_tiles), b * s),
         unchunked_loss=not run.fused_loss and not 0 < run.loss_chunk_size < b * (s - 1),
     )
     terms = moe.with_backward(terms) if moe else terms
     terms = offload_first_blocks(terms, device_run, arch, precision, b * s)
     terms = terms._replace(kept=terms.kept + padding.kept)
     if device_run is not run:
-        terms = terms._replace(host=host_activations(config, run, hf_config))
-    activations, recompute, per_layer = terms.kept, terms.recompute, terms.per_layer
-    recompute += flash_backward_workspace_bytes(arch, precision, b * s, run.attention, run.device_type)
-    logits = head_logits_bytes(head_shape, arch, b, s, run.loss_chunk_size, precision.compute, run.fused_loss)
+        terms = terms._replace(host=host_activations(step.config, run, step.hf_config))
+    return terms, padding
+
+
+def _forward_phase(step: _Step, terms: ActivationTerms, other: float) -> _Forward:
+    """What the forward ends holding: the kept activations, autocast's weight copies and the logits."""
+    run, parts = step.run, step.parts
+    logits = head_logits_bytes(step.head, step.arch, step.batch, step.seq_len, run.loss_chunk_size,
+                               step.precision.compute, run.fused_loss)
+    # autocast caches a 16-bit copy of each weight from its first use until backward is past it
+    # (the fused experts' 3-D weights too: autocast casts them for grouped_mm and caches the copies alike)
+    cache = 2 * (step.inventory.linear_params + step.inventory.expert_params) if (
+        run.autocast and run.weight_bytes == 4 and run.quantize == "none") else 0.0
+    resident = parts["parameters"] + parts["optimizer_states"] + other
+    # Micro-batches after the first of an optimizer step run with the earlier ones' gradients
+    # accumulated: the whole gradient is live through their forward and backward, and backward
+    # adds each new gradient (one tensor at a time) into it.
+    accumulated = parts["gradients"] if step.config.accumulation_for() > 1 and not step.in_backward else 0.0
+    return _Forward(activations=terms.kept, cache=cache, logits=logits, resident=resident, other=other,
+                    accumulated=accumulated)
+
+
+def _gradients(step: _Step, logits: float) -> _Gradients:
+    """The gradients backward makes: the head's, a block's, the largest tensor's, a tied embedding's."""
+    run, arch, parts = step.run, step.arch, step.parts
+    tb = parts["trainable_bytes"]
     # Backward frees a block's activations while its gradients appear: the peak is at the
     # first block (everything kept + the head's and one block's gradients) or the last
     # one (one block kept + every gradient), whichever is larger.
-    head = head_shape.outputs * arch.hidden * parts["trainable_bytes"] if not run.lora_r else 0
-    embedding_grad = trailing_embedding_gradient_bytes(head_shape, arch, parts["trainable_shapes"],
-                                                       parts["trainable_bytes"], run.lora_r)  # made after the blocks'
-    block_grads = (parts["gradients"] - head - embedding_grad) / max(1, arch.layers)
-    largest_grad = parts["largest_trainable"] * parts["trainable_bytes"]
-    step_temporaries = parts["optimizer_temporaries"]
+    head = step.head.outputs * arch.hidden * tb if not run.lora_r else 0
+    embedding_grad = trailing_embedding_gradient_bytes(step.head, arch, parts["trainable_shapes"], tb,
+                                                       run.lora_r)  # made after the blocks'
     # A trainable tied embedding gets two gradients, the head's (first in backward) and the
     # embedding's (last); autograd adds them out of place before the weight's gradient exists:
     # the two and their sum are live together at the end of backward (measured with the tracker).
-    tb, shapes = parts["trainable_bytes"], list(parts["trainable_shapes"])
-    tied = head_shape.tied and not run.lora_r and (arch.vocab, arch.hidden) in shapes
-    tied_grad = arch.vocab * arch.hidden * tb if tied else 0.0
-    tied_end = 0.0
-    if run.optimizer_in_backward:
-        # Each gradient is applied and freed by its own hook: one tensor's gradient (and its
-        # optimizer step's temporaries) at a time, never a block's or the model's. A tied
-        # embedding is the exception: its hook fires only after both uses' gradients are
-        # summed, so the head's gradient is held through the whole backward, and the tied
-        # tensor is stepped last, when the blocks' activations are gone (the sum, then the
-        # gradient and its step's temporaries).
-        if tied:
-            shapes.remove((arch.vocab, arch.hidden))
-            tied_end = tied_grad + max(2 * tied_grad, 0 if run.optimizer_offload else in_backward_step_temporary_bytes(
-                run.optimizer, arch.vocab * arch.hidden, tb))
-        head, block_grads = tied_grad, 0.0
-        # An untied head and embedding are stepped apart from the blocks (`untied_edge_steps`)
-        untied_edges = [] if tied or run.lora_r else [shape for shape in shapes if arch.vocab in shape]
-        largest = max((math.prod(shape) for shape in shapes if shape not in untied_edges), default=0)
-        largest_grad = largest * tb
-        step_temporaries = 0 if run.optimizer_offload else in_backward_step_temporary_bytes(run.optimizer, largest, tb)
+    tied = step.head.tied and not run.lora_r and (arch.vocab, arch.hidden) in parts["trainable_shapes"]
+    # Beside the head's gradient while the chunked loss's backward makes it, with every activation kept and
+    # before any block's gradient: one chunk's logits (in place) or two more head-sized sums (prediction/chunked_head)
+    head_sums = chunked_loss_head_bytes(run, head, logits, step.batch * (step.seq_len - 1), step.sharding)
+    gradients = _Gradients(head=head, block=(parts["gradients"] - head - embedding_grad) / max(1, arch.layers),
+                           largest=parts["largest_trainable"] * tb, step_temporaries=parts["optimizer_temporaries"],
+                           head_sums=head_sums, tied=arch.vocab * arch.hidden * tb if tied else 0.0, tied_end=0.0)
+    return _stepped_in_backward(step, gradients, tied) if step.in_backward else gradients
+
+
+def _stepped_in_backward(step: _Step, gradients: _Gradients, tied: bool) -> _Gradients:
+    """The gradients as the optimizer in backward holds them.
+
+    Each gradient is applied and freed by its own hook: one tensor's gradient (and its optimizer step's
+    temporaries) at a time, never a block's or the model's. A tied embedding is the exception: its hook fires only
+    after both uses' gradients are summed, so the head's gradient is held through the whole backward, and the tied
+    tensor is stepped last, when the blocks' activations are gone (the sum, then the gradient and its step's
+    temporaries).
+    """
+    run, arch, tb = step.run, step.arch, step.parts["trainable_bytes"]
+    shapes = list(step.parts["trainable_shapes"])
+    tied_grad, tied_end = gradients.tied, 0.0
+    if tied:
+        shapes.remove((arch.vocab, arch.hidden))
+        tied_end = tied_grad + max(2 * tied_grad, 0 if run.optimizer_offload else in_backward_step_temporary_bytes(
+            run.optimizer, arch.vocab * arch.hidden, tb))
+    head_one = gradients.head  # the head's own gradient, before the tied embedding's takes its place
+    head = tied_grad
+    # An untied head and embedding are stepped apart from the blocks (`untied_edge_steps`)
+    untied_edges = [] if tied or run.lora_r else [shape for shape in shapes if arch.vocab in shape]
+    largest = max((math.prod(shape) for shape in shapes if shape not in untied_edges), default=0)
+    largest_grad = largest * tb
+    step_temporaries = 0 if run.optimizer_offload else in_backward_step_temporary_bytes(run.optimizer, largest, tb)
+    edge_grads, edge_temporaries, end_grad, end_temporaries = untied_edge_steps(
+        run, untied_edges, head_one // max(1, tb), tb, gradients.head_sums + head_one)
+    if end_grad:  # the embedding, stepped last like a tied one
+        tied_grad, tied_end = end_grad, end_grad + end_temporaries
+    if not edge_grads and gradients.head_sums + head_one - head > largest_grad + step_temporaries:
+        largest_grad, step_temporaries = gradients.head_sums + head_one - head, 0  # the head's hook waits for the sum
+    return replace(gradients, head=head, block=0.0, largest=largest_grad, step_temporaries=step_temporaries,
+                   tied=tied_grad, tied_end=tied_end, edge=edge_grads, edge_temporaries=edge_temporaries)
+
+
+def _adapter_working_bytes(step: _Step) -> float:
+    """What a recomputed block's backward through LoRA adapters holds beside its tensors."""
+    run, arch, precision, tokens = step.run, step.arch, step.precision, step.tokens
     # A recomputed block's backward through fp32 adapters on a 16-bit or an fp32 base (not
     # under autocast) holds its MLP activation gradients at once (measured: about
     # 2 x intermediate x the compute bytes per token; 16 fp32 blocks: 25 MiB of gradients).
-    adapter_working = 2 * precision.compute * arch.intermediate * b * s / max(1, run.mlp_tiles) if (
+    adapter_working = 2 * precision.compute * arch.intermediate * step.batch * step.seq_len / max(1, run.mlp_tiles) if (
         run.checkpointing != "off" and run.lora_r and (run.weight_bytes == 2 or not run.autocast)) else 0.0
     if run.lora_r and precision.adapter_input == 0:
         # memfit's adapter path casts one slice of rows at a time in backward (at most
@@ -338,80 +577,70 @@ def _analytical_peak(config, run: RunShape, hf_config, inventory, parts,
         # (tracked: 1.3 MiB at 1024 tokens x 352, where the slice is the whole input)
         from memfit.techniques.efficient_lora import SLICE_ELEMENTS
 
-        tile_tokens = b * s / max(1, run.mlp_tiles)
+        tile_tokens = tokens / max(1, run.mlp_tiles)
         adapter_working += 4 * min(SLICE_ELEMENTS, tile_tokens * max(arch.intermediate, arch.hidden))
+    return adapter_working
+
+
+def _backward_phase(step: _Step, terms: ActivationTerms, forward: _Forward, gradients: _Gradients) -> _Backward:
+    """The moment backward peaks at: at the first block or the last, the recomputed block and the gradients."""
+    run, arch, precision = step.run, step.arch, step.precision
+    recompute = terms.recompute + flash_backward_workspace_bytes(arch, precision, step.tokens, run.attention,
+                                                                 run.device_type)
     # an encoder's own MLP backward (ESM's GELU; a plain MLP's under LoRA in place of the adapter terms), per tile
-    recompute += backward_working_bytes(arch, precision, b * s, run.mlp_tiles, adapter_working)
+    recompute += backward_working_bytes(arch, precision, step.tokens, run.mlp_tiles, _adapter_working_bytes(step))
     released = terms.released_per_block
-    fixed = activations - arch.layers * released  # the embedding side, uncheckpointed or offloaded blocks
-    # autocast caches a 16-bit copy of each weight from its first use until backward is past it
-    # (the fused experts' 3-D weights too: autocast casts them for grouped_mm and caches the copies alike)
-    cache = 2 * (inventory.linear_params + inventory.expert_params) if (
-        run.autocast and run.weight_bytes == 4 and run.quantize == "none") else 0.0
-    # Beside the head's gradient while the chunked loss's backward makes it, with every activation kept and
-    # before any block's gradient: one chunk's logits (in place) or two more head-sized sums (prediction/chunked_head)
-    head_one = head_shape.outputs * arch.hidden * tb if not run.lora_r else 0
-    head_sums = chunked_loss_head_bytes(run, head_one, logits, b * (s - 1), sharding)
-    edge_grads, edge_temporaries, end_grad, end_temporaries = untied_edge_steps(
-        run, untied_edges, head_one // max(1, tb), tb, head_sums + head_one) if run.optimizer_in_backward else (0.0,) * 4
-    if end_grad:  # the embedding, stepped last like a tied one
-        tied_grad, tied_end = end_grad, end_grad + end_temporaries
-    if run.optimizer_in_backward and not edge_grads and head_sums + head_one - head > largest_grad + step_temporaries:
-        largest_grad, step_temporaries = head_sums + head_one - head, 0  # the head's hook waits for the sum
-    first_grads = block_grads if run.optimizer_in_backward else max(block_grads, head_sums)
-    at_first_block = activations + cache + first_grads
-    at_last_block = max(0.0, fixed) + released + cache / max(1, arch.layers) + arch.layers * block_grads
+    fixed = forward.activations - arch.layers * released  # the embedding side, uncheckpointed or offloaded blocks
+    block_grads = gradients.block
+    first_grads = block_grads if step.in_backward else max(block_grads, gradients.head_sums)
+    at_first_block = forward.activations + forward.cache + first_grads
+    at_last_block = max(0.0, fixed) + released + forward.cache / max(1, arch.layers) + arch.layers * block_grads
     in_flight_grads = first_grads if at_first_block >= at_last_block else arch.layers * block_grads
-    # What the techniques add by themselves (QLoRA's dequantized weight, paged state, ...: their TECHNIQUE's terms);
-    # "other" is resident through every phase, the other categories join the peak moment.
-    technique_terms = memory_terms(run, MemoryFacts(arch, inventory, hf_config, config, parts, b * s))
-    other = technique_terms.pop("other", 0.0)
-    resident = parts["parameters"] + parts["optimizer_states"] + other
-    # Micro-batches after the first of an optimizer step run with the earlier ones' gradients
-    # accumulated: the whole gradient is live through their forward and backward, and backward
-    # adds each new gradient (one tensor at a time) into it.
-    accumulated = parts["gradients"] if config.accumulation_for() > 1 and not run.optimizer_in_backward else 0.0
-    forward_end = resident + accumulated + activations + cache + logits
-    backward_activations = max(at_first_block, at_last_block) - in_flight_grads
-    if accumulated:
+    activations = max(at_first_block, at_last_block) - in_flight_grads
+    head, largest_grad, step_temporaries = gradients.head, gradients.largest, gradients.step_temporaries
+    if forward.accumulated:
         head, in_flight_grads = largest_grad, 0.0
-    backward = resident + accumulated + backward_activations + recompute + head + in_flight_grads
-    if run.optimizer_in_backward:
-        backward += largest_grad + step_temporaries
-        at_head_step = resident + backward_activations + edge_grads + edge_temporaries  # no block recomputed yet
-        if edge_grads and at_head_step > backward:
-            backward, recompute, head, in_flight_grads = at_head_step, 0.0, 0.0, 0.0
-            largest_grad, step_temporaries = edge_grads, edge_temporaries
-        optimizer_step = resident + tied_end  # the steps ran inside backward; a tied embedding's last
-    else:
-        # every gradient exists from the end of backward (a tied embedding's sum) through the step
-        end_extra = max(parts["optimizer_temporaries"], 2 * tied_grad)
-        optimizer_step = parts["parameters"] + parts["gradients"] + parts["optimizer_states"] + other + end_extra
-    if max(forward_end, backward) >= optimizer_step:
-        in_backward = backward > forward_end
-        gradients = head + in_flight_grads + (largest_grad if run.optimizer_in_backward else 0)
-        moment = {"parameters": parts["parameters"], "gradients": accumulated + (gradients if in_backward else 0),
-                  "optimizer_states": parts["optimizer_states"],
-                  "activations": backward_activations if in_backward else activations + cache,
-                  # the block being recomputed (checkpointing) or brought back from host memory (offload)
-                  "recomputed_activations": recompute if in_backward else 0,
-                  "logits": 0 if in_backward else logits,
-                  "other": other + (step_temporaries if in_backward and run.optimizer_in_backward else 0)}
-        phase = "backward" if in_backward else "forward"
-    elif run.optimizer_in_backward:  # the tied embedding's step at the end of backward
-        moment = {"parameters": parts["parameters"], "gradients": tied_grad,
-                  "optimizer_states": parts["optimizer_states"], "activations": 0, "logits": 0,
-                  "other": other + tied_end - tied_grad}
-        phase = "backward"
-    else:
-        moment = {"parameters": parts["parameters"], "gradients": parts["gradients"],
-                  "optimizer_states": parts["optimizer_states"], "activations": 0, "logits": 0,
-                  "other": other + end_extra}
-        phase = "optimizer step" if parts["optimizer_temporaries"] >= 2 * tied_grad else "backward"
-    for category, size in technique_terms.items():
-        moment[category] = moment.get(category, 0) + size
-    notes = {"peak_phase": phase, "activation_bytes": int(activations), "logits_bytes": int(logits),
-             "autocast_weight_copies_bytes": int(cache), "host_activation_bytes": int(terms.host),
-             "padding_mask_bytes": int(padding.at_peak()),
-             "activations_measured_from_model": arch.model_type not in CLOSED_FORM_FAMILIES}
-    return moment, per_layer, notes
+    total = forward.resident + forward.accumulated + activations + recompute + head + in_flight_grads
+    if step.in_backward:
+        total += largest_grad + step_temporaries
+        at_head_step = forward.resident + activations + gradients.edge + gradients.edge_temporaries  # none recomputed
+        if gradients.edge and at_head_step > total:
+            total, recompute, head, in_flight_grads = at_head_step, 0.0, 0.0, 0.0
+            largest_grad, step_temporaries = gradients.edge, gradients.edge_temporaries
+    return _Backward(total=total, activations=activations, recompute=recompute,
+                     gradients=head + in_flight_grads + (largest_grad if step.in_backward else 0),
+                     temporaries=step_temporaries if step.in_backward else 0)
+
+
+def _optimizer_step_phase(step: _Step, forward: _Forward, gradients: _Gradients) -> _OptimizerStep:
+    """What the optimizer step holds: every gradient and its temporaries (in backward: the last tensor's step)."""
+    parts = step.parts
+    if step.in_backward:  # the steps ran inside backward; a tied embedding's last
+        return _OptimizerStep(total=forward.resident + gradients.tied_end, gradients=gradients.tied,
+                              other=forward.other + gradients.tied_end - gradients.tied, phase="backward")
+    # every gradient exists from the end of backward (a tied embedding's sum) through the step
+    end_extra = max(parts["optimizer_temporaries"], 2 * gradients.tied)
+    return _OptimizerStep(
+        total=parts["parameters"] + parts["gradients"] + parts["optimizer_states"] + forward.other + end_extra,
+        gradients=parts["gradients"], other=forward.other + end_extra,
+        phase="optimizer step" if parts["optimizer_temporaries"] >= 2 * gradients.tied else "backward")
+
+
+def _peak_moment(step: _Step, forward: _Forward, backward: _Backward,
+                 optimizer_step: _OptimizerStep) -> tuple[dict[str, float], str]:
+    """The breakdown at the largest of the three moments, and its phase's name."""
+    parts = step.parts
+    if max(forward.total, backward.total) < optimizer_step.total:
+        return {"parameters": parts["parameters"], "gradients": optimizer_step.gradients,
+                "optimizer_states": parts["optimizer_states"], "activations": 0, "logits": 0,
+                "other": optimizer_step.other}, optimizer_step.phase
+    in_backward = backward.total > forward.total
+    moment = {"parameters": parts["parameters"],
+              "gradients": forward.accumulated + (backward.gradients if in_backward else 0),
+              "optimizer_states": parts["optimizer_states"],
+              "activations": backward.activations if in_backward else forward.activations + forward.cache,
+              # the block being recomputed (checkpointing) or brought back from host memory (offload)
+              "recomputed_activations": backward.recompute if in_backward else 0,
+              "logits": 0 if in_backward else forward.logits,
+              "other": forward.other + (backward.temporaries if in_backward else 0)}
+    return moment, "backward" if in_backward else "forward"
