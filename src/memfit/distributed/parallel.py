@@ -33,8 +33,6 @@ from memfit.config import TrainConfig
 from memfit.distributed.context import DistContext
 from memfit.distributed.memory import gradient_bytes, optimizer_state_bytes, parameter_bytes
 from memfit.errors import UsageError
-from memfit.models.optimizer_state import refusal_under_sharding
-from memfit.techniques.optimizers import refusal_under_fsdp
 
 log = logging.getLogger("memfit")
 
@@ -195,28 +193,6 @@ class DataParallelEngine(LocalStepEngine):
             final = self.local.save_final_model(directory, tokenizer)
         self.dist.barrier()
         return final
-
-
-def check_supported(config: TrainConfig, engine: str) -> None:
-    """UsageError naming every option that `engine` cannot run."""
-    problems = []
-    if config.memory.optimizer_in_backward:
-        problems.append(f"--optimizer-in-backward does not work with {engine}: drop it")
-    if engine != "--sharding ddp" and config.memory.optimizer_offload:
-        problems.append(
-            f"--optimizer-offload is single-process: with {engine} use "
-            + ("--fsdp-offload" if "fsdp" in engine else "--zero-offload (or offload_optimizer in the file)")
-        )
-    if engine != "--sharding ddp" and config.lora.quantize != "none":
-        problems.append(f"--quantize {config.lora.quantize} cannot be sharded by {engine}: use --sharding ddp")
-    if engine != "--sharding ddp" and config.lora.merge_adapter:
-        problems.append(f"--merge-adapter is not supported with {engine}: merge the saved adapter afterwards")
-    if "fsdp" in engine and refusal_under_fsdp(config.optimizer.optimizer):
-        problems.append(refusal_under_fsdp(config.optimizer.optimizer))
-    elif "fsdp" not in engine and engine != "--sharding ddp" and refusal_under_sharding(config.optimizer.optimizer):  # ZeRO
-        problems.append(refusal_under_sharding(config.optimizer.optimizer))
-    if problems:
-        raise UsageError("; ".join(problems))
 
 
 def apply_cap_rank(config: TrainConfig, dist: DistContext) -> None:

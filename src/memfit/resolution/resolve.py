@@ -28,7 +28,8 @@ def resolve(config: TrainConfig, hf_config: Any, device_type: str, *, bf16_suppo
     """What `config` runs on a `device_type` device: every technique's choice, typed. Raises UsageError for a
     combination a technique refuses (every refusal, in one message)."""
     facts = RunFacts(config=config, hf_config=hf_config, device_type=device_type, bf16_supported=bf16_supported,
-                     world_size=world_size, budget_bytes=budget_bytes, vocabulary_head=_vocabulary_head(config))
+                     world_size=world_size, budget_bytes=budget_bytes, vocabulary_head=_vocabulary_head(config),
+                     engine=engine_label(config, world_size))
     return resolve_from_facts(facts)
 
 
@@ -57,6 +58,16 @@ def report(run: ResolvedRun) -> dict[str, Any]:
         if technique.report is not None:
             facts.update(technique.report(run))
     return facts
+
+
+def engine_label(config: TrainConfig, world_size: int) -> str:
+    """The engine `config` runs on over `world_size` ranks, as refusals name it (train/engine.py chooses it so)."""
+    distributed = config.distributed
+    if distributed.deepspeed or distributed.zero_stage is not None:
+        return "DeepSpeed"
+    if world_size <= 1:
+        return ""
+    return "--sharding fsdp" if distributed.sharding == "fsdp" else "--sharding ddp"
 
 
 def _vocabulary_head(config: TrainConfig) -> bool:

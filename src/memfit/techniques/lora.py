@@ -402,7 +402,13 @@ def _refusals(run, facts) -> list[str]:
         return ["--quantize needs LoRA: add --lora-r"]
     if facts.config.model.dtype == "fp16" and run.lora_r == 0:
         return ["--dtype fp16 cannot be trained in full (fp16 gradients underflow); use --dtype bf16, fp32, or LoRA"]
-    return []
+    problems = []
+    if facts.engine not in ("", "--sharding ddp"):  # a sharding engine: its shards cannot hold quantized weights
+        if run.quantize != "none":
+            problems.append(f"--quantize {run.quantize} cannot be sharded by {facts.engine}: use --sharding ddp")
+        if facts.config.lora.merge_adapter:
+            problems.append(f"--merge-adapter is not supported with {facts.engine}: merge the saved adapter afterwards")
+    return problems
 
 
 def _apply(model: nn.Module, run, context):

@@ -141,6 +141,8 @@ def _refusals(run, facts) -> list[str]:
     """What a step that applies each gradient in its own backward hook cannot do."""
     if not run.optimizer_in_backward:
         return []
+    if facts.engine:
+        return [f"--optimizer-in-backward does not work with {facts.engine}: drop it"]
     config = facts.config
     try:
         check_optimizer_in_backward(config.accumulation_for(facts.world_size), config.optimizer.max_grad_norm,

@@ -179,12 +179,20 @@ def _resolve(facts, run) -> dict:
             or distributed.fsdp_offload}
 
 
+def _refusals(run, facts) -> list[str]:
+    if not facts.config.memory.optimizer_offload or facts.engine in ("", "--sharding ddp"):
+        return []
+    instead = "--fsdp-offload" if "fsdp" in facts.engine else "--zero-offload (or offload_optimizer in the file)"
+    return [f"--optimizer-offload is single-process: with {facts.engine} use {instead}"]
+
+
 def _technique():
     from memfit.techniques.technique import Technique
 
     return Technique(
         name="optimizer_offload", stage="optimizer", settings=("optimizer_offload",), after=("optimizer",),
-        resolve=_resolve, report=lambda run: {"optimizer_offload": True} if run.optimizer_offload else {},
+        resolve=_resolve, refusals=_refusals,
+        report=lambda run: {"optimizer_offload": True} if run.optimizer_offload else {},
         summary="the optimizer's state and step in host memory: no state on the device; the link carries gradients"
                 " and weights each step",
     )

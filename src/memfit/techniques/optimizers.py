@@ -204,6 +204,19 @@ def _resolve(facts, run) -> dict:
             "paged_optimizer": optimizer == "paged-adamw-8bit" and facts.device_type == "cuda"}
 
 
+def _refusals(run, facts) -> list[str]:
+    """Optimizers whose state or step cannot follow sharded parameters."""
+    if "fsdp" in facts.engine:
+        refusal = refusal_under_fsdp(run.optimizer)
+    elif facts.engine == "DeepSpeed":
+        from memfit.models.optimizer_state import refusal_under_sharding
+
+        refusal = refusal_under_sharding(run.optimizer)
+    else:
+        refusal = None
+    return [refusal] if refusal else []
+
+
 def _paged_memory_terms(run, facts) -> dict[str, float]:
     """Paged 8-bit AdamW: the driver brings the state of the tensor being stepped onto the device."""
     if not run.paged_optimizer:
@@ -217,6 +230,7 @@ def _technique():
 
     return Technique(
         name="optimizer", stage="optimizer", settings=("optimizer", "optimizer_impl"), resolve=_resolve,
+        refusals=_refusals,
         memory_terms=_paged_memory_terms, report=lambda run: {"optimizer": run.optimizer},
         summary="8-bit, paged and small-state optimizers keep less state per trained parameter than AdamW's 8 bytes",
     )

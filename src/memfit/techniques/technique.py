@@ -47,6 +47,9 @@ class RunFacts:
     """'cuda' or 'cpu': the device the step runs on (a named GPU plans as 'cuda')."""
     bf16_supported: bool = True
     world_size: int = 1
+    engine: str = ""
+    """Where the step runs, in the words a refusal uses: '' (one process), 'DeepSpeed', '--sharding fsdp' or
+    '--sharding ddp'."""
     vocabulary_head: bool = True
     """The task's head makes vocabulary-sized logits (a causal or masked LM), the only ones a loss chunk applies to."""
     budget_bytes: int | None = None

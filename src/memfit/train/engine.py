@@ -230,12 +230,14 @@ def choose_engine(
     Runs before the model is prepared and the optimizer built, so that every choice an
     engine makes (its own optimizer, no grad scaler, no OOM recovery) is made once.
     """
-    from memfit.distributed.parallel import apply_cap_rank, check_supported
+    from memfit.distributed.parallel import apply_cap_rank
+
+    # What an engine cannot run (--optimizer-in-backward, --quantize under sharding, ...) its technique refuses when
+    # the run is resolved, before this (resolution/resolve.py: the `engine` fact).
 
     distributed = config.distributed
     apply_cap_rank(config, dist)
     if distributed.deepspeed or distributed.zero_stage is not None:
-        check_supported(config, "DeepSpeed")
         from memfit.distributed.zero import DeepSpeedEngine
 
         return DeepSpeedEngine(config, dist, device, precision, fallbacks)
@@ -251,11 +253,9 @@ def choose_engine(
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if distributed.sharding == "fsdp":
-        check_supported(config, "--sharding fsdp")
         from memfit.distributed.fsdp import FullyShardedEngine
 
         return FullyShardedEngine(local, config, dist, device, precision, fallbacks)
-    check_supported(config, "--sharding ddp")
     if distributed.sharding == "none":
         fallbacks["sharding"] = f"{dist.world_size} ranks and no --sharding: replicated as with --sharding ddp"
     from memfit.distributed.parallel import DataParallelEngine

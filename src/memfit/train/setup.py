@@ -195,10 +195,10 @@ def _choose_device_and_engine(config: TrainConfig) -> _Building:
     attention = run_attention(config, device, precision.autocast_dtype)
     if attention.fell_back:
         fallbacks["attention"] = attention.reason
-    engine = choose_engine(config, dist, device, precision, fallbacks)
-    # What the techniques refuse in this config stops the run before the model and the data are read (the run is
-    # resolved again, at the data's length and on the loaded model's config, once both are known).
+    # What the techniques refuse in this config (under this engine too) stops the run before the model and the data
+    # are read; the run is resolved again, at the data's length and on the loaded model's config, once both are known.
     resolve(config, None, device.type, bf16_supported=supports_bf16(device), world_size=dist.world_size)
+    engine = choose_engine(config, dist, device, precision, fallbacks)
     return _Building(config, device, dist, task, fallbacks, precision, attention, engine)
 
 
