@@ -22,8 +22,8 @@ Every run is bitwise reproducible on one machine: each is a fresh process with o
 (OMP_NUM_THREADS=1, so no reduction is split by how many cores happen to be free), and the data order and the
 initialisation of new weights (LoRA, the classifier head) come from --seed. Hashes are exact, so snapshots
 compare only between runs on the same machine with the same torch, transformers and bitsandbytes (a CPU with
-other kernels rounds differently). About a minute on 2 idle CPU cores, two on busy ones (`--jobs 2`, the
-default: two runs at once, which changes no bit).
+other kernels rounds differently). About a minute on 2 idle CPU cores, up to three on busy ones (`--jobs 2`,
+the default: two runs at once, which changes no bit).
 """
 
 from __future__ import annotations
@@ -321,7 +321,10 @@ def main() -> int:
           f" {len(failed)} failed (kept as answers): {failed}", file=sys.stderr)
     if not options.compare:
         return 0
-    found = differences(json.loads(options.compare.read_text()), answers)
+    old = json.loads(options.compare.read_text())
+    if only:  # configurations left out of this snapshot on purpose are not differences
+        old["runs"] = {name: entry for name, entry in old.get("runs", {}).items() if name in only}
+    found = differences(old, answers)
     for line in found:
         print(line)
     print(f"snapshot: {len(found)} differences against {options.compare}", file=sys.stderr)
