@@ -245,20 +245,14 @@ def plan(
         UsageError: neither a budget nor a GPU, or a bad `allow` / `maximize`.
     """
     from memfit.models.presets import resolve_model_config
+    from memfit.models.rope import scaled_positions
 
     config = config.with_seq_len()  # not given: DEFAULT_SEQ_LEN
     if allow not in ALLOW:
         raise UsageError(f"--allow must be one of {', '.join(ALLOW)}, got {allow!r}")
     if maximize not in MAXIMIZE:
         raise UsageError(f"--maximize must be seq-len or batch-size, got {maximize!r}")
-    gpu_spec = get_gpu(gpu) if isinstance(gpu, str) else gpu
-    if gpu_spec is None and config.memory.gpu:
-        gpu_spec = get_gpu(config.memory.gpu)
-    if gpu_spec is None:
-        gpu_spec = local_gpu()  # training here: its GPU's speed, bf16 and host link (a budget still caps memory)
-    budget = budget_bytes or config.memory.memory_budget or (gpu_spec.memory_bytes if gpu_spec else None)
-    if budget is None:
-        raise UsageError("memfit plan needs --gpu NAME or --memory-budget SIZE (e.g. --memory-budget 24GiB)")
+    gpu_spec, budget = _device_and_budget(config, gpu, budget_bytes)
     if hf_config is None:
         hf_config = resolve_model_config(config.model.model, config.model.trust_remote_code)
     effective = effective_batch_size or config.effective_batch_for(world_size)
@@ -267,48 +261,105 @@ def plan(
     host_limit = host_memory if host_memory is not None else machine_memory_bytes()
     search = _Search(config, hf_config, budget, gpu_spec, world_size, sharding,
                      "auto" if gpu_spec is not None else config.memory.precision, host_limit)
-    chosen: list[Candidate] = []
-    everything: list[Candidate] = []
-    from memfit.models.rope import can_scale, scaled_positions, suggested_scale
-
     # the model's positions, x --rope-scale (refused for a model without RoPE)
     trained_positions = scaled_positions(hf_config, config.model.rope_scale, config.model.rope_scaling)
-    memory_seq_len = None
+    searched = _search_modes(search, allow, maximize, effective, trained_positions)
+    if not searched.chosen:
+        if not explain:
+            raise DoesNotFitError("does not fit")
+        raise DoesNotFitError(_does_not_fit_message(
+            config, hf_config, budget, gpu_spec, allow, searched.everything, effective,
+            _host_limit_message(search, searched.everything, host_memory is not None)))
+    return _plan_result(search, _ordered(searched.chosen, maximize, config, budget), searched, maximize, budget_bytes,
+                        trained_positions)
+
+
+def _device_and_budget(config: TrainConfig, gpu: GpuSpec | str | None,
+                       budget_bytes: int | None) -> tuple[GpuSpec | None, int]:
+    """The GPU the plan is made for (the named one, the config's, else this machine's) and the memory it must fit;
+    UsageError when neither a budget nor a GPU says how much."""
+    gpu_spec = get_gpu(gpu) if isinstance(gpu, str) else gpu
+    if gpu_spec is None and config.memory.gpu:
+        gpu_spec = get_gpu(config.memory.gpu)
+    if gpu_spec is None:
+        gpu_spec = local_gpu()  # training here: its GPU's speed, bf16 and host link (a budget still caps memory)
+    budget = budget_bytes or config.memory.memory_budget or (gpu_spec.memory_bytes if gpu_spec else None)
+    if budget is None:
+        raise UsageError("memfit plan needs --gpu NAME or --memory-budget SIZE (e.g. --memory-budget 24GiB)")
+    return gpu_spec, budget
+
+
+@dataclass
+class _Searched:
+    """What the search over the modes found."""
+
+    chosen: list[Candidate]
+    """The configurations that fit, of every mode tried."""
+    everything: list[Candidate]
+    """Every configuration estimated (what does not fit says how far off it is; the paged comparison reads them)."""
+    memory_seq_len: int | None
+    """--maximize seq-len: the longest sequence memory allows where it is past the model's positions (else None)."""
+
+
+def _search_modes(search: _Search, allow: str, maximize: str | None, effective: int,
+                  trained_positions: int | None) -> _Searched:
+    """The configurations of each mode `allow` permits that reach `maximize` (or keep the effective batch), least
+    lossy mode first; under 'auto' the first mode with one that fits ends the search."""
+    config = search.config
+    searched = _Searched([], [], None)
     for mode in modes_of(allow):
         if maximize == "seq-len":
-            micro = config.training.batch_size if user_set(config, "batch_size") else 1
-            accumulation = config.training.gradient_accumulation_steps if user_set(
-                config, "gradient_accumulation_steps") else 1
-            fitting = _longest(search, mode, micro, accumulation)
-            if fitting and trained_positions and fitting[0].changes["seq_len"] > trained_positions:
-                # memfit train refuses windows past the model's positions: plan the longest it runs,
-                # and report how far memory alone would go
-                memory_seq_len = max(memory_seq_len or 0, fitting[0].changes["seq_len"])
-                fitting = _longest(search, mode, micro, accumulation, limit=trained_positions)
-            found = fitting or [search.candidate(technique_grid(mode, config, gpu_spec, SEQ_STEP, accumulation)[-1],
-                                                 micro, accumulation, SEQ_STEP)]
+            found, fitting = _longest_of_mode(search, mode, trained_positions, searched)
         elif maximize == "batch-size":
             fitting = _largest_batch(search, mode)
-            found = fitting or [search.candidate(technique_grid(mode, config, gpu_spec, config.data.seq_len, 1)[-1],
+            found = fitting or [search.candidate(technique_grid(mode, config, search.gpu, config.data.seq_len, 1)[-1],
                                                  1, 1, config.data.seq_len)]
         else:
             found = _fastest(search, mode, effective)
             fitting = prefer_resident([c for c in found if search.fits(c)])  # experts streamed only when needed
-        everything += found
-        chosen += fitting
+        searched.everything += found
+        searched.chosen += fitting
         if allow == "auto" and fitting:
             break  # the least lossy mode that fits wins
-    if not chosen:
-        if not explain:
-            raise DoesNotFitError("does not fit")
-        raise DoesNotFitError(_does_not_fit_message(config, hf_config, budget, gpu_spec, allow, everything, effective,
-                                                    _host_limit_message(search, everything, host_memory is not None)))
+    return searched
+
+
+def _longest_of_mode(search: _Search, mode: str, trained_positions: int | None,
+                     searched: _Searched) -> tuple[list[Candidate], list[Candidate]]:
+    """(every configuration tried, those that fit) of `mode` at the longest sequence, at most the model's positions;
+    how far memory alone would go past them goes to `searched.memory_seq_len`."""
+    config = search.config
+    micro = config.training.batch_size if user_set(config, "batch_size") else 1
+    accumulation = config.training.gradient_accumulation_steps if user_set(
+        config, "gradient_accumulation_steps") else 1
+    fitting = _longest(search, mode, micro, accumulation)
+    if fitting and trained_positions and fitting[0].changes["seq_len"] > trained_positions:
+        # memfit train refuses windows past the model's positions: plan the longest it runs,
+        # and report how far memory alone would go
+        searched.memory_seq_len = max(searched.memory_seq_len or 0, fitting[0].changes["seq_len"])
+        fitting = _longest(search, mode, micro, accumulation, limit=trained_positions)
+    found = fitting or [search.candidate(technique_grid(mode, config, search.gpu, SEQ_STEP, accumulation)[-1],
+                                         micro, accumulation, SEQ_STEP)]
+    return found, fitting
+
+
+def _ordered(chosen: list[Candidate], maximize: str | None, config: TrainConfig, budget: int) -> list[Candidate]:
+    """The configurations that fit, best first: by what is maximized, then speed (else as `rank` orders them)."""
     if maximize == "seq-len":
         chosen.sort(key=lambda c: (-c.changes.get("seq_len", config.data.seq_len), -c.tokens_per_second))
     elif maximize == "batch-size":
         chosen.sort(key=lambda c: (-c.changes["batch_size"], -c.tokens_per_second))
     else:
         chosen = rank(chosen, budget)
+    return chosen
+
+
+def _plan_result(search: _Search, chosen: list[Candidate], searched: _Searched, maximize: str | None,
+                 budget_bytes: int | None, trained_positions: int | None) -> PlanResult:
+    """The plan of the best configuration: its command, the runners-up, what it trades, the trials' candidates."""
+    from memfit.models.rope import can_scale, scaled_positions, suggested_scale
+
+    config, hf_config, gpu_spec, memory_seq_len = search.config, search.hf_config, search.gpu, searched.memory_seq_len
     best = chosen[0]
     alternatives = [_describe(c, best) for c in _distinct(chosen)[1:3]]
     ranked = [{"plan": dict(c.changes), "step_seconds": c.step_seconds, "estimated_peak_bytes": c.estimate.peak_bytes}
@@ -321,14 +372,14 @@ def plan(
     seq_len = best.changes.get("seq_len", config.data.seq_len)
     return PlanResult(
         fits=True, plan={"seq_len": seq_len, **best.changes}, estimated_peak_bytes=est.peak_bytes,
-        budget_bytes=int(budget), relative_speed=1.0,
-        command=train_command(config, best.changes, gpu_spec, budget_bytes, world_size),
+        budget_bytes=int(search.budget), relative_speed=1.0,
+        command=train_command(config, best.changes, gpu_spec, budget_bytes, search.world_size),
         alternatives=alternatives, tokens_per_second=best.tokens_per_second,
-        host_bytes=est.host_bytes, host_available_bytes=est.host_available_bytes, host_limit_bytes=host_limit,
+        host_bytes=est.host_bytes, host_available_bytes=est.host_available_bytes, host_limit_bytes=search.host_limit,
         rank_note=best.rank_note,
         load_host_bytes=est.load_host_bytes,
-        trades=trade_offs(best, config, hf_config, gpu_spec, host_limit, memory_seq_len)
-        + [line for line in [_paged_comparison(best, everything, search)] if line], maximize=maximize,
+        trades=trade_offs(best, config, hf_config, gpu_spec, search.host_limit, memory_seq_len)
+        + [line for line in [_paged_comparison(best, searched.everything, search)] if line], maximize=maximize,
         memory_limit_seq_len=memory_seq_len or (seq_len if maximize == "seq-len" else None),
         max_positions=trained_positions, device=gpu_spec.name if gpu_spec is not None else "cpu", ranked=ranked,
         rope_scale_to_memory_limit=suggested_scale(

@@ -176,20 +176,32 @@ def estimated_step_seconds(changes: dict[str, Any], config: TrainConfig, est: Es
     device measured (`memfit.prediction.calibration`: trials and planned runs); `calibrate=False`
     gives the model's own figure.
     """
+    device = device or ("cpu" if gpu is None else "cuda")
+    compute = compute_dtype(changes, config, device)
+    tflops = gpu.peak_tflops if gpu is not None else NOMINAL_TFLOPS
+    rate = tflops * 1e12 * UTILISATION
+    compute_seconds = _compute_seconds(changes, config, est, hf_config, device, compute, rate)
+    seconds = _with_host_transfers(compute_seconds, changes, config, est, gpu, hf_config, device, compute, rate)
+    if calibrate and gpu is None and device == "cpu":  # measured here: the CPU that plans is the one that trains
+        from memfit.prediction.calibration import correction
+
+        seconds *= correction(changes, config, device, compute)
+    return seconds
+
+
+def _training_flops(changes: dict[str, Any], config: TrainConfig, hf_config: Any, device: str, compute: str) -> float:
+    """Hardware FLOPs of one optimizer step (every micro-batch): the model's forward and backward, what is
+    recomputed, the chunked loss's head beyond its FLOPs (CHUNKED_LOSS_COST), one more MLP forward with tiled MLP,
+    and QLoRA's dequantization (+25 %)."""
     from memfit.models.flops import flops_per_token
     from memfit.prediction.activations import architecture_of
 
-    device = device or ("cpu" if gpu is None else "cuda")
     arch = architecture_of(hf_config)
     seq = changes.get("seq_len", config.data.seq_len_or_default)
     micro = changes.get("batch_size", config.training.batch_size)
-    accumulation = changes.get("gradient_accumulation_steps", 1)
-    tokens = micro * seq * accumulation
-    lora_rank = changes.get("lora_r", config.lora.lora_r)
-    chunk = changes.get("loss_chunk_size", 0) or 0
-    chunked = bool(chunk)
-    compute = compute_dtype(changes, config, device)
-    per_token = flops_per_token(hf_config, seq, lora_rank=lora_rank,
+    tokens = micro * seq * changes.get("gradient_accumulation_steps", 1)
+    chunked = bool(changes.get("loss_chunk_size", 0) or 0)
+    per_token = flops_per_token(hf_config, seq, lora_rank=changes.get("lora_r", config.lora.lora_r),
                                 checkpointing=changes.get("gradient_checkpointing", "off"), chunked_loss=chunked)
     hardware = per_token.hardware
     if chunked:
@@ -199,20 +211,38 @@ def estimated_step_seconds(changes: dict[str, Any], config: TrainConfig, est: Es
     flops = tokens * (hardware + tiled)
     if changes.get("quantize", "none") == "4bit":
         flops *= 1.25
-    tflops = gpu.peak_tflops if gpu is not None else NOMINAL_TFLOPS
-    rate = tflops * 1e12 * UTILISATION
+    return flops
+
+
+def _compute_seconds(changes: dict[str, Any], config: TrainConfig, est: Estimate, hf_config: Any, device: str,
+                     compute: str, rate: float) -> float:
+    """Seconds the device computes one optimizer step: its FLOPs at the rate its micro-batches feed it, what small
+    loss chunks and selective checkpointing's dispatch cost beyond FLOPs, compiled blocks' gain, and the
+    optimizer's own step."""
+    seq = changes.get("seq_len", config.data.seq_len_or_default)
+    micro = changes.get("batch_size", config.training.batch_size)
+    accumulation = changes.get("gradient_accumulation_steps", 1)
+    chunk = changes.get("loss_chunk_size", 0) or 0
     feeding = micro * seq / (micro * seq + FEEDING_TOKENS[device])
-    seconds = flops / (rate * feeding)
+    seconds = _training_flops(changes, config, hf_config, device, compute) / (rate * feeding)
     if 1 < chunk < 1024:  # (a run's own prediction marks any chunked loss as chunk size 1)
         seconds *= 1 + SMALL_CHUNK_COST
     if device == "cpu" and str(changes.get("gradient_checkpointing", "off")).startswith("selective"):
+        from memfit.prediction.activations import architecture_of
         from memfit.techniques.checkpointing import checkpointed_block_indices
 
         every = max(1, int(changes.get("checkpoint_every", config.memory.checkpoint_every)))
-        blocks = len(checkpointed_block_indices(arch.layers, every))
+        blocks = len(checkpointed_block_indices(architecture_of(hf_config).layers, every))
         seconds += accumulation * blocks * SELECTIVE_DISPATCH_CPU_FLOPS / rate
     if changes.get("compile", config.memory.compile):
         seconds /= COMPILED_BLOCKS_SPEEDUP.get(device, 1.0)
+    return _with_optimizer_step(seconds, changes, config, est, hf_config, device, rate)
+
+
+def _with_optimizer_step(seconds: float, changes: dict[str, Any], config: TrainConfig, est: Estimate,
+                         hf_config: Any, device: str, rate: float) -> float:
+    """`seconds` with what the optimizer's step costs beyond AdamW's: 8-bit state on a CPU (a tie-break on a GPU),
+    a small-state optimizer's projections, SVDs or quantization."""
     trainable = est.details["trainable_parameter_count"]
     if changes.get("optimizer", "adamw").endswith("8bit"):
         if (device, "8bit") in OPTIMIZER_STEP_FLOPS:
@@ -221,7 +251,16 @@ def estimated_step_seconds(changes: dict[str, Any], config: TrainConfig, est: Es
             seconds *= 1.01
     if changes.get("optimizer", config.optimizer.optimizer) in SMALL_STATE_OPTIMIZERS:
         seconds += small_state_step_flops(changes, config, hf_config) / rate  # projections, SVDs, quantization
-    compute_seconds = seconds
+    return seconds
+
+
+def _with_host_transfers(compute_seconds: float, changes: dict[str, Any], config: TrainConfig, est: Estimate,
+                         gpu: GpuSpec | None, hf_config: Any, device: str, compute: str, rate: float) -> float:
+    """The step's compute seconds with its host-link traffic: optimizer and activation offload, streamed experts,
+    the frozen-weight levers, paged optimizer state (each in full, an upper bound: their copies overlap compute)."""
+    seconds = compute_seconds
+    trainable = est.details["trainable_parameter_count"]
+    accumulation = changes.get("gradient_accumulation_steps", 1)
     link = (gpu.host_link_gbps if gpu is not None else 16.0) * 1e9
     if changes.get("optimizer_offload"):
         seconds += 8 * trainable / link + trainable / 2e9  # gradients down, weights up, CPU AdamW
@@ -238,10 +277,6 @@ def estimated_step_seconds(changes: dict[str, Any], config: TrainConfig, est: Es
     if changes.get("optimizer") == "paged-adamw-8bit" and gpu is not None:
         # the state pages come in for the step and go out again for the next forward
         seconds += 2 * est.host_breakdown.get("optimizer_states", 0) / link
-    if calibrate and gpu is None and device == "cpu":  # measured here: the CPU that plans is the one that trains
-        from memfit.prediction.calibration import correction
-
-        seconds *= correction(changes, config, device, compute)
     return seconds
 
 

@@ -25,9 +25,14 @@ from memfit.units import GIB
 def trade_offs(candidate: Candidate, config: TrainConfig, hf_config: Any, gpu: GpuSpec | None,
                host_limit: int | None = None, memory_seq_len: int | None = None) -> list[str]:
     """What each technique of the plan costs, in plain words with the figures that matter."""
-    c, est = candidate.changes, candidate.estimate
     link = (gpu.host_link_gbps if gpu is not None else 16.0) * 1e9
-    host_gib = est.host_bytes / GIB
+    return (_training_trades(candidate, config, gpu, link) + _step_trades(candidate, config, hf_config, gpu, link)
+            + _memory_trades(candidate.estimate, host_limit) + _rope_trades(config, hf_config, memory_seq_len))
+
+
+def _training_trades(candidate: Candidate, config: TrainConfig, gpu: GpuSpec | None, link: float) -> list[str]:
+    """What the plan changes about what is trained and how it is updated: LoRA, bf16 weights, the optimizer."""
+    c, est = candidate.changes, candidate.estimate
     lines = []
     if c.get("lora_r"):
         what = "QLoRA: the base weights are frozen in 4-bit nf4" if c.get("quantize") == "4bit" else "LoRA: the base weights are frozen"
@@ -49,6 +54,15 @@ def trade_offs(candidate: Candidate, config: TrainConfig, hf_config: Any, gpu: G
     if c.get("optimizer_offload"):
         lines.append(f"optimizer offload: state and step on the CPU ({est.host_breakdown.get('optimizer_states', 0) / GIB:.1f}"
                      " GiB of host memory); gradients and weights cross the host link every step; no clipping")
+    return lines
+
+
+def _step_trades(candidate: Candidate, config: TrainConfig, hf_config: Any, gpu: GpuSpec | None,
+                 link: float) -> list[str]:
+    """What the plan's step runs again or moves over the host link: offload, the frozen-weight levers, streamed
+    experts, checkpointing, tiles, the chunked loss, compiled blocks."""
+    c, est = candidate.changes, candidate.estimate
+    lines = []
     if c.get("activation_offload"):
         moved = est.details.get("pcie_bytes_per_micro_batch", 0)
         blocks = c.get("activation_offload_blocks")
@@ -72,12 +86,19 @@ def trade_offs(candidate: Candidate, config: TrainConfig, hf_config: Any, gpu: G
     if c.get("compile"):
         lines.append("compiled blocks (--compile): the first step compiles one block with torch.compile (tens of"
                      " seconds on a CPU, once per run), which the planned tokens/s leave out")
+    return lines
+
+
+def _memory_trades(est: Estimate, host_limit: int | None) -> list[str]:
+    """What the device peak is made of on a GPU, and the host memory the plan needs against this machine's."""
+    lines = []
     allocated = est.details.get("allocated_peak_bytes")
     if allocated:
         lines.append(f"peak {est.peak_bytes / GIB:.2f} GiB: {allocated / GIB:.2f} GiB allocated to tensors (what"
                      f" torch.cuda.max_memory_allocated reports) + {CUDA_CONTEXT_BYTES / GIB:.1f} GiB CUDA context +"
                      f" {100 * FRAGMENTATION:.0f} % allocator slack")
     if est.host_bytes:
+        host_gib = est.host_bytes / GIB
         available = est.host_available_bytes
         limit = f" (planned within {host_limit / GIB:.0f} GiB of host memory)" if host_limit else ""
         if available is None:
@@ -86,8 +107,14 @@ def trade_offs(candidate: Candidate, config: TrainConfig, hf_config: Any, gpu: G
             verdict = "enough" if est.host_bytes <= available else "NOT enough"
             lines.append(f"needs {host_gib:.1f} GiB of host memory{limit}; this machine has {available / GIB:.1f} GiB"
                          f" available now ({verdict} here)")
+    return lines
+
+
+def _rope_trades(config: TrainConfig, hf_config: Any, memory_seq_len: int | None) -> list[str]:
+    """RoPE scaling's change of numerics, and how far memory alone would take the context past the positions."""
     from memfit.models.rope import can_scale, scaled_positions, suggested_scale
 
+    lines = []
     own = scaled_positions(hf_config, None)
     trained = scaled_positions(hf_config, config.model.rope_scale, config.model.rope_scaling)
     scale = config.model.rope_scale
