@@ -27,7 +27,7 @@ from memfit.memory.categories import (
 from memfit.units import format_bytes
 
 if TYPE_CHECKING:
-    from memfit.config import TrainConfig
+    from memfit.techniques.resolved_run import ResolvedRun
 
 # A path component that is a number marks a block of a stack: model.layers.3, transformer.h.3.
 _BLOCK_PATTERN = re.compile(r"^(.*?\.\d+)(\.|$)")
@@ -61,24 +61,17 @@ class ReportContext:
     activation_offload: bool = False
 
     @classmethod
-    def from_config(
-        cls, config: TrainConfig, vocab_size: int | None = None, loss_chunk_size: int | None = None
-    ) -> ReportContext:
-        """The context of a run configured by `config`.
-
-        `loss_chunk_size`: the chunk size the run really used, when `--loss-chunk-size`
-        was left to its default (chosen by memfit); without it, the default counts as on.
-        """
-        chunk = loss_chunk_size if loss_chunk_size is not None else config.memory.loss_chunk_size
+    def from_run(cls, run: ResolvedRun, vocab_size: int | None = None) -> ReportContext:
+        """The context of a run that resolved to `run` (techniques/resolved_run.py): what it already uses."""
         return cls(
-            gradient_checkpointing=config.memory.gradient_checkpointing != "off",
-            optimizer=config.optimizer.optimizer,
-            lora=config.lora.lora_r > 0,
-            loss_chunk_size=1 if chunk is None else chunk,
+            gradient_checkpointing=run.checkpointing_on,
+            optimizer=run.optimizer,
+            lora=run.lora_r > 0,
+            loss_chunk_size=run.loss_chunk_size,
             vocab_size=vocab_size,
-            optimizer_in_backward=config.memory.optimizer_in_backward,
-            tiled_mlp=getattr(config.memory, "tiled_mlp", 0) or 0,
-            activation_offload=config.memory.activation_offload,
+            optimizer_in_backward=run.optimizer_in_backward,
+            tiled_mlp=run.mlp_tiles,
+            activation_offload=run.activation_offload,
         )
 
 

@@ -46,9 +46,10 @@ def load_peak(config: TrainConfig, hf_config: Any, world_size: int, loaded_param
     techniques); `parts`: the step's state parts (after them).
     """
     from memfit.prediction.experts import expert_stack_sizes, nf4_stack_bytes
+    from memfit.resolution.resolve import resolve
     from memfit.techniques.staged_weights import staging_for_run
 
-    staged = staging_for_run(config, hf_config, world_size)
+    staged = staging_for_run(resolve(config, hf_config, "cpu"), hf_config, world_size)
     stacks = expert_stack_sizes(inventory, lora_r) if quantize == "4bit" else []
     largest = max(stacks, default=0)
     if not staged.any:

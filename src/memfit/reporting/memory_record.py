@@ -11,6 +11,7 @@ memfit's analytical estimate of the same configuration, to show beside the measu
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from memfit.memory.report import ProfileReport, ReportContext, build_report
 from memfit.reporting.run_data import MEMORY_RECORD_FILE
+from memfit.resolution.resolve import resolve
 
 if TYPE_CHECKING:
     from memfit.config import TrainConfig
@@ -119,7 +121,10 @@ def analytical_estimate(config: TrainConfig, micro_batch_size: int | None = None
 
 def report_context(config: TrainConfig, facts: dict[str, Any]) -> ReportContext:
     """What the run already used, so the advice does not suggest it again."""
-    context = ReportContext.from_config(config, loss_chunk_size=facts.get("loss_chunk_size"))
+    run = resolve(config, None, "cpu")  # what the config asks for; the facts below say what ran
+    if facts.get("loss_chunk_size") is not None:
+        run = dataclasses.replace(run, loss_chunk_size=facts["loss_chunk_size"])
+    context = ReportContext.from_run(run)
     if facts.get("gradient_checkpointing") is not None:
         context.gradient_checkpointing = facts["gradient_checkpointing"] != "off"
     return context

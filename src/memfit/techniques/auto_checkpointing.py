@@ -200,35 +200,36 @@ def measure_saved_bytes(
 AUTO_BUDGET_SHARE = 0.9
 
 
-def static_training_bytes(model: nn.Module, config) -> int:
+def static_training_bytes(model: nn.Module, config, run) -> int:
     """Weights, gradients and optimizer state of a run, from its TrainConfig (before LoRA is applied).
 
     The optimizer state is `memfit.models.state_bytes`' closed form for the model's trainable tensors.
     """
-    return sum(static_training_parts(model, config))
+    return sum(static_training_parts(model, config, run))
 
 
-def static_training_parts(model: nn.Module, config) -> tuple[int, int, int]:
-    """Weights, gradients and optimizer state of a run apart (see `static_training_bytes`)."""
+def static_training_parts(model: nn.Module, config, run) -> tuple[int, int, int]:
+    """Weights, gradients and optimizer state of a run apart (see `static_training_bytes`); `run` is its
+    resolved run (techniques/resolved_run.py): which optimizer, stepped in backward, on the host."""
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     trainable = [p for p in model.parameters() if p.is_floating_point()]
     if config.lora_enabled or not trainable:
         return weights, 0, 0  # adapters' gradients and state are a rounding error at this scale
     trainable_bytes = sum(p.numel() * p.element_size() for p in trainable)
-    if config.memory.optimizer_in_backward:
+    if run.optimizer_in_backward:
         gradients = max(p.numel() * p.element_size() for p in trainable)  # one gradient alive at a time
     else:
         gradients = trainable_bytes
-    if config.memory.optimizer_offload:
+    if run.host_optimizer_step:
         return weights, gradients, 0
     element_size = trainable[0].element_size()
     states = optimizer_state_bytes_for_shapes(
-        config.optimizer.optimizer, [tuple(p.shape) for p in trainable], element_size, config.optimizer.momentum
+        run.optimizer, [tuple(p.shape) for p in trainable], element_size, config.optimizer.momentum
     )
     return weights, gradients, states
 
 
-def auto_checkpointing(model: nn.Module, config, budget_bytes: int | None) -> str:
+def auto_checkpointing(model: nn.Module, config, budget_bytes: int | None, run) -> str:
     """`--gradient-checkpointing auto`: checkpoint the fewest blocks that fit `budget_bytes`.
 
     Measures one sample (batch 1 at --seq-len) and scales by --batch-size, predicts the
@@ -252,10 +253,10 @@ def auto_checkpointing(model: nn.Module, config, budget_bytes: int | None) -> st
             + " (auto: even a one-sample measuring forward ran out of memory)"
         )
     per_block = [size * batch_size for size in per_sample]
-    weights, gradients, states = static_training_parts(model, config)
+    weights, gradients, states = static_training_parts(model, config, run)
     fixed = weights + gradients + states + outside_per_sample * batch_size
     # The loss's backward: the log-softmax's and the logits' fp32 gradients (measured with the tracker).
-    moments = {"gradient_bytes": 0 if config.memory.optimizer_in_backward else gradients,
+    moments = {"gradient_bytes": 0 if run.optimizer_in_backward else gradients,
                "loss_backward_bytes": 2 * 4 * batch_size * seq_len * vocab_size}
     hidden_size = getattr(model.config, "hidden_size", None) or getattr(model.config, "n_embd", 0)
     embeddings = model.get_input_embeddings()
@@ -296,7 +297,7 @@ def _apply(model: nn.Module, run, context):
     from memfit.techniques.technique import Applied
 
     if run.checkpoint_auto:
-        description = auto_checkpointing(model, context.config, checkpointing_budget(context.config))
+        description = auto_checkpointing(model, context.config, checkpointing_budget(context.config), run)
     else:
         description = apply_gradient_checkpointing(model, run.checkpointing, run.checkpoint_every)
     return Applied(description, changes={"checkpointed_blocks": checkpointed_count(model)}, quiet=True)

@@ -175,12 +175,12 @@ def host_stepped(make_optimizer: Callable, device: torch.device | str) -> Callab
 
 def _resolve(facts, run) -> dict:
     distributed = facts.config.distributed
-    return {"optimizer_offload": facts.config.memory.optimizer_offload or distributed.zero_offload
-            or distributed.fsdp_offload}
+    own = facts.config.memory.optimizer_offload
+    return {"optimizer_offload": own or distributed.zero_offload or distributed.fsdp_offload, "host_optimizer_step": own}
 
 
 def _refusals(run, facts) -> list[str]:
-    if not facts.config.memory.optimizer_offload or facts.engine in ("", "--sharding ddp"):
+    if not run.host_optimizer_step or facts.engine in ("", "--sharding ddp"):
         return []
     instead = "--fsdp-offload" if "fsdp" in facts.engine else "--zero-offload (or offload_optimizer in the file)"
     return [f"--optimizer-offload is single-process: with {facts.engine} use {instead}"]

@@ -86,6 +86,9 @@ class ResolvedRun:
     quantize: str = "none"
     optimizer_offload: bool = False
     """The optimizer's state (and its step) in host memory: --optimizer-offload, ZeRO's or FSDP2's offload."""
+    host_optimizer_step: bool = False
+    """--optimizer-offload: memfit itself steps the optimizer on host copies (ZeRO's and FSDP2's offloads are done by
+    their engines)."""
     optimizer_in_backward: bool = False
     activation_offload: bool = False
     paged_optimizer: bool = False

@@ -70,18 +70,17 @@ class StagedWeights:
         return ", ".join(parts) or "nothing"
 
 
-def staging_for_run(config, hf_config, world_size: int) -> StagedWeights:
-    """`staging_for` of a TrainConfig and the model's transformers config."""
+def staging_for_run(run, hf_config, world_size: int) -> StagedWeights:
+    """`staging_for` of a resolved run (techniques/resolved_run.py) and the model's transformers config."""
     from memfit.models.experts import moe_shape
 
-    return staging_for(is_moe=moe_shape(hf_config) is not None, **run_settings(config, world_size))
+    return staging_for(is_moe=moe_shape(hf_config) is not None, **run_settings(run, world_size))
 
 
-def run_settings(config, world_size: int) -> dict:
-    """The settings of a TrainConfig `staging_for` reads (all but whether the model is a mixture of experts)."""
-    return dict(lora_r=config.lora.lora_r, quantize=config.lora.quantize, expert_offload=config.memory.expert_offload,
-                embedding_on_host=config.memory.embedding_on_host, quantize_head=config.lora.quantize_head,
-                world_size=world_size)
+def run_settings(run, world_size: int) -> dict:
+    """What `staging_for` reads of a resolved run (all but whether the model is a mixture of experts)."""
+    return dict(lora_r=run.lora_r, quantize=run.quantize, expert_offload=run.expert_offload,
+                embedding_on_host=run.embedding_on_host, quantize_head=run.quantize_head, world_size=world_size)
 
 
 def staging_for(*, is_moe: bool, lora_r: int, quantize: str, expert_offload: bool, embedding_on_host: bool,

@@ -66,7 +66,7 @@ def checkpoint_size(session: Any) -> CheckpointSize:
     else:  # nothing stepped yet (or a shard of it): predicted from the optimizer and the shapes
         from memfit.models.state_bytes import optimizer_state_bytes_for_shapes
 
-        name = session.config.optimizer.optimizer
+        name = session.run.optimizer
         element = trainable[0].element_size() if trainable else 4
         try:
             optimizer_bytes = optimizer_state_bytes_for_shapes(
@@ -74,7 +74,7 @@ def checkpoint_size(session: Any) -> CheckpointSize:
             )
         except UsageError:
             optimizer_bytes = 2 * weights  # an optimizer the table does not know: Adam's two moments
-    final = weights if session.config.lora.lora_r > 0 else _numel_bytes(list(model.parameters()))
+    final = weights if session.run.lora_r > 0 else _numel_bytes(list(model.parameters()))
     return CheckpointSize(weights, optimizer_bytes, final)
 
 

@@ -49,6 +49,7 @@ from memfit.config import TrainConfig
 from memfit.distributed.context import DistContext
 from memfit.techniques.optimizers import OptimizerChoice
 from memfit.techniques.precision import PrecisionChoice, make_grad_scaler
+from memfit.techniques.resolved_run import ResolvedRun
 
 OptimizerBuilder = Callable[[torch.nn.Module], OptimizerChoice]
 """Builds the optimizer over a (possibly sharded) model's trainable parameters."""
@@ -223,7 +224,8 @@ class SingleProcessEngine:
 
 
 def choose_engine(
-    config: TrainConfig, dist: DistContext, device: torch.device, precision: PrecisionChoice, fallbacks: dict[str, str]
+    config: TrainConfig, dist: DistContext, device: torch.device, precision: PrecisionChoice, fallbacks: dict[str, str],
+    run: ResolvedRun | None = None,
 ) -> Engine:
     """The engine that `config` and the launcher ask for; UsageError for combinations that cannot run.
 
@@ -241,8 +243,12 @@ def choose_engine(
         from memfit.distributed.zero import DeepSpeedEngine
 
         return DeepSpeedEngine(config, dist, device, precision, fallbacks)
+    if run is None:  # the run as the config alone resolves it (setup passes the one it resolved)
+        from memfit.resolution.resolve import resolve
+
+        run = resolve(config, None, device.type, world_size=dist.world_size)
     local = SingleProcessEngine(
-        device, precision, config.optimizer.max_grad_norm, updates_in_backward=config.memory.optimizer_in_backward
+        device, precision, config.optimizer.max_grad_norm, updates_in_backward=run.optimizer_in_backward
     )
     if not dist.enabled:
         if distributed.sharding != "none":

@@ -40,8 +40,7 @@ class OneStepSample:
     @classmethod
     def for_run(cls, session: Any, first_step: int, save_outputs: bool) -> OneStepSample | None:
         """The sample of this launch (it starts after `first_step` steps), or None where the default does not track."""
-        config = session.config
-        if not default_tracking(config, session.dist.world_size, save_outputs):
+        if not default_tracking(session.config, session.run, session.dist.world_size, save_outputs):
             return None
         remaining = session.total_steps - first_step
         if remaining <= 0:
@@ -78,7 +77,7 @@ class OneStepSample:
             evaluator.tracker = None
 
 
-def default_tracking(config: Any, world_size: int, save_outputs: bool = True) -> bool:
+def default_tracking(config: Any, run: Any, world_size: int, save_outputs: bool = True) -> bool:
     """Whether a run tracks one step by default (`--track-memory` unset): see the module's docstring."""
     return (config.memory.track_memory is None and save_outputs and config.output.report and world_size == 1
-            and not config.memory.compile)
+            and not run.compiled)

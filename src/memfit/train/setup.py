@@ -34,13 +34,13 @@ from memfit.errors import UsageError
 from memfit.hardware import supports_bf16, training_device
 from memfit.memory.stats import configure_cuda_allocator
 from memfit.models.loader import LoadedModel, load_model_and_tokenizer
-from memfit.models.optimizer_state import SMALL_STATE_OPTIMIZERS
 from memfit.resolution.registry import techniques
 from memfit.resolution.resolve import resolve
 from memfit.tasks import Task, build_task
 from memfit.techniques.attention import AttentionChoice, attention_that_ran, run_attention
 from memfit.techniques.loss_recipe import LossFunction
-from memfit.techniques.optimizers import OptimizerChoice, build_optimizer, build_scheduler, parameter_groups
+from memfit.techniques.optimizer_stage import build_run_optimizer
+from memfit.techniques.optimizers import build_scheduler
 from memfit.techniques.packed_attention import pack_for_model
 from memfit.techniques.precision import PrecisionChoice, run_precision
 from memfit.techniques.resolved_run import ResolvedRun
@@ -147,6 +147,8 @@ class _Building:
     precision: PrecisionChoice
     attention: AttentionChoice
     engine: Engine
+    asked: ResolvedRun
+    """The run as the config alone resolves it (no model, no data yet): what loading needs to know."""
     loaded: LoadedModel | None = None
     attention_ran: str = ""
 
@@ -161,7 +163,8 @@ def _build_session(config: TrainConfig) -> TrainingSession:
                                                      run=_resolve(build), device=build.device,
                                                      fallbacks=build.fallbacks, applied=applied)
     model = build.loaded.model
-    chosen = build.engine.prepare(model, lambda m: _build_optimizer(config, m, build.device, build.fallbacks))
+    chosen = build.engine.prepare(model, lambda m: build_run_optimizer(run, config.optimizer, m, build.device,
+                                                                       build.fallbacks))
     from memfit.techniques.chunked_head_loss import head_gradient_path
 
     head_gradient = head_gradient_path(model, build.engine.name, run.loss_chunk_size if build.task.name == "causal-lm"
@@ -197,22 +200,22 @@ def _choose_device_and_engine(config: TrainConfig) -> _Building:
         fallbacks["attention"] = attention.reason
     # What the techniques refuse in this config (under this engine too) stops the run before the model and the data
     # are read; the run is resolved again, at the data's length and on the loaded model's config, once both are known.
-    resolve(config, None, device.type, bf16_supported=supports_bf16(device), world_size=dist.world_size)
-    engine = choose_engine(config, dist, device, precision, fallbacks)
-    return _Building(config, device, dist, task, fallbacks, precision, attention, engine)
+    asked = resolve(config, None, device.type, bf16_supported=supports_bf16(device), world_size=dist.world_size)
+    engine = choose_engine(config, dist, device, precision, fallbacks, asked)
+    return _Building(config, device, dist, task, fallbacks, precision, attention, engine, asked)
 
 
 def _load_model(build: _Building) -> None:
     """The model and tokenizer (LoRA's quantization at load, MoE experts staged in host memory)."""
     config, device, task = build.config, build.device, build.task
-    if config.lora.lora_r > 0 or config.lora.quantize != "none":
+    if build.asked.lora_r > 0 or build.asked.quantize != "none":
         from memfit.techniques.lora import quantization_config
 
         quantization = quantization_config(config.lora, build.precision.autocast_dtype or torch.float32)
         task.keep_head_unquantized(quantization)  # a new classifier (and pooler) is built, not loaded: never 4/8-bit
     else:
         quantization = None
-    staged = _staging(config, build.dist.world_size)  # MoE experts QLoRA shrinks or streaming keeps: loaded on host
+    staged = _staging(config, build.asked, build.dist.world_size)  # MoE experts QLoRA shrinks or streaming keeps: loaded on host
     loaded = load_model_and_tokenizer(config, device, build.attention, quantization, auto_class=task.auto_class,
                                       head_config=task.model_config(), on_host=staged.any)
     if staged.any:
@@ -303,11 +306,11 @@ def apply_model_techniques(config: TrainConfig, model: torch.nn.Module, peft_tas
     return model, run
 
 
-def _staging(config: TrainConfig, world_size: int):
+def _staging(config: TrainConfig, run: ResolvedRun, world_size: int):
     """What this run loads into host memory first (techniques/staged_weights.py); nothing for a dense model."""
     from memfit.techniques.staged_weights import StagedWeights, run_settings, staging_for, staging_for_run
 
-    if not staging_for(is_moe=True, **run_settings(config, world_size)).any:
+    if not staging_for(is_moe=True, **run_settings(run, world_size)).any:
         return StagedWeights()  # nothing to stage even for a mixture of experts: the model's config is not read
     from memfit.models.presets import resolve_model_config
 
@@ -315,7 +318,7 @@ def _staging(config: TrainConfig, world_size: int):
         hf_config = resolve_model_config(config.model.model, config.model.trust_remote_code)
     except UsageError:  # the loader says what is wrong with the model, in its own words
         return StagedWeights()
-    return staging_for_run(config, hf_config, world_size)
+    return staging_for_run(run, hf_config, world_size)
 
 
 def _data_config(config: TrainConfig):
@@ -324,42 +327,3 @@ def _data_config(config: TrainConfig):
 
     cache_dir = config.data.cache_dir or str(Path(config.output.output_dir) / "cache")
     return replace(config.data, cache_dir=cache_dir)
-
-
-def _build_optimizer(
-    config: TrainConfig, model: torch.nn.Module, device: torch.device, fallbacks: dict
-) -> OptimizerChoice:
-    groups = parameter_groups(model, config.optimizer.weight_decay)
-    if config.optimizer.optimizer in SMALL_STATE_OPTIMIZERS:  # GaLore, APOLLO, Adam-mini, 4-bit AdamW
-        from memfit.techniques.small_state_optimizers import build_run_optimizer
-
-        return build_run_optimizer(model, groups, config.optimizer, device, config.memory.optimizer_in_backward, fallbacks)
-    if config.memory.optimizer_in_backward:
-        from memfit.techniques.optimizer_in_backward import OptimizerInBackward
-        made: list[OptimizerChoice] = []
-
-        def make(params):
-            choice = build_optimizer([{"params": params}], config.optimizer, device, impl="for-loop")
-            made.append(choice)
-            return choice.optimizer
-
-        offload = config.memory.optimizer_offload  # each parameter's step then runs on a host copy of it
-        if offload:
-            from memfit.techniques.optimizer_offload import host_stepped
-        # The groups' options (no weight decay on norms and biases) are applied to each per-parameter optimizer.
-        optimizer = OptimizerInBackward(groups, host_stepped(make, device) if offload else make)
-        name = (made[0].name if made else config.optimizer.optimizer) + " in backward" + (" on the host" if offload else "")
-        return OptimizerChoice(optimizer, name, made[0].reason if made else "")
-    choice = build_optimizer(groups, config.optimizer, device)
-    if config.memory.optimizer_offload:
-        from memfit.techniques.optimizer_offload import optimizer_offload
-
-        offloaded, reason = optimizer_offload(choice.optimizer, groups, config.optimizer, device)
-        if reason:
-            fallbacks["optimizer_offload"] = reason
-            log.warning("memfit: %s", reason)
-        else:
-            choice = OptimizerChoice(offloaded, choice.name + " offloaded to CPU", choice.reason)
-    if choice.reason:
-        fallbacks["optimizer"] = choice.reason
-    return choice

@@ -38,9 +38,10 @@ from memfit.prediction.fake_ops import FakeStepAnswers, quiet_meta_failures
 from memfit.prediction.traced import StepSetup, TracedStep, register_step_tracer
 from memfit.resolution.resolve import resolve
 from memfit.techniques.loss_recipe import build_loss_function
+from memfit.techniques.optimizer_stage import build_run_optimizer
 from memfit.techniques.precision import PrecisionChoice
 from memfit.train.engine import SingleProcessEngine
-from memfit.train.setup import _build_optimizer, apply_model_techniques
+from memfit.train.setup import apply_model_techniques
 from memfit.train.step import StepRunner
 
 TRACED_STEPS = 2
@@ -150,9 +151,9 @@ def _build_step(hf_config, train_config: TrainConfig, setup: StepSetup, fake: bo
     name = {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[setup.autocast_dtype]
     precision = PrecisionChoice(name, setup.autocast_dtype, False, "as estimated")
     engine = SingleProcessEngine(
-        setup.device, precision, config.optimizer.max_grad_norm, updates_in_backward=config.memory.optimizer_in_backward
+        setup.device, precision, config.optimizer.max_grad_norm, updates_in_backward=run.optimizer_in_backward
     )
-    engine.prepare(model, lambda m: _build_optimizer(config, m, setup.device, {}))
+    engine.prepare(model, lambda m: build_run_optimizer(run, config.optimizer, m, setup.device, {}))
     runner = StepRunner(
         model=model, engine=engine, device=setup.device, precision=precision, pad_token_id=0,
         micro_batch_size=setup.batch_size, loss_chunk_size=run.loss_chunk_size, oom_recovery=False,

@@ -172,12 +172,12 @@ def test_report_without_closed_steps_uses_the_snapshot():
 
 def test_context_from_config_turns_off_advice_for_what_the_run_uses():
     from memfit.config_loading import load_config
+    from memfit.resolution.resolve import resolve
 
     config = load_config(
         overrides={"gradient_checkpointing": "full", "optimizer": "adamw-8bit", "lora_r": 8, "loss_chunk_size": 0}
     )
-    context = ReportContext.from_config(config, vocab_size=256)
+    context = ReportContext.from_run(resolve(config, None, "cpu"), vocab_size=256)
     assert context.gradient_checkpointing and context.lora and context.optimizer == "adamw-8bit"
     assert context.loss_chunk_size == 0 and context.vocab_size == 256
-    assert ReportContext.from_config(load_config(), loss_chunk_size=0).loss_chunk_size == 0
-    assert not ReportContext.from_config(load_config()).gradient_checkpointing
+    assert not ReportContext.from_run(resolve(load_config(), None, "cpu")).gradient_checkpointing

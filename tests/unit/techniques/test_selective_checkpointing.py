@@ -224,6 +224,7 @@ def measured_training_peak(model, input_ids) -> int:
 
 def test_auto_checkpointing_fits_the_budget_with_the_fewest_blocks():
     from memfit.config import TrainConfig
+    from memfit.resolution.resolve import resolve
     from memfit.techniques.auto_checkpointing import (
         AUTO_BUDGET_SHARE,
         auto_checkpointing,
@@ -238,7 +239,8 @@ def test_auto_checkpointing_fits_the_budget_with_the_fewest_blocks():
     sample = input_ids[:1]
     per_sample, outside = measure_saved_bytes(model, {"input_ids": sample, "labels": sample})
     per_block = [2 * size for size in per_sample]
-    weights, gradients, states = static_training_parts(model, config)
+    run = resolve(config, model.config, "cpu")
+    weights, gradients, states = static_training_parts(model, config, run)
     fixed = weights + gradients + states + 2 * outside
     kept = 2 * 64 * 64 * 4  # batch x seq x hidden x fp32
     moments = {"gradient_bytes": gradients, "loss_backward_bytes": 2 * 4 * 2 * 64 * 256}  # fp32 logits' gradients
@@ -247,7 +249,7 @@ def test_auto_checkpointing_fits_the_budget_with_the_fewest_blocks():
     for blocks in (0, 2, 3):
         budget = int(predicted[blocks] / AUTO_BUDGET_SHARE) + 1
         model = tiny_llama(layers=4).train()
-        description = auto_checkpointing(model, config, budget)
+        description = auto_checkpointing(model, config, budget, run)
         checkpointed = [layer.gradient_checkpointing for layer in model.model.layers]
         assert sum(checkpointed) == blocks, description
         # What fits is the promise: the measured peak stays within the budget. The prediction itself
@@ -260,6 +262,6 @@ def test_auto_checkpointing_fits_the_budget_with_the_fewest_blocks():
         assert measured <= 1.01 * predicted[blocks], description  # and on the safe side
 
     model = tiny_llama(layers=4).train()
-    description = auto_checkpointing(model, config, min(predicted) // 2)
+    description = auto_checkpointing(model, config, min(predicted) // 2, resolve(config, model.config, "cpu"))
     assert all(layer.gradient_checkpointing for layer in model.model.layers)
     assert "exceeds" in description

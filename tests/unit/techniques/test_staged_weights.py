@@ -16,6 +16,7 @@ from memfit.config_loading import load_config
 from memfit.memory.tracker import MemoryTracker
 from memfit.models.loader import load_model_and_tokenizer
 from memfit.prediction.estimator import estimate
+from memfit.resolution.resolve import resolve
 from memfit.techniques import expert_quant, staged_weights
 from memfit.techniques.attention import choose_attention
 from memfit.techniques.lora import quantization_config
@@ -57,7 +58,7 @@ def _prepared(config, staged: bool):
     quantization = quantization_config(config.lora, torch.float32) if config.lora.quantize != "none" else None
     model = load_model_and_tokenizer(config, CPU, attention, quantization, on_host=staged).model
     if staged:
-        stage_on_host(model, CPU, staging_for_run(config, model.config, world_size=1))
+        stage_on_host(model, CPU, staging_for_run(resolve(config, model.config, "cpu"), model.config, world_size=1))
     tracker = MemoryTracker(CPU)
     tracker.attach(model)
     with tracker:
@@ -172,7 +173,7 @@ def test_staged_load_on_cuda_stays_under_its_estimate(moe_dir, tmp_path):
     attention = choose_attention(config.model.attention, device, None)
     model = load_model_and_tokenizer(config, device, attention, quantization_config(config.lora, torch.float32),
                                      on_host=True).model
-    stage_on_host(model, device, staging_for_run(config, model.config, world_size=1))
+    stage_on_host(model, device, staging_for_run(resolve(config, model.config, "cpu"), model.config, world_size=1))
     model, _ = apply_model_techniques(config, model)
     est = estimate(config)
     assert torch.cuda.max_memory_allocated() <= 1.05 * est.details["load_peak_bytes"]
