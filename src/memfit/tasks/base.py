@@ -96,6 +96,11 @@ class Task:
         """The loss the step runs: `default` is memfit's causal loss (fused or compiled where they run)."""
         return default
 
+    def loss_inputs(self, batch: dict) -> dict[str, Any]:
+        """What the task's loss reads of a collated batch beyond input_ids, labels, the mask and packed positions,
+        as keyword arguments (a preference task's pairs and reference log-probabilities); nothing by default."""
+        return {}
+
     def metric_stream(self) -> Any:
         """A stream of per-sample predictions for one evaluation (tasks.metrics), or None: loss and perplexity only."""
         return None

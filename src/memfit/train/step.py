@@ -224,7 +224,7 @@ class StepRunner:
             with self._phase("forward"), self.precision.autocast(self.device):
                 loss_sum = self.loss_fn(
                     self.model, batch["input_ids"], batch["labels"], batch.get("attention_mask"), self.loss_chunk_size,
-                    **packed_positions(batch),
+                    **packed_positions(batch), **self.task.loss_inputs(batch),
                 )
             if self._upcoming:
                 self.prefetcher.prepare(self._upcoming)  # overlaps this micro-batch's compute on CUDA
