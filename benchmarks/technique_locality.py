@@ -49,21 +49,48 @@ def reads_from_config(node: ast.AST, field: str) -> bool:
 
 
 def names(node: ast.AST, field: str) -> bool:
+    """The setting's value read or written by its name: `x.field`, `field=...`, `x["field"]`, `x.get("field")`,
+    `{"field": ...}` or `getattr(x, "field")` (a local variable or a parameter of that name is not counted)."""
     if isinstance(node, ast.Attribute):
         return node.attr == field
-    if isinstance(node, ast.Name):
-        return node.id == field
     if isinstance(node, ast.keyword):
         return node.arg == field
-    if isinstance(node, ast.Constant):
-        return node.value == field
-    if isinstance(node, ast.arg):
-        return node.arg == field
+    if isinstance(node, ast.Subscript):
+        return isinstance(node.slice, ast.Constant) and node.slice.value == field
+    if isinstance(node, ast.Call) and node.args and isinstance(node.args[-1 if _is_getattr(node) else 0],
+                                                               ast.Constant):
+        named = node.args[1] if _is_getattr(node) and len(node.args) > 1 else node.args[0]
+        is_get = isinstance(node.func, ast.Attribute) and node.func.attr in ("get", "pop", "setdefault")
+        return (is_get or _is_getattr(node)) and isinstance(named, ast.Constant) and named.value == field
+    if isinstance(node, ast.Dict):
+        return any(isinstance(key, ast.Constant) and key.value == field for key in node.keys)
     return False
+
+
+def _is_getattr(node: ast.Call) -> bool:
+    return isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr", "setattr")
+
+
+def owners() -> dict[str, set[str]]:
+    """Setting -> the modules of the technique that owns it (the registry's TECHNIQUE objects and their hooks)."""
+    import inspect
+
+    sys.path.insert(0, str(SOURCE.parent))
+    from memfit.resolution.registry import techniques
+
+    found: dict[str, set[str]] = {}
+    for technique in techniques():
+        hooks = [technique.resolve, technique.refusals, technique.apply, technique.report, technique.memory_terms,
+                 technique.speed_terms, technique.planner_values]
+        modules = {str(Path(inspect.getfile(hook)).relative_to(SOURCE)) for hook in hooks if hook is not None}
+        for setting in technique.settings:
+            found.setdefault(setting, set()).update(modules)
+    return found
 
 
 def measure() -> dict:
     trees = {str(path.relative_to(SOURCE)): ast.parse(path.read_text()) for path in sorted(SOURCE.rglob("*.py"))}
+    owned = owners()
     settings = {}
     for field in TECHNIQUE_SETTINGS:
         from_config, at_all = [], []
@@ -75,7 +102,9 @@ def measure() -> dict:
                 from_config.append(module)
             if any(names(n, field) for n in nodes):
                 at_all.append(module)
-        settings[field] = {"from_config": from_config, "at_all": at_all}
+        own = sorted(owned.get(field, ()))
+        settings[field] = {"own_modules": own, "from_config": from_config,
+                           "from_config_elsewhere": [m for m in from_config if m not in own], "at_all": at_all}
     return {"settings": settings, "long_functions": long_functions(trees), "imports_in_functions":
             imports_in_functions(trees)}
 
@@ -115,10 +144,12 @@ def main() -> int:
         print(json.dumps(result, indent=1))
         return 0
     rows = result["settings"]
-    print(f"{'setting':<28}{'from config':>12}{'at all':>8}")
+    print(f"{'setting':<28}{'from config':>12}{'elsewhere':>10}{'at all':>8}  read from the config outside its own module")
     for field, entry in rows.items():
-        print(f"{field:<28}{len(entry['from_config']):>12}{len(entry['at_all']):>8}")
+        print(f"{field:<28}{len(entry['from_config']):>12}{len(entry['from_config_elsewhere']):>10}"
+              f"{len(entry['at_all']):>8}  {', '.join(entry['from_config_elsewhere'])}")
     print(f"{'median':<28}{statistics.median(len(e['from_config']) for e in rows.values()):>12}"
+          f"{statistics.median(len(e['from_config_elsewhere']) for e in rows.values()):>10}"
           f"{statistics.median(len(e['at_all']) for e in rows.values()):>8}")
     print(f"\nfunctions over 80 lines in train/ and prediction/: {len(result['long_functions'])}")
     for entry in result["long_functions"]:

@@ -108,9 +108,9 @@ def saved_config(run_dir: Path) -> TrainConfig | None:
 
 
 def _attention(config: TrainConfig, device: torch.device):
-    from memfit.techniques.attention import choose_attention
+    from memfit.techniques.attention import run_attention
 
-    return choose_attention(config.model.attention, device, None)
+    return run_attention(config, device, None)
 
 
 def load_base(run: TrainedRun, device: torch.device, quantization=None) -> torch.nn.Module:

@@ -116,7 +116,8 @@ class TrainingSession:
     def compiled(self) -> str:
         """What --compile compiled, in words, or 'off': for people only (code reads `run.compiled`)."""
         if not self.run.compiled:
-            return "off (asked, ran eager)" if self.config.memory.compile else "off"
+            fell_back = any(event.technique == "compile" for event in self.run.events)
+            return "off (asked, ran eager)" if fell_back else "off"
         return self.applied.get("compile", "on")
 
 
@@ -250,10 +251,10 @@ def _load_data(build: _Building):
     ran = build.attention_ran
     # --packing samples: whole samples share windows, attention restricted to each (or `off` for stateful layers).
     dataset = pack_for_model(dataset, config.data.packing, None, loaded.model, ran, config.data.seq_len,
-                             effective_batch, build.fallbacks, config.model.attention, build.device)
+                             effective_batch, build.fallbacks, build.attention.requested, build.device)
     if attention_that_ran(loaded.model) != ran:  # packed rows on a GPU switched SDPA to FlexAttention
         ran = attention_that_ran(loaded.model)
-        build.attention = AttentionChoice(config.model.attention, ran, "packed samples: FlexAttention's document mask")
+        build.attention = AttentionChoice(build.attention.requested, ran, "packed samples: FlexAttention's document mask")
     dataset, eval_dataset = split_for_evaluation(config, dataset, eval_source, loaded.model, ran, effective_batch)
     schedule = build_schedule(dataset, effective_batch, config.training.seed, dist.rank, dist.world_size,
                               config.data.group_by_length)  # --group-by-length: steps of similar lengths

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from memfit.models.flops import PROBE_SIZE, DevicePeak, FlopsPerToken, device_peak, flops_per_token
+from memfit.resolution.resolve import resolve
 
 log = logging.getLogger("memfit")
 
@@ -140,7 +141,7 @@ class SpeedMeter:
         """`techniques`: what the run really does beyond the arguments (`techniques_that_run`, or a function giving
         it when asked); default: what `config` asks for."""
         try:
-            flops = flops_per_token(hf_config, config.data.seq_len, lora_rank=config.lora.lora_r,
+            flops = flops_per_token(hf_config, config.data.seq_len, lora_rank=resolve(config, None, device.type).lora_r,
                                     checkpointing=checkpointing, chunked_loss=chunked_loss)
         except (AttributeError, TypeError) as error:
             return cls(None, None, world_size, note=f"no FLOPs formula for this model ({error})")
@@ -313,13 +314,11 @@ def techniques_that_run(session: Any, config: Any = None) -> dict[str, Any]:
     where it fell back: on a CPU it does nothing). Without a session (`session=None`), what `config` asks for.
     """
     if session is None:
-        from memfit.resolution.resolve import resolve
-
         run = resolve(config, None, "cpu")
-        offloaded = run.optimizer_offload
+        offloaded = run.host_optimizer_step
     else:
         run = session.run
-        offloaded = session.config.memory.optimizer_offload and "optimizer_offload" not in session.fallbacks
+        offloaded = run.host_optimizer_step and "optimizer_offload" not in session.fallbacks
     return {"activation_offload": run.activation_offload, "tiled_mlp": run.mlp_tiles, "compile": run.compiled,
             "optimizer_offload": bool(offloaded)}
 
@@ -351,14 +350,15 @@ def _planner_step_seconds(hf_config, config, peak: DevicePeak, checkpointing: st
     # The planner rates a GPU by its 16-bit peak; give it this device's peak in the dtype that runs.
     device_spec = GpuSpec("this device", 0, True, tflops, tflops, host_link_gbps, tflops)
     mode = next((m for m in ("full", "selective") if checkpointing.startswith(m)), "off")
+    run = resolve(config, hf_config, device_type)
     changes = {
         "batch_size": config.training.batch_size,
         "gradient_accumulation_steps": accumulation_steps,
         "gradient_checkpointing": mode,
         "loss_chunk_size": 1 if chunked_loss else 0,
-        "lora_r": config.lora.lora_r,
-        "quantize": config.lora.quantize,
-        "optimizer": config.optimizer.optimizer,
+        "lora_r": run.lora_r,
+        "quantize": run.quantize,
+        "optimizer": run.optimizer,
         **techniques,
     }
     est = estimate(config, hf_config=hf_config)

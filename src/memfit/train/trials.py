@@ -44,6 +44,7 @@ from memfit.config import TrainConfig
 from memfit.memory.cap import is_out_of_memory
 from memfit.prediction import calibration
 from memfit.prediction.trial_order import shapes_first
+from memfit.resolution.resolve import resolve
 from memfit.train.trial_steps import time_steps
 from memfit.units import format_bytes
 
@@ -88,9 +89,10 @@ def settings_key(config: TrainConfig, hf_config: Any, cap: int | None, device: s
     shape_names = ("model_type", "hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads",
                    "num_key_value_heads", "vocab_size", "tie_word_embeddings", "num_local_experts", "n_embd", "n_layer")
     shape = {name: getattr(hf_config, name, None) for name in shape_names}
+    run = resolve(config, hf_config, device)  # what runs (auto and bf16 that both run bf16 share their trials)
     settings = {
         "shape": shape, "seq_len": config.data.seq_len, "effective_batch": config.effective_batch_for(1),
-        "precision": config.memory.precision, "dtype": config.model.dtype, "attention": config.model.attention,
+        "precision": run.autocast or "fp32", "dtype": config.model.dtype, "attention": run.attention,
         "packing": config.data.packing, "task": getattr(config, "task", None) and str(config.task),
         "cap": cap, "device": calibration.device_key(device),
     }
@@ -255,7 +257,7 @@ def _chosen(config: TrainConfig, result: Any, trials: list[Trial], key: str,
         first_text = (f"{first.measured_seconds:.3g} s/step measured" if first.usable else f"its trial: {first.status}")
         why = (f"fastest measured: {best.measured_seconds:.3g} s/step against the speed model's first choice"
                f" ({first_text})")
-        changes = {**best.plan, "compile": first.plan.get("compile", config.memory.compile)}
+        changes = {**best.plan, "compile": first.plan.get("compile", resolve(config, None, "cpu").compiled)}
         config = config.replace(**{k: v for k, v in changes.items() if k in config.flat()})
         result.plan = {"seq_len": config.data.seq_len, **best.plan}
         result.estimated_peak_bytes = best.estimated_peak_bytes
