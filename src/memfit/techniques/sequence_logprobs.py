@@ -1,0 +1,234 @@
+"""Log-probabilities of whole completions under a causal LM, a chunk of tokens at a time.
+
+Preference objectives (DPO, SimPO, ORPO, KTO: tasks/preference_losses.py) score a completion
+by the sum of its tokens' log-probabilities, log p(y | x) = sum_t log p(y_t | x, y_<t), for the
+policy and for a frozen reference. Computed the plain way, each row of the batch builds
+`[length, vocabulary]` logits, their fp32 copy and the fp32 log-softmax saved for backward
+(and their gradients): with a 128k vocabulary, two 2k-token completions per pair and four pairs
+that is 8 GiB per fp32 copy, more than the rest of a small model's step.
+
+Saves: as the chunked loss (techniques/loss.py), the model runs with its head swapped for a probe
+(`final_hidden_states`), and the head plus the log-softmax run `chunk_size` tokens at a time.
+Only one chunk of logits is alive in forward, and again in backward, which recomputes each
+chunk's logits. What stays is the final hidden states (a view) and one fp32 number per token.
+A trained plain-Linear head runs all chunks in one autograd function that adds each chunk's
+head gradient into one head-sized buffer in place (as techniques/chunked_head_loss.py does for
+the loss); any other head (LoRA-wrapped, quantized, sharded, frozen) runs each chunk under
+non-reentrant checkpointing. Under `torch.no_grad()` (a reference model) the chunks simply run.
+Costs: the output projection runs a second time in backward, as for the chunked loss.
+Numerics: the same per-token values as the materialized log-softmax and gather, up to float
+summation order; log-probabilities and their sums are fp32 whatever the model's dtype.
+
+Targets follow memfit's loss: `labels` has the shape of `input_ids`, position t predicts
+labels[t + 1], and IGNORE_INDEX (-100) marks tokens that are not scored (the prompt, padding).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from memfit.techniques.chunked_head_loss import in_place_head_problem
+from memfit.techniques.loss import (
+    DEFAULT_LOSS_CHUNK_TOKENS,
+    IGNORE_INDEX,
+    final_hidden_states,
+    logit_postprocessing,
+    unwrap_causal_lm,
+)
+
+Postprocess = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class SequenceLogprobs:
+    """Each row's summed log-probability of its target tokens, with what it was summed over."""
+
+    sums: torch.Tensor
+    """`[rows]` fp32: sum over the row's targets of log p(labels[t + 1] | tokens up to t); carries gradients."""
+    token_counts: torch.Tensor
+    """`[rows]` fp32: how many targets each sum covers (the completion's length)."""
+    per_token: torch.Tensor | None = None
+    """`[rows, length]` fp32 when asked for: position t holds log p(labels[t + 1] | tokens up to t), 0 where
+    labels[t + 1] is ignored and at the last position (it predicts nothing)."""
+
+    @property
+    def means(self) -> torch.Tensor:
+        """`[rows]` average log-probability per target token, what SimPO and ORPO compare (0 for a row without targets)."""
+        return self.sums / self.token_counts.clamp(min=1)
+
+    def restricted_to(self, labels: torch.Tensor) -> SequenceLogprobs:
+        """The same per-token values summed over the targets of `labels` only (a subset of those scored).
+
+        One forward over prompt + completion with every real token as a target serves both ORPO's
+        NLL (all tokens) and its odds ratio (the completion's): restrict the first to the second.
+        """
+        if self.per_token is None:
+            raise ValueError("restricted_to needs the per-token log-probabilities: pass per_token=True")
+        kept = _shifted_targets(labels) != IGNORE_INDEX
+        per_token = self.per_token * kept
+        return SequenceLogprobs(per_token.sum(-1), kept.sum(-1, dtype=torch.float32), per_token)
+
+
+def sequence_logprobs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    *,
+    chunk_size: int = DEFAULT_LOSS_CHUNK_TOKENS,
+    position_ids: torch.Tensor | None = None,
+    per_token: bool = False,
+    in_place_head: bool = True,
+) -> SequenceLogprobs:
+    """Summed (and optionally per-token) log-probabilities of each row's target tokens (module docstring).
+
+    `labels`: `[rows, length]`, IGNORE_INDEX where no token is scored; position t predicts labels[t + 1].
+    `chunk_size`: tokens per head + log-softmax chunk; 0 runs the model's own forward and its whole
+    `[rows, length, vocabulary]` logits (for a model whose forward changes the logits in ways
+    techniques.loss.logit_postprocessing does not know).
+    `position_ids`: packed rows' positions, as for the loss.
+    `per_token`: also return the `[rows, length]` values (SequenceLogprobs.per_token).
+    `in_place_head`: accumulate a trained plain-Linear head's gradient in place across chunks; False
+    checkpoints each chunk instead (an engine that reduces gradients through hooks of its own).
+    """
+    rows, length = labels.shape
+    targets = _shifted_targets(labels).reshape(-1)
+    if chunk_size > 0:
+        token_logprobs = _chunked_token_logprobs(model, input_ids, targets, attention_mask, chunk_size, position_ids,
+                                                 in_place_head)
+    else:
+        positions = {} if position_ids is None else {"position_ids": position_ids}
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **positions).logits
+        # the model's forward has post-processed its logits already
+        token_logprobs = token_target_logprobs(logits.reshape(-1, logits.size(-1)), targets, _unchanged)
+    token_logprobs = token_logprobs.view(rows, length)
+    counts = (targets != IGNORE_INDEX).view(rows, length).sum(-1, dtype=torch.float32)
+    return SequenceLogprobs(token_logprobs.sum(-1), counts, token_logprobs if per_token else None)
+
+
+def token_target_logprobs(logits: torch.Tensor, targets: torch.Tensor, postprocess: Postprocess) -> torch.Tensor:
+    """`[tokens]` fp32 log p(target) of `[tokens, vocabulary]` logits after `postprocess`, 0 where the target is ignored.
+
+    The negated unreduced cross-entropy: it keeps only the fp32 log-softmax for backward, where a
+    log_softmax followed by a gather would keep its input as well.
+    """
+    return -F.cross_entropy(postprocess(logits.float()), targets, ignore_index=IGNORE_INDEX, reduction="none")
+
+
+def _shifted_targets(labels: torch.Tensor) -> torch.Tensor:
+    # Shift the labels, not the hidden states or logits (as the loss does): the last position predicts nothing.
+    return F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+
+
+def _unchanged(logits: torch.Tensor) -> torch.Tensor:
+    return logits
+
+
+def _chunked_token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, targets: torch.Tensor,
+                            attention_mask: torch.Tensor | None, chunk_size: int, position_ids: torch.Tensor | None,
+                            in_place_head: bool) -> torch.Tensor:
+    """`[tokens]` log-probabilities of the flattened `targets`, one chunk of logits alive at a time."""
+    lm = unwrap_causal_lm(model)
+    head = lm.get_output_embeddings()
+    if head is None:
+        raise ValueError(f"{type(lm).__name__} has no output embeddings; use chunk_size=0")
+    hidden, empty_logits = final_hidden_states(model, lm, head, input_ids, attention_mask, position_ids)
+    hidden = hidden.reshape(-1, hidden.size(-1))
+    postprocess = logit_postprocessing(lm.config)
+    anchor = empty_logits.float().sum()  # exactly 0; keeps the wrappers' backward hooks in the graph
+    if not torch.is_grad_enabled():  # a reference model: no graph, so nothing to recompute
+        return anchor + torch.cat([token_target_logprobs(head(hidden_chunk), target_chunk, postprocess)
+                                   for hidden_chunk, target_chunk in zip(hidden.split(chunk_size),
+                                                                         targets.split(chunk_size), strict=True)])
+    if in_place_head and not in_place_head_problem(head, model):
+        return anchor + _InPlaceHeadTokenLogprobs.apply(hidden, head.weight, head.bias, targets, chunk_size,
+                                                        postprocess)
+    # Non-reentrant checkpointing keeps only each chunk's inputs; backward rebuilds its logits.
+    chunks = [checkpoint(_chunk_logprobs, head, postprocess, hidden_chunk, target_chunk, use_reentrant=False)
+              for hidden_chunk, target_chunk in zip(hidden.split(chunk_size), targets.split(chunk_size), strict=True)]
+    return anchor + torch.cat(chunks)
+
+
+def _chunk_logprobs(head: torch.nn.Module, postprocess: Postprocess, hidden_chunk: torch.Tensor,
+                    target_chunk: torch.Tensor) -> torch.Tensor:
+    return token_target_logprobs(head(hidden_chunk), target_chunk, postprocess)
+
+
+class _InPlaceHeadTokenLogprobs(torch.autograd.Function):
+    """Per-token log-probabilities of a plain Linear head's chunks; its weight's gradient is summed in one buffer.
+
+    Checkpointed chunks would each make a head-sized weight gradient that autograd adds to the sum so
+    far out of place (three head-sized tensors at once); here backward adds every chunk's into the
+    first in place.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, chunk_size, postprocess):
+        token_logprobs = torch.empty(hidden.size(0), dtype=torch.float32, device=hidden.device)
+        for start in range(0, hidden.size(0), chunk_size):
+            end = start + chunk_size
+            # the projection itself, not a module call: module hooks would hang gradient hooks on inputs that
+            # have no graph inside this forward
+            token_logprobs[start:end] = token_target_logprobs(F.linear(hidden[start:end], weight, bias),
+                                                              targets[start:end], postprocess)
+        ctx.save_for_backward(hidden, weight, bias, targets)
+        ctx.chunk_size, ctx.postprocess = chunk_size, postprocess
+        # Backward recomputes the logits as forward computed them: under the same autocast.
+        device_type = hidden.device.type
+        ctx.autocast = (device_type, torch.get_autocast_dtype(device_type), torch.is_autocast_enabled(device_type))
+        return token_logprobs
+
+    @staticmethod
+    def backward(ctx, grad_token_logprobs):
+        hidden, weight, bias, targets = ctx.saved_tensors
+        needs_hidden, needs_weight, needs_bias = ctx.needs_input_grad[:3]
+        grad_hidden = torch.empty_like(hidden) if needs_hidden else None
+        grad_weight = grad_bias = None
+        device_type, dtype, enabled = ctx.autocast
+        # No autocast cache: a 16-bit copy of an fp32 head would stay for the whole backward.
+        recompute = torch.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=False)
+        for start in range(0, hidden.size(0), ctx.chunk_size):
+            end = start + ctx.chunk_size
+            chunk = hidden[start:end].detach().requires_grad_(needs_hidden)
+            # no saved-tensor hooks: activation offload must not move a chunk's short-lived tensors
+            with torch.enable_grad(), recompute, torch.autograd.graph.saved_tensors_hooks(_same, _same):
+                logits = F.linear(chunk, weight, bias)
+                if not needs_hidden:  # nothing upstream trains: the recomputed graph starts at the logits
+                    logits = logits.detach().requires_grad_()
+                chunk_logprobs = token_target_logprobs(logits, targets[start:end], ctx.postprocess)
+                grads = torch.autograd.grad(chunk_logprobs, [logits, chunk] if needs_hidden else [logits],
+                                            grad_token_logprobs[start:end])
+            grad_logits = grads[0]
+            del logits, chunk_logprobs
+            if needs_hidden:
+                grad_hidden[start:end].copy_(grads[1])
+            del grads
+            # outside autocast (a backward called in an autocast region runs in it): sums in the parameters' dtypes
+            with torch.autocast(device_type, enabled=False):
+                if needs_weight:
+                    grad_weight = _add_product(grad_weight, grad_logits, chunk.detach(), weight.dtype)
+                if needs_bias:
+                    chunk_bias = grad_logits.sum(0, dtype=bias.dtype)
+                    grad_bias = chunk_bias if grad_bias is None else grad_bias.add_(chunk_bias)
+            del grad_logits
+        return grad_hidden, grad_weight, grad_bias, None, None, None
+
+
+def _same(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+def _add_product(total: torch.Tensor | None, grad_logits: torch.Tensor, rows: torch.Tensor,
+                 dtype: torch.dtype) -> torch.Tensor:
+    """`total += grad_logits^T @ rows` in place, in `dtype`; the first chunk's product starts the sum."""
+    # chunk-sized casts (autocast's 16-bit operands to an fp32 weight's dtype), never a head-sized one
+    grad_logits, rows = grad_logits.to(dtype), rows.to(dtype)
+    if total is None:
+        return grad_logits.t().mm(rows)
+    # the out= form of addmm: in place, and the op FLOP counters know
+    return torch.addmm(total, grad_logits.t(), rows, out=total)
