@@ -2,7 +2,8 @@
 
 Fine-tuning formats need every field of a record, where pretraining reads one text field
 (`sources.py`). Records are yielded lazily in file order; `builtin:chat` names the small
-conversation set shipped with memfit.
+conversation set shipped with memfit,
+`builtin:preferences` its preference pairs (data/preferences.py).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from memfit.data.sources import TextSource, load_hf_split, open_parquet, resolve
 from memfit.errors import UsageError
 
 BUILTIN_PREFIX = "builtin:"
-BUILTIN_DATASETS = {"chat": ("chat", "chat.jsonl")}
+BUILTIN_DATASETS = {"chat": ("chat", "chat.jsonl"), "preferences": ("chat", "preferences.jsonl")}
 
 
 def builtin_path(name: str) -> Path:
