@@ -14,6 +14,10 @@ from typing import Any
 from memfit.config import SMALL_STATE_OPTIMIZERS, TrainConfig
 from memfit.gpus import GpuSpec
 from memfit.prediction.estimate_result import Estimate
+from memfit.resolution.registry import speed_terms
+from memfit.resolution.resolve import resolve
+from memfit.techniques.resolved_run import ResolvedRun
+from memfit.techniques.technique import SpeedFacts
 
 UTILISATION = 0.45
 """Fraction of the GPU's peak rate a well-fed training step reaches."""
@@ -165,9 +169,11 @@ def estimated_step_seconds(changes: dict[str, Any], config: TrainConfig, est: Es
     parameter on a CPU (OPTIMIZER_STEP_FLOPS), and the chunked loss more than its FLOPs
     there (CHUNKED_LOSS_COST), selective checkpointing its operator dispatch per block and
     micro-batch there (SELECTIVE_DISPATCH_CPU_FLOPS), and `--compile` divides the compute time by its measured gain
-    (COMPILED_BLOCKS_SPEEDUP; `changes["compile"]`, else the config's). Host transfers
-    (activation offload, optimizer offload, paged state) are added in full at the host link's
-    rate: an upper bound, since their copies overlap compute.
+    (COMPILED_BLOCKS_SPEEDUP; `changes["compile"]`, else the config's). What a technique adds
+    by itself (activation offload, optimizer offload, streamed experts, paged state: host
+    transfers, in full at the host link's rate, an upper bound since their copies overlap
+    compute; a registered technique's own cost) is its TECHNIQUE's speed terms, read from the
+    run `changes` resolve to (`timed_run`, `memfit.resolution.registry.speed_terms`).
 
     `device` is "cpu" or "cuda"; by default "cpu" without a GPU preset (a plan with only a
     memory budget runs where memory is the host's), "cuda" with one.
@@ -256,28 +262,33 @@ def _with_optimizer_step(seconds: float, changes: dict[str, Any], config: TrainC
 
 def _with_host_transfers(compute_seconds: float, changes: dict[str, Any], config: TrainConfig, est: Estimate,
                          gpu: GpuSpec | None, hf_config: Any, device: str, compute: str, rate: float) -> float:
-    """The step's compute seconds with its host-link traffic: optimizer and activation offload, streamed experts,
-    the frozen-weight levers, paged optimizer state (each in full, an upper bound: their copies overlap compute)."""
-    seconds = compute_seconds
-    trainable = est.details["trainable_parameter_count"]
-    accumulation = changes.get("gradient_accumulation_steps", 1)
-    link = (gpu.host_link_gbps if gpu is not None else 16.0) * 1e9
-    if changes.get("optimizer_offload"):
-        seconds += 8 * trainable / link + trainable / 2e9  # gradients down, weights up, CPU AdamW
-    if changes.get("activation_offload"):
-        # the estimate's traffic counts only the offloaded blocks' inputs (activation_offload_blocks)
-        seconds += accumulation * est.details.get("pcie_bytes_per_micro_batch", 0) / link
-    if changes.get("expert_offload"):  # the frozen experts cross the link per layer, beside the compute
-        from memfit.prediction.expert_streaming import stream_seconds
-
-        seconds += stream_seconds(est, link, compute_seconds, accumulation)
+    """The step's compute seconds with its host-link traffic: what each technique of the run adds (its TECHNIQUE's
+    speed terms: optimizer and activation offload, streamed experts, paged optimizer state, each in full, an upper
+    bound since their copies overlap compute), then the frozen-weight levers (prediction/lever_costs.py)."""
+    from memfit.prediction.expert_streaming import HIDING_SHARE
     from memfit.prediction.lever_costs import lever_model_seconds  # embedding on host, NF4 head, expert groups
 
+    micro = changes.get("batch_size", config.training.batch_size)
+    seq = changes.get("seq_len", config.data.seq_len_or_default)
+    link = (gpu.host_link_gbps if gpu is not None else 16.0) * 1e9
+    facts = SpeedFacts(
+        accumulation=changes.get("gradient_accumulation_steps", 1), tokens=micro * seq,
+        compute_seconds=compute_seconds, overlap_seconds=HIDING_SHARE * compute_seconds, rate=rate,
+        link_bytes_per_second=link, trainable_parameters=est.details["trainable_parameter_count"],
+        host_optimizer_state_bytes=est.host_breakdown.get("optimizer_states", 0),
+        activation_transfer_bytes=est.details.get("pcie_bytes_per_micro_batch", 0),
+        expert_stream_bytes=est.details.get("expert_stream_bytes_per_micro_batch", 0))
+    seconds = compute_seconds + speed_terms(timed_run(changes, config, hf_config, device, gpu), facts)
     seconds += sum(lever_model_seconds(changes, config, hf_config, device, compute, rate, link, gpu).values())
-    if changes.get("optimizer") == "paged-adamw-8bit" and gpu is not None:
-        # the state pages come in for the step and go out again for the next forward
-        seconds += 2 * est.host_breakdown.get("optimizer_states", 0) / link
     return seconds
+
+
+def timed_run(changes: dict[str, Any], config: TrainConfig, hf_config: Any, device: str,
+              gpu: GpuSpec | None) -> ResolvedRun:
+    """The run `changes` make of `config` on `device`, as the registry resolves it: what the techniques' speed terms
+    read. It has the micro-batches per step the speed model times (`changes`, else 1), not the effective batch's."""
+    timed = {"effective_batch_size": None, "gradient_accumulation_steps": 1, **changes}
+    return resolve(config.replace(**timed), hf_config, device, bf16_supported=gpu.bf16 if gpu is not None else True)
 
 
 def lever_step_seconds(changes: dict[str, Any], config: TrainConfig, hf_config: Any, gpu: GpuSpec | None, *,

@@ -296,11 +296,20 @@ def _apply(model: nn.Module, run, context):
     return Applied(f"expert offload: {apply_expert_streaming(model)}")
 
 
+def _speed_terms(run, facts) -> float:
+    """The frozen experts cross the host link a layer at a time, beside the compute: what the forward and recompute
+    passes cannot hide is added."""
+    if not run.expert_offload:
+        return 0.0
+    moved = facts.accumulation * facts.expert_stream_bytes
+    return max(0.0, moved / facts.link_bytes_per_second - facts.overlap_seconds)
+
+
 def _technique():
     from memfit.techniques.technique import Technique
 
     return Technique(
-        name="expert_offload", settings=("expert_offload",), after=("lora",), apply=_apply,
+        name="expert_offload", settings=("expert_offload",), after=("lora",), apply=_apply, speed_terms=_speed_terms,
         resolve=lambda facts, run: {"expert_offload": facts.config.memory.expert_offload},
         report=lambda run: {"expert_offload": True} if run.expert_offload else {},
         summary="a mixture of experts' frozen expert weights stay in host memory, brought one layer at a time",

@@ -319,12 +319,20 @@ def _resolve(facts, run) -> dict:
             "activation_offload_blocks": memory.activation_offload_blocks if memory.activation_offload else None}
 
 
+def _speed_terms(run, facts) -> float:
+    """The saved activations cross the host link in every micro-batch, out in forward and back in backward; counted
+    in full (an upper bound: the copies overlap compute where they can)."""
+    if not run.activation_offload:
+        return 0.0
+    return facts.accumulation * facts.activation_transfer_bytes / facts.link_bytes_per_second
+
+
 def _technique():
     from memfit.techniques.technique import Technique
 
     return Technique(
         name="activation_offload", stage="step", settings=("activation_offload", "activation_offload_blocks"),
-        after=("gradient_checkpointing",), resolve=_resolve,
+        after=("gradient_checkpointing",), resolve=_resolve, speed_terms=_speed_terms,
         report=lambda run: ({"activation_offload": run.activation_offload_blocks or "all"}
                             if run.activation_offload else {}),
         summary="saved activations go to host memory in forward and come back in backward: the link's time",

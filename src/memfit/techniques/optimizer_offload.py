@@ -186,12 +186,25 @@ def _refusals(run, facts) -> list[str]:
     return [f"--optimizer-offload is single-process: with {facts.engine} use {instead}"]
 
 
+CPU_ADAMW_PARAMETERS_PER_SECOND = 2e9
+"""Parameters torch's AdamW steps per second on the host copies (the speed model's figure for the CPU step)."""
+
+
+def _speed_terms(run, facts) -> float:
+    """Each step the gradients go down and the updated weights come up over the host link (fp32, 4 bytes each way),
+    and the CPU steps AdamW on the host copies."""
+    if not run.optimizer_offload:
+        return 0.0
+    trainable = facts.trainable_parameters
+    return 8 * trainable / facts.link_bytes_per_second + trainable / CPU_ADAMW_PARAMETERS_PER_SECOND
+
+
 def _technique():
     from memfit.techniques.technique import Technique
 
     return Technique(
         name="optimizer_offload", stage="optimizer", settings=("optimizer_offload",), after=("optimizer",),
-        resolve=_resolve, refusals=_refusals,
+        resolve=_resolve, refusals=_refusals, speed_terms=_speed_terms,
         report=lambda run: {"optimizer_offload": True} if run.optimizer_offload else {},
         summary="the optimizer's state and step in host memory: no state on the device; the link carries gradients"
                 " and weights each step",

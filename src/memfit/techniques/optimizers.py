@@ -225,13 +225,20 @@ def _paged_memory_terms(run, facts) -> dict[str, float]:
     return {"other": parts["optimizer_states_full"] * parts["largest_trainable"] / max(1, parts["trainable_count"])}
 
 
+def _paged_speed_terms(run, facts) -> float:
+    """Paged 8-bit AdamW: the state's pages come in for the step and go out again for the next forward."""
+    if not run.paged_optimizer:
+        return 0.0
+    return 2 * facts.host_optimizer_state_bytes / facts.link_bytes_per_second
+
+
 def _technique():
     from memfit.techniques.technique import Technique
 
     return Technique(
         name="optimizer", stage="optimizer", settings=("optimizer", "optimizer_impl"), resolve=_resolve,
         refusals=_refusals,
-        memory_terms=_paged_memory_terms, report=lambda run: {"optimizer": run.optimizer},
+        memory_terms=_paged_memory_terms, speed_terms=_paged_speed_terms, report=lambda run: {"optimizer": run.optimizer},
         summary="8-bit, paged and small-state optimizers keep less state per trained parameter than AdamW's 8 bytes",
     )
 

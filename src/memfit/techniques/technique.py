@@ -99,6 +99,55 @@ class MemoryFacts:
 
 
 @dataclass(frozen=True)
+class SpeedFacts:
+    """What a technique's speed terms may read: the step's shape, the device's rates and the estimate's numbers.
+
+    The speed model (prediction/speed_model.py) fills it for each configuration it times; a term returns the seconds
+    its technique adds to one optimizer step, on top of `compute_seconds`.
+    """
+
+    accumulation: int
+    """Micro-batches per optimizer step."""
+    tokens: int
+    """Tokens of one micro-batch."""
+    compute_seconds: float
+    """The step's compute time before any host traffic: its FLOPs at the device's rate, and the optimizer's step."""
+    overlap_seconds: float
+    """The part of `compute_seconds` a copy made ahead of the layer that needs it runs under: the forward and
+    recompute passes (backward reads no new layer first)."""
+    rate: float
+    """The step's matmul rate in FLOP/s (what a cost measured in FLOPs is written in)."""
+    link_bytes_per_second: float
+    """The host link's rate: the GPU preset's, else 16 GB/s."""
+    trainable_parameters: int
+    host_optimizer_state_bytes: int
+    """Optimizer state the estimate puts in host memory (offloaded or paged)."""
+    activation_transfer_bytes: float
+    """Bytes offloaded activations move over the host link in one micro-batch (out in forward, back in backward)."""
+    expert_stream_bytes: float
+    """Bytes streamed experts move over the host link in one micro-batch."""
+
+
+@dataclass(frozen=True)
+class PlannerFacts:
+    """What a technique's planner values may read: the run being planned and the shape of the combinations tried."""
+
+    config: TrainConfig
+    """The configuration being planned (the user's settings; `mode` says what is trained)."""
+    hf_config: Any
+    device_type: str
+    """'cuda' (a GPU preset or this machine's GPU) or 'cpu'."""
+    bf16_supported: bool
+    mode: str
+    """'full', 'lora' or 'qlora'."""
+    seq_len: int
+    accumulation: int
+    """Micro-batches per optimizer step of the combinations tried."""
+    long_context: bool = False
+    """The longest sequence that fits is searched (--maximize seq-len)."""
+
+
+@dataclass(frozen=True)
 class Technique:
     """One memory technique, as every part of memfit sees it (see the module docstring)."""
 
@@ -125,10 +174,11 @@ class Technique:
     memory_terms: Callable[[ResolvedRun, MemoryFacts], dict[str, float]] | None = None
     """Bytes it adds to (or, negative, removes from) the estimate's peak moment, by category (parameters,
     gradients, optimizer_states, activations, logits, other)."""
-    speed_terms: Callable[[ResolvedRun, Any], float] | None = None
+    speed_terms: Callable[[ResolvedRun, SpeedFacts], float] | None = None
     """Seconds it adds to a step (its extra traffic or recomputation), given the speed model's facts."""
-    planner_values: Callable[[RunFacts], list[dict[str, Any]]] | None = None
-    """Config changes the planner may try for it (each a {flat name: value} dict), where it applies."""
+    planner_values: Callable[[PlannerFacts], list[dict[str, Any]]] | None = None
+    """Config changes the planner may try for it (each a {flat name: value} dict), where it applies: every
+    combination the planner tries gets a variant with each (none where the user set one of its settings)."""
 
     def __post_init__(self) -> None:
         if self.stage not in STAGES:
