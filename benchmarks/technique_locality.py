@@ -76,7 +76,10 @@ def owners() -> dict[str, set[str]]:
     import inspect
 
     sys.path.insert(0, str(SOURCE.parent))
-    from memfit.resolution.registry import techniques
+    try:
+        from memfit.resolution.registry import techniques
+    except ImportError:  # a tree from before the registry: no technique owns a setting
+        return {}
 
     found: dict[str, set[str]] = {}
     for technique in techniques():
@@ -138,7 +141,11 @@ def imports_in_functions(trees: dict[str, ast.Module]) -> int:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    parser.add_argument("--src", type=Path, help="another tree's src/memfit to measure (default: this one's)")
     options = parser.parse_args()
+    if options.src is not None:
+        global SOURCE
+        SOURCE = options.src.resolve()
     result = measure()
     if options.json:
         print(json.dumps(result, indent=1))
