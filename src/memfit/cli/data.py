@@ -6,6 +6,11 @@ own, with the --seq-len that keeps every sample), and the packing efficiency at 
 --seq-len: the length `memfit train` would take from the data). `--json` gives the same as one object, with each shown sample's
 input_ids, labels (-100 where masked) and position_ids. Tokenizes into a temporary directory
 (or --cache-dir): nothing is left behind.
+
+With a preference task (--task dpo, simpo, orpo, kto) the data is preference pairs or labelled completions
+(memfit.data.preferences): each shown item is its prompt and its completions decoded from their tokens, the
+completions (the scored tokens) marked, then the lengths of each part, the pair-length distribution and what
+--seq-len keeps, cuts and drops.
 """
 
 from __future__ import annotations
@@ -40,7 +45,8 @@ class DataOptions:
 HELP = CommandHelp(
     "data", "memfit data DATASET [--model MODEL] [--FLAG VALUE ...]", SUMMARY, (DataOptions,),
     first=("config", "model", "seq_len", "dataset_format", "chat_template", "train_on", "packing", "truncate"),
-    arguments=(("DATASET", "The data, as --dataset takes it: a .txt, .jsonl or .parquet file, hf:NAME, builtin:chat."),),
+    arguments=(("DATASET", "The data, as --dataset takes it: a .txt, .jsonl or .parquet file, hf:NAME, builtin:chat;"
+                           " with --task dpo|simpo|orpo|kto, preference pairs such as builtin:preferences."),),
     first_title="the training flags it reads most (it takes every memfit train flag):",
 )
 
@@ -71,6 +77,11 @@ def run(argv: list[str]) -> int:
 def inspect_dataset(config: Any, show: int) -> dict[str, Any]:
     """What `memfit data` prints, as a dict (the --json object)."""
     import numpy as np
+
+    from memfit.data.preferences import PREFERENCE_TASKS
+
+    if config.task.task in PREFERENCE_TASKS:
+        return inspect_preference_dataset(config, show)
 
     from memfit.data import load_training_data
     from memfit.data.packing import packing_efficiency
@@ -116,6 +127,20 @@ def inspect_dataset(config: Any, show: int) -> dict[str, Any]:
             "shown": samples,
         }
     return report
+
+
+def inspect_preference_dataset(config: Any, show: int) -> dict[str, Any]:
+    """`inspect_dataset` of preference data: memfit.data.preferences.preference_report (the --json object)."""
+    from memfit.data.preferences import load_preference_data, preference_report
+    from memfit.models.loader import load_tokenizer
+
+    name = config.model.tokenizer or config.model.model
+    tokenizer = load_tokenizer("tiny" if name.startswith("preset") else name, config.model.trust_remote_code)
+    # Shown, never refused: what a drop costs is this command's answer (train refuses over 1%).
+    data_cfg = dataclasses.replace(config.data, allow_drop=True)
+    dataset = load_preference_data(data_cfg, tokenizer, task=config.task.task, max_positions=_model_positions(config),
+                                   say=False)
+    return preference_report(dataset, tokenizer, show)
 
 
 def _model_positions(config: Any) -> int | None:
@@ -181,6 +206,10 @@ def _sample(sample: dict, tokenizer: Any) -> dict[str, Any]:
 
 
 def render(report: dict[str, Any], color: bool = False) -> str:
+    if report.get("preference"):
+        from memfit.data.preferences import describe_preference_data
+
+        return describe_preference_data(report, color, (MARK_OPEN, MARK_CLOSE), (COLOR_OPEN, COLOR_CLOSE))
     opened, closed = (COLOR_OPEN, COLOR_CLOSE) if color else (MARK_OPEN, MARK_CLOSE)
     lines = [f"{report['dataset']}: {report['records']:,} records, format {report['format']}"
              + (f", chat template {report['chat_template']}" if report["chat_template"] else "")
