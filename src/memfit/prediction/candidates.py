@@ -1,8 +1,9 @@
 """What the planner tries: every combination of memory techniques worth estimating for a mode.
 
 A mode is full fine-tuning, LoRA or QLoRA; `technique_grid` gives the flat config changes of
-each combination (precision, optimizer, checkpointing, offload, tiled MLP, loss chunk, compile),
-which `memfit.prediction.planner` estimates, times and ranks.
+each combination (precision, optimizer, checkpointing, offload, tiled MLP, loss chunk, compile,
+and the values registered techniques offer through the registry), which
+`memfit.prediction.planner` estimates, times and ranks.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from typing import Any
 from memfit.config import TrainConfig
 from memfit.gpus import GpuSpec
 from memfit.models.optimizer_state import PLANNING
+from memfit.resolution.registry import techniques
+from memfit.techniques.technique import PlannerFacts
 
 DEFAULT_LORA_RANK = 16
 
@@ -113,4 +116,25 @@ def technique_grid(mode: str, config: TrainConfig, gpu: GpuSpec | None, seq_len:
 
         if native_bf16("cpu"):  # bf16 autocast where this CPU's matrix units run it (AVX-512 bf16, AMX)
             grid += [{**changes, "precision": "amp"} for changes in grid]
+    facts = PlannerFacts(config=config, hf_config=hf_config, device_type="cuda" if cuda else "cpu",
+                         bf16_supported=gpu.bf16 if cuda else True, mode=mode, seq_len=seq_len,
+                         accumulation=accumulation, long_context=long_context)
+    return with_planner_values(grid, facts)
+
+
+def with_planner_values(grid: list[dict[str, Any]], facts: PlannerFacts) -> list[dict[str, Any]]:
+    """`grid` with a variant of each combination for each value a registered technique offers (its TECHNIQUE's
+    `planner_values`), technique after technique: two techniques with two values each make four variants.
+
+    A value that changes a setting the user gave is not offered: what the user chose stays, as for the built-in
+    choices above. memfit's own techniques offer nothing here: their values are the grid above, whose order is
+    the order in which the plan command writes their flags and breaks ties between equally fast plans.
+    """
+    for technique in techniques():
+        if technique.planner_values is None:
+            continue
+        offered = [change for change in technique.planner_values(facts)
+                   if not any(user_set(facts.config, name) for name in change)]
+        if offered:
+            grid = [{**combination, **change} for combination in grid for change in offered]
     return grid
