@@ -34,7 +34,7 @@ from memfit.config import TrainConfig
 from memfit.memory.stats import reset_peaks
 from memfit.train.evaluation import Evaluator
 from memfit.train.first_step import FirstStepChecks
-from memfit.train.first_step import check_compiled as _check_compiled  # noqa: F401  (its name here before)
+from memfit.train.first_step import check_compiled as _check_compiled  # noqa: F401  (re-exported by its name here)
 from memfit.train.memory_observers import MemoryPeaks, MemoryTracking
 from memfit.train.memory_sample import OneStepSample
 from memfit.train.metrics import MetricLogger, NullLogger, build_loggers
