@@ -671,11 +671,13 @@ def length_lines(dataset: PreferenceDataset) -> list[str]:
                      f" first {policy.seq_len} tokens a sequence (prompt kept whole), {scored} cut off")
     if policy.dropped_long:
         keep = policy.seq_len_keeping_all
-        lines.append(f"--seq-len {policy.seq_len} drops {policy.dropped_long:,} of {policy.samples:,} {noun} of"
+        which = f"seq-len {policy.seq_len} (from the data)" if policy.from_data else f"--seq-len {policy.seq_len}"
+        lines.append(f"{which} drops {policy.dropped_long:,} of {policy.samples:,} {noun} of"
                      f" {dataset.source} (longer than {policy.seq_len} tokens) and {scored}"
                      + (f"; --seq-len {keep} keeps them, --truncate cuts them" if keep else "; --truncate cuts them"))
     if policy.dropped_no_target:
-        lines.append(f"{policy.dropped_no_target:,} {noun} of {dataset.source} dropped: the prompt alone fills"
+        dropped = noun if policy.dropped_no_target != 1 else noun[:-1]
+        lines.append(f"{policy.dropped_no_target:,} {dropped} of {dataset.source} dropped: the prompt alone fills"
                      f" {policy.seq_len} tokens, nothing of the completions would be scored")
     return lines
 
