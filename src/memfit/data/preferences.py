@@ -146,6 +146,9 @@ def resolve_preference_format(source: TextSource, requested: str, fields: FieldN
     """The preference format of `source`: `requested` when it is one, else recognised from the first record."""
     if requested in PREFERENCE_FORMATS:
         return requested
+    if requested != "auto":
+        raise UsageError(f"--dataset-format {requested} is a supervised format; preference data is recognised from its"
+                         f" fields ({', '.join(PREFERENCE_FORMATS)}): drop --dataset-format")
     if source.kind == "txt":
         raise UsageError(f"preference data needs records: give a .jsonl, .parquet or hf: dataset, not {source.label}")
     record = first_record(source)

@@ -10,7 +10,6 @@ so the places where TRL's rules matter are exercised.
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from types import SimpleNamespace
 
 import numpy as np
@@ -205,9 +204,12 @@ def test_kto_completions_are_trls_tokens(records, kind, tokenizer, trl, tmp_path
     assert as_completions(whole) == as_completions(trl.kto(records, tokenizer))
 
 
-def test_a_prompt_rendered_differently_alone_ends_where_trl_ends_it(tokenizer, trl, tmp_path):
+def test_a_prompt_rendered_differently_alone_ends_where_trl_ends_it(tokenizer, trl, tmp_path, caplog):
     thinking = with_template(tokenizer, THINKING)
-    dataset = load(write(tmp_path, EXPLICIT_CONVERSATIONS), thinking)
+    with caplog.at_level("WARNING"):
+        dataset = load_preference_data(DataConfig(dataset=write(tmp_path, EXPLICIT_CONVERSATIONS)), thinking)
+    said = [r.getMessage() for r in caplog.records if "is not the start of the tokenized prompt" in r.getMessage()]
+    assert len(said) == 1 and "in 2 of 2 records" in said[0] and "<think></think>" in said[0]
     assert as_pairs(dataset) == [(p.prompt_ids, p.chosen_ids, p.rejected_ids)
                                  for p in trl.dpo(EXPLICIT_CONVERSATIONS, thinking)]
     assert dataset.prompt_boundary_mismatches == len(EXPLICIT_CONVERSATIONS)
@@ -442,8 +444,25 @@ def test_the_report_of_kto_data_shows_labels_and_cuts(tokenizer):
 
 def test_a_cut_pair_says_so(tokenizer):
     dataset = load("builtin:preferences", tokenizer, seq_len=90, truncate=True)
-    cut = next(i for i in range(len(dataset)) if dataset[i].length < dataset.whole(int(dataset.policy.kept[i])).length)
-    shifted = replace(dataset.policy, kept=dataset.policy.kept[cut:], lengths=dataset.policy.lengths[cut:],
-                      targets=dataset.policy.targets[cut:])
-    dataset.policy = shifted
-    assert preference_report(dataset, tokenizer, show=1)["shown"][0]["cut"]
+    cut = [dataset[i].length < dataset.whole(int(dataset.policy.kept[i])).length for i in range(len(dataset))]
+    assert any(cut) and not all(cut)
+    shown = preference_report(dataset, tokenizer, show=len(dataset))["shown"]
+    assert [item["cut"] for item in shown] == cut
+    first = cut.index(True)
+    assert "cut to --seq-len 90" in describe_preference_data(preference_report(dataset, tokenizer, show=first + 1))
+
+
+def test_parquet_records_read_as_their_jsonl(tokenizer, tmp_path):
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow
+
+    records = EXPLICIT_CONVERSATIONS + [{"prompt": [turn("user", "Hi"), {"role": "user", "content": "there", "name": "x"}],
+                                         "chosen": [turn("assistant", "Hello.")], "rejected": [turn("assistant", "Go.")]}]
+    path = tmp_path / "prefs.parquet"
+    pq.write_table(pyarrow.Table.from_pylist(records), path)  # turns without `name` get name: null
+    assert as_pairs(load(str(path), tokenizer)) == as_pairs(load(write(tmp_path, records), tokenizer))
+
+
+def test_a_supervised_dataset_format_is_refused(tokenizer):
+    with pytest.raises(UsageError, match="--dataset-format messages is a supervised format"):
+        load("builtin:preferences", tokenizer, dataset_format="messages")
