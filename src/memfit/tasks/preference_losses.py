@@ -35,8 +35,9 @@ KTO (KTOTrainer, loss_type "kto"), on summed log-probabilities, r = log pi(y) - 
     before clamping, which a multi-process caller does by averaging before `kto_loss`.
     Not implemented: TRL's "apo_zero_unpaired" loss type.
 
-What TRL does not define is left to the caller: the objectives average over the pairs of the
-batch they are given, as TRL does per micro-batch.
+Batches: each batch loss is a mean over the pairs (for the NLL terms, over the tokens) of the
+batch given, as TRL's is per micro-batch; `PreferenceLoss.losses` lets a caller that accumulates
+micro-batches normalise over the effective batch instead.
 """
 
 from __future__ import annotations

@@ -61,6 +61,18 @@ def assert_matches_materialized(model: nn.Module, **options) -> SequenceLogprobs
     return result[0]
 
 
+def gemma2_like() -> nn.Module:
+    """Gemma 2's head in miniature: tied embeddings and tanh soft-capping of the logits (the post-processing the chunks
+    apply themselves)."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(0)
+    return Gemma2ForCausalLM(Gemma2Config(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=128, final_logit_softcapping=2.0,
+        attn_implementation="eager"))
+
+
 @pytest.fixture
 def in_place_calls(monkeypatch) -> list[int]:
     """Counts the calls of the in-place head path, so that a test knows which path it compared."""
@@ -82,6 +94,21 @@ def test_in_place_head_sums_and_every_gradient_equal_the_materialized_ones(tied,
     _, labels = completion_batch()
     assert result.token_counts.tolist() == (labels[:, 1:] != IGNORE_INDEX).sum(-1).float().tolist() == [22, 30, 28]
     assert result.sums.dtype == result.token_counts.dtype == torch.float32 and result.per_token is None
+
+
+def test_soft_capped_logits_are_scored_as_the_models_forward_caps_them(in_place_calls):
+    assert_matches_materialized(gemma2_like(), chunk_size=CHUNK)
+    assert in_place_calls
+
+
+def test_a_bf16_model_gets_fp32_sums_close_to_the_materialized_ones():
+    model = tiny_llama().to(torch.bfloat16)
+    input_ids, labels = completion_batch()
+    result = sequence_logprobs(model, input_ids, labels, chunk_size=CHUNK)
+    result.sums.sum().backward()
+    assert result.sums.dtype == torch.float32 and model.lm_head.weight.grad.dtype == torch.bfloat16
+    with torch.no_grad():
+        torch.testing.assert_close(result.sums, materialized_logprobs(model, input_ids, labels), rtol=1e-3, atol=0)
 
 
 def test_checkpointed_chunks_and_the_materialized_path_equal_the_materialized_ones(in_place_calls):
