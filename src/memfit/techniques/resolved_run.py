@@ -110,8 +110,9 @@ class ResolvedRun:
     """Compiled blocks run (--compile where it can; cleared when Dynamo ran them eager)."""
     kernels: str = "none"
     """The fused kernels asked for ('none', 'liger', 'auto'); `fused_loss` says whether liger's loss runs."""
-    head_gradient: str = ""
-    """The chunked loss's head gradient path ('in place', 'per chunk', ''), known once the engine is chosen."""
+    head_gradient: str | None = None
+    """The chunked loss's head gradient path ('in place', 'per chunk', '': none), known once the engine is chosen
+    (None: not yet)."""
     expert_offload: bool = False
     embedding_on_host: bool = False
     quantize_head: bool = False
@@ -125,7 +126,7 @@ class ResolvedRun:
     def loss(self) -> LossRecipe:
         """The loss recipe of this run (techniques/loss.py runs it)."""
         return LossRecipe(chunk_size=self.loss_chunk_size, fused=self.fused_loss, compiled_tail=self.compiled and not
-                          self.fused_loss, head_gradient=self.head_gradient)
+                          self.fused_loss, head_gradient=self.head_gradient or "")
 
     def changed(self, technique: str, reason: str, step: int | None = None, **fields: Any) -> ResolvedRun:
         """This run with `fields` changed, and the change recorded as an event (the only way a run changes)."""

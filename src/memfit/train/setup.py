@@ -2,21 +2,24 @@
 
     build_session(config)
       device, ranks, precision, attention            what runs, with fallbacks said
+      resolve(config)                                every technique's refusals, before anything is read
       choose_engine                                  one process, DDP, FSDP2 or DeepSpeed (train/engine.py)
       load the model, the data, the batch schedule   everything the user's input can get wrong
-      apply_model_techniques                         every memory technique on the model, in order
-      engine.prepare(model, build_optimizer)         shard or wrap, then the optimizer over it
-      LR schedule, loss chunk
+      resolve(config, model, device)                 the ResolvedRun at the data's length (resolution/resolve.py)
+      apply_model_techniques                         every model technique of the registry, in its order
+      engine.prepare(model, build_run_optimizer)     shard or wrap, then the optimizer the run resolved to
+      the loss recipe, the LR schedule
 
 Everything that can fail because of the user's input (a missing model, bad data, a
 precision the device cannot run) fails here, before anything is written to the output
-directory. Each choice is made once, with the engine's needs known (its own optimizer,
-no grad scaler, no OOM recovery): nothing is changed after the session is built.
+directory. Each choice is made once, in the resolved run (`session.run`), with the engine's needs known (its own
+optimizer, no grad scaler, no OOM recovery). What applying a technique settles (the blocks auto checkpointing
+chose, a kernel the model does not have) fills in the run or is recorded as a change; after the session is built
+the run changes only through `TrainingSession.change_run`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import shutil
@@ -170,7 +173,7 @@ def _build_session(config: TrainConfig) -> TrainingSession:
 
     head_gradient = head_gradient_path(model, build.engine.name, run.loss_chunk_size if build.task.name == "causal-lm"
                                        else 0, run.fused_loss, build.fallbacks)
-    run = dataclasses.replace(run, head_gradient=head_gradient)
+    run = run.applied("loss_chunking", build.fallbacks.get("chunked_head_loss", ""), head_gradient=head_gradient)
     from memfit.techniques.loss_recipe import build_loss_function
 
     return TrainingSession(
@@ -275,7 +278,9 @@ def _resolve(build: _Building) -> ResolvedRun:
     run = resolve(build.config, build.loaded.model.config, build.device.type,
                   bf16_supported=supports_bf16(build.device), world_size=build.dist.world_size,
                   budget_bytes=checkpointing_budget(build.config))
-    return dataclasses.replace(run, attention=build.attention_ran)
+    # the model may run another kernel than the one resolved (it has no SDPA path, packed rows need FlexAttention)
+    return run.applied("attention", build.fallbacks.get("attention", "the kernel the model runs"),
+                       attention=build.attention_ran)
 
 
 def apply_model_techniques(config: TrainConfig, model: torch.nn.Module, peft_task_type: str = "CAUSAL_LM", *,
