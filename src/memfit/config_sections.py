@@ -306,14 +306,21 @@ class EvalConfig:
         return found
 
 
-TASKS = ("causal-lm", "masked-lm", "sequence-classification", "token-classification", "regression")
+PREFERENCE_TASKS = ("dpo", "simpo", "orpo", "kto")
+"""Objectives that learn from preferences (memfit.tasks.preference; docs/preference.md)."""
+TASKS = ("causal-lm", "masked-lm", "sequence-classification", "token-classification", "regression",
+         *PREFERENCE_TASKS)
 PROBLEM_TYPES = ("auto", "single-label", "multi-label")
+DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "robust")
+"""--loss-type of --task dpo (tasks/preference_losses.py implements each; named here so the config needs no torch)."""
+REFERENCE_MODES = ("auto", "adapters-off", "copy", "cached")
+"""--reference: where DPO's and KTO's reference log-probabilities come from (techniques/reference_model.py)."""
 
 
 @dataclass
 class TaskConfig:
     task: str = field(default="causal-lm", metadata=_choices(*TASKS))
-    """What is learned: causal-lm (next token), masked-lm, sequence-classification, token-classification or regression (memfit.tasks; docs/tasks.md)."""
+    """What is learned: causal-lm (next token), masked-lm, sequence-classification, token-classification, regression (memfit.tasks; docs/tasks.md), or from preferences: dpo, simpo, orpo, kto (docs/preference.md)."""
     problem_type: str = field(default="auto", metadata=_choices(*PROBLEM_TYPES))
     """sequence-classification: single-label (one class a sample) or multi-label (each label column 0/1); auto: multi-label when several --label-fields are given."""
     num_labels: int | None = None
@@ -332,10 +339,39 @@ class TaskConfig:
     """FASTA data: a CSV/TSV/JSONL table of labels by record id (--id-field column, then the --label-fields), instead of labels in the headers."""
     id_field: str = "id"
     """--label-table: the column holding each FASTA record's id (the header up to the first space or '|')."""
+    # The preference objectives' settings, under TRL's names and with TRL 1.16's defaults (docs/preference.md).
+    beta: float = 0.1
+    """dpo, simpo, orpo, kto: the objective's scale (TRL's beta): how far DPO and KTO let the policy move from the reference, SimPO's reward scale, ORPO's weight of the odds-ratio term."""
+    loss_type: str = field(default="sigmoid", metadata=_choices(*DPO_LOSS_TYPES))
+    """dpo: sigmoid (DPO), hinge (SLiC), ipo (IPO, per-token log-ratios) or robust (rDPO, reads --label-smoothing)."""
+    label_smoothing: float = 0.0
+    """dpo --loss-type robust: the probability that a pair's preference is flipped, below 0.5; simpo: the weight of the flipped-preference term."""
+    simpo_gamma: float = 0.5
+    """simpo: the target reward margin (the loss wants beta x the difference of average log-probabilities above it)."""
+    cpo_alpha: float = 1.0
+    """simpo: weight of the chosen completions' NLL added to the loss (TRL's CPO default; the SimPO paper uses 0)."""
+    desirable_weight: float = 1.0
+    """kto: weight of each desirable completion's loss (raise it when desirable completions are the fewer)."""
+    undesirable_weight: float = 1.0
+    """kto: weight of each undesirable completion's loss."""
+    reference: str = field(default="auto", metadata=_choices(*REFERENCE_MODES))
+    """dpo, kto: the reference model. auto: adapters-off under --lora-r (the model with its adapters disabled, no second copy), else copy (a frozen copy on the device); cached: every item's reference log-probabilities computed in one pass before training and kept beside the token cache."""
+    precompute_ref_log_probs: bool = False
+    """dpo, kto: TRL's name for --reference cached: compute the reference log-probabilities once, before training."""
 
     def problems(self) -> list[str]:
         """What is wrong with these settings, by flag name (TrainConfig.validate reports them)."""
         found = []
+        if self.beta <= 0:
+            found.append(f"--beta must be positive (the scale of the preference objective), got {self.beta}")
+        if not 0 <= self.label_smoothing < 0.5:
+            found.append(f"--label-smoothing must be at least 0 and below 0.5 (a flip probability), got {self.label_smoothing}")
+        for name in ("cpo_alpha", "desirable_weight", "undesirable_weight"):
+            if getattr(self, name) < 0:
+                found.append(f"--{name.replace('_', '-')} must be 0 or more (a weight), got {getattr(self, name)}")
+        if self.precompute_ref_log_probs and self.reference not in ("auto", "cached"):
+            found.append(f"--precompute-ref-log-probs is --reference cached; it contradicts --reference {self.reference}:"
+                         " drop one of them")
         if self.num_labels is not None and self.num_labels < 1:
             found.append(f"--num-labels must be at least 1, got {self.num_labels}")
         if not 0 < self.mlm_probability < 1:

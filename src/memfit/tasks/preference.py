@@ -1,0 +1,605 @@
+"""Preference tasks: DPO, SimPO, ORPO and KTO, trained by memfit's own step (exact accumulation, OOM recovery).
+
+A sample is one pair (prompt, chosen, rejected), or for KTO one labelled completion; `count` is 1 a sample, so the
+step's loss is the mean over the pairs of the effective batch, as TRL's is over its batch (`--batch-size` counts
+pairs). `collate` makes two rows of a sample: prompt + chosen and prompt + rejected (KTO: prompt + completion and
+prompt + a mismatched completion, the rows of its KL estimate), all first rows, then all second rows (TRL's
+concatenated layout), labels IGNORE_INDEX on the prompt and the padding. A pair is never split: OOM recovery splits
+the list of samples, so both rows of a pair always meet in one micro-batch.
+
+The loss function runs the policy's log-probabilities of the completions chunk by chunk
+(techniques/sequence_logprobs.py: no `[rows, length, vocabulary]` logits), takes the reference's
+(techniques/reference_model.py: adapters off, a frozen copy, or cached before training), and returns the
+objective's per-pair losses SUMMED (tasks/preference_losses.py has the formulas); the step divides by the pairs of
+the effective batch. Terms that TRL averages over tokens rather than pairs (SimPO's `cpo_alpha` NLL, ORPO's NLL) are
+made per-pair sums too: each pair's NLL is weighted by pairs / scored tokens of the effective batch (`prepare`
+attaches the weight), so the step's sum divided by its pairs is the token-mean NLL of the whole effective batch,
+whatever the split into micro-batches. Where TRL averages per micro-batch instead (gradient accumulation, or one
+micro-batch a step), the two agree when the step has one micro-batch.
+
+KTO's reference point z (its KL estimate) is the mean over a micro-batch of the mismatched completions' log-ratios,
+as TRL computes it per device batch, so an OOM split of a KTO micro-batch changes z (a detached constant) for the
+halves; the mismatched completion of each example is fixed with the data, TRL's way: within each run of
+`--batch-size` items in data order, the previous item's completion.
+
+Metrics under TRL's names (rewards/chosen, rewards/rejected, rewards/accuracies, rewards/margins, logps/chosen,
+logps/rejected; nll_loss, log_odds_ratio, log_odds_chosen, kl where the objective has them) are gathered per
+micro-batch on the device; `step_metrics()` reads them once per step, weighted by the pairs each averaged, a
+micro-batch that an OOM made redo counted once. Evaluation streams the same metrics (eval_rewards/..., ...).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from memfit.data.preferences import PreferenceDataset, PreferencePair, load_preference_data
+from memfit.tasks.base import LossFunction, Task
+from memfit.tasks.preference_losses import (
+    DPOSettings,
+    KTOSettings,
+    ORPOSettings,
+    PairLogprobs,
+    PreferenceLoss,
+    SimPOSettings,
+    dpo_loss,
+    kto_kl_estimate,
+    kto_loss,
+    orpo_loss,
+    simpo_loss,
+)
+from memfit.techniques.loss import DEFAULT_LOSS_CHUNK_TOKENS, IGNORE_INDEX
+from memfit.techniques.reference_model import (
+    NO_REFERENCE,
+    ReferenceChoice,
+    ReferenceCost,
+    adapters_off_logprobs,
+    cache_key,
+    choose_reference,
+    copy_logprobs,
+    frozen_copy,
+    load_cached,
+    model_fingerprint,
+    precompute_logprobs,
+    save_cached,
+    timed,
+)
+from memfit.techniques.sequence_logprobs import sequence_logprobs
+
+log = logging.getLogger("memfit")
+
+PREFERENCE_SETTINGS = ("beta", "loss_type", "label_smoothing", "simpo_gamma", "cpo_alpha", "desirable_weight",
+                       "undesirable_weight", "reference", "precompute_ref_log_probs")
+"""The task section's preference settings (config_sections.TaskConfig), each read by some of the objectives."""
+REFERENCE_SETTINGS = ("reference", "precompute_ref_log_probs")
+METRIC_ORDER = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+                "logps/rejected", "nll_loss", "log_odds_ratio", "log_odds_chosen", "kl")
+"""TRL's metric names, in the order a metrics line lists them."""
+_BATCH_ROWS = ("input_ids", "labels", "attention_mask", "position_ids")
+
+
+# -- the samples ------------------------------------------------------------------------------------------------------
+
+
+def kl_partners(count: int, batch_size: int) -> np.ndarray:
+    """For each of `count` KTO items, the item whose completion makes its mismatched (KL) row: within each run of
+    `batch_size` items in data order, the previous one, the first taking the run's last (TRL's rotation by one)."""
+    partners = np.arange(count, dtype=np.int64)
+    for start in range(0, count, max(1, batch_size)):
+        end = min(start + max(1, batch_size), count)
+        partners[start:end] = np.roll(np.arange(start, end, dtype=np.int64), 1)
+    return partners
+
+
+class PreferenceSamples(torch.utils.data.Dataset):
+    """The kept preference items as the step's samples: one dict of tensors an item (module docstring).
+
+    A pair: prompt_ids, chosen_ids, rejected_ids; a KTO item: prompt_ids, completion_ids, kl_completion_ids (the
+    mismatched completion, cut to the length as TRL cuts it), desirable. Each has `index` (its place here: what tells
+    a redone micro-batch's metrics apart), `reference_logps` ([chosen, rejected] or [completion, KL]) once the cached
+    reference is set, and `input_ids`: the tokens of both its rows back to back, which the step counts (tokens seen,
+    padding) and nothing reads as a sequence. The rest of the data's attributes (lengths, seq_len, description,
+    data_facts, policy, ...) are the PreferenceDataset's.
+    """
+
+    def __init__(self, items: PreferenceDataset, kl_partner: np.ndarray | None = None):
+        self.items = items
+        self.kl_partner = kl_partner
+        self.reference: torch.Tensor | None = None
+        """`[items, 2]` cached reference log-probabilities, or None (another reference, or none)."""
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        index = int(index) + (len(self) if int(index) < 0 else 0)
+        if not 0 <= index < len(self):
+            raise IndexError(f"item {index} is out of range for {len(self)} items")
+        sample = self.tokens(index)
+        if self.reference is not None:
+            sample["reference_logps"] = self.reference[index]
+        return sample
+
+    def tokens(self, index: int) -> dict[str, torch.Tensor]:
+        """Item `index` without any reference: its token tensors, `index` and `input_ids` (class docstring)."""
+        item = self.items[index]
+        prompt = torch.tensor(item.prompt_ids, dtype=torch.long)
+        if isinstance(item, PreferencePair):
+            chosen = torch.tensor(item.chosen_ids, dtype=torch.long)
+            rejected = torch.tensor(item.rejected_ids, dtype=torch.long)
+            return {"input_ids": torch.cat([prompt, chosen, prompt, rejected]), "prompt_ids": prompt,
+                    "chosen_ids": chosen, "rejected_ids": rejected, "index": torch.tensor(index)}
+        completion = torch.tensor(item.completion_ids, dtype=torch.long)
+        mismatched = torch.tensor(self._kl_completion(index, len(item.prompt_ids)), dtype=torch.long)
+        return {"input_ids": torch.cat([prompt, completion, prompt, mismatched]), "prompt_ids": prompt,
+                "completion_ids": completion, "kl_completion_ids": mismatched,
+                "desirable": torch.tensor(bool(item.label)), "index": torch.tensor(index)}
+
+    def _kl_completion(self, index: int, prompt_length: int) -> list[int]:
+        # the partner's whole completion, then cut with this prompt: TRL builds the KL row before it truncates
+        partner = int(self.kl_partner[index]) if self.kl_partner is not None else index
+        whole = self.items.whole(int(self.items.policy.kept[partner]))
+        return whole.completion_ids[: max(1, self.items.seq_len - prompt_length)]
+
+    def fingerprint(self) -> str:
+        """A digest of every token (and label) of every item: the data part of a cached reference's key."""
+        digest = hashlib.sha256(f"{len(self)}".encode())
+        for index in range(len(self)):
+            for name, tensor in self.tokens(index).items():
+                if name not in ("input_ids", "index"):
+                    digest.update(name.encode() + tensor.numpy().astype(np.int64).tobytes())
+        return digest.hexdigest()
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "items" or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self.items, name)
+
+
+def collate_preference(samples: Sequence[dict], pad_token_id: int | None) -> dict[str, torch.Tensor]:
+    """Two rows a sample, every sample's first row then every sample's second (module docstring), right-padded to the
+    longest row (input_ids the pad id, 0 without one; labels IGNORE_INDEX; attention_mask 0), labels IGNORE_INDEX on
+    the prompt too; and the per-sample values: pair_index, reference_logps, desirable, nll_weights where present."""
+    if not samples:
+        raise ValueError("collate needs at least one sample")
+    paired = "chosen_ids" in samples[0]
+    sides = ("chosen_ids", "rejected_ids") if paired else ("completion_ids", "kl_completion_ids")
+    rows = [(sample["prompt_ids"], sample[side]) for side in sides for sample in samples]
+    length = max(len(prompt) + len(completion) for prompt, completion in rows)
+    pad = 0 if pad_token_id is None else int(pad_token_id)
+    input_ids = torch.full((len(rows), length), pad, dtype=torch.long)
+    labels = torch.full((len(rows), length), IGNORE_INDEX, dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), length), dtype=torch.long)
+    for row, (prompt, completion) in enumerate(rows):
+        end = len(prompt) + len(completion)
+        input_ids[row, : len(prompt)] = prompt
+        input_ids[row, len(prompt) : end] = completion
+        labels[row, len(prompt) : end] = completion
+        attention_mask[row, :end] = 1
+    batch = {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask,
+             "pair_index": torch.stack([sample["index"] for sample in samples])}
+    for name, batch_name in (("reference_logps", "reference_logps"), ("desirable", "desirable"),
+                             ("nll_weight", "nll_weights")):
+        if all(name in sample for sample in samples):
+            batch[batch_name] = torch.stack([sample[name] for sample in samples])
+    return batch
+
+
+# -- the metrics ------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Entry:
+    pairs: torch.Tensor
+    """The micro-batch's pair indices (on the device: read only when the metrics are)."""
+    names: tuple[str, ...]
+    values: torch.Tensor
+    """One value a name: the micro-batch's mean."""
+    weights: torch.Tensor
+    """What each value averaged over (pairs, or for KTO's per-side metrics the examples of that side)."""
+
+
+class PreferenceMetrics:
+    """TRL-named metrics of the micro-batches since the last `result()`, kept on the device until then.
+
+    Each micro-batch's means are weighted by what they average over, so the result is the mean over the pairs of
+    every micro-batch, however the batch was split. A micro-batch whose pairs a later one redoes (an OOM in its
+    backward, after its forward recorded them) counts only in its redo. The evaluation's metric stream too.
+    """
+
+    def __init__(self) -> None:
+        self._entries: list[_Entry] = []
+
+    def add(self, pairs: torch.Tensor, metrics: dict[str, torch.Tensor], weights: dict[str, torch.Tensor | float]
+            ) -> None:
+        names = tuple(name for name in metrics if name != "rewards/margins")  # recomputed from the sides' means
+        device = pairs.device
+        values = torch.stack([metrics[name].detach().float().to(device) for name in names])
+        counts = torch.stack([torch.as_tensor(weights[name], dtype=torch.float32, device=device) for name in names])
+        self._entries.append(_Entry(pairs.detach(), names, values, counts))
+
+    def clear(self) -> None:
+        self._entries = []
+
+    def result(self) -> dict[str, float]:
+        """The weighted means by name, in TRL's order (one read from the device); then empty."""
+        entries, self._entries = self._entries, []
+        if not entries:
+            return {}
+        flat = torch.cat([torch.cat([entry.pairs.float(), entry.values, entry.weights]) for entry in entries]).tolist()
+        sums: dict[str, float] = {}
+        totals: dict[str, float] = {}
+        seen: set[int] = set()
+        offset = len(flat)
+        for entry in reversed(entries):  # the last run of a pair is the one whose gradient counted
+            size = entry.pairs.numel() + 2 * len(entry.names)
+            offset -= size
+            part = flat[offset : offset + size]
+            pairs = {int(value) for value in part[: entry.pairs.numel()]}
+            if pairs & seen:
+                continue
+            seen |= pairs
+            values = part[entry.pairs.numel() : entry.pairs.numel() + len(entry.names)]
+            weights = part[entry.pairs.numel() + len(entry.names) :]
+            for name, value, weight in zip(entry.names, values, weights, strict=True):
+                if weight > 0:
+                    sums[name] = sums.get(name, 0.0) + value * weight
+                    totals[name] = totals.get(name, 0.0) + weight
+        means = {name: sums[name] / totals[name] for name in sums}
+        if "rewards/chosen" in means and "rewards/rejected" in means:
+            means["rewards/margins"] = means["rewards/chosen"] - means["rewards/rejected"]
+        return {name: means[name] for name in METRIC_ORDER if name in means} | {
+            name: value for name, value in means.items() if name not in METRIC_ORDER}
+
+
+# -- the tasks --------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Rows:
+    """A collated micro-batch as the loss function receives it."""
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    attention_mask: torch.Tensor | None
+    chunk_size: int
+    position_ids: torch.Tensor | None = None
+
+    @property
+    def half(self) -> int:
+        """Samples in the batch: each has two rows."""
+        return self.input_ids.shape[0] // 2
+
+
+class PreferenceTask(Task):
+    """A preference objective (module docstring): the causal LM's own head, a loss over pairs of completions."""
+
+    auto_class = "AutoModelForCausalLM"
+    unit = "pairs"
+    sequence_level = True
+    eval_metrics = ("rewards/accuracies", "rewards/margins")
+    eval_count_field = "eval_samples"
+    needs_reference = True
+    """Whether the objective compares the policy with a frozen reference (DPO, KTO)."""
+    settings_read: tuple[str, ...] = ("beta",)
+    """The preference settings this objective reads; another objective's, given, are refused."""
+
+    def __init__(self, config: Any = None):
+        super().__init__(config)
+        self.step_metric_stream = PreferenceMetrics()
+        self.reference_problem = ""
+        self.reference_choice = ReferenceChoice(NO_REFERENCE, "not chosen yet")
+        if config is not None:
+            try:
+                self.reference_choice = choose_reference(config.task.reference, config.task.precompute_ref_log_probs,
+                                                         config.lora.lora_r > 0, self.needs_reference)
+            except ValueError as error:
+                self.reference_problem = str(error)
+        self.reference_cost = ReferenceCost(self.reference_choice.mode, self.reference_choice.reason)
+        self._model: torch.nn.Module | None = None
+        self._pad_token_id: int | None = None
+        self._copy: torch.nn.Module | None = None
+        self.eval_reference_cost: ReferenceCost | None = None
+
+    # -- settings and refusals ------------------------------------------------------------------------------------
+
+    def refusals(self, config: Any) -> list[str]:
+        found = [self.reference_problem] if self.reference_problem else []
+        if config.data.packing in ("samples", "wrapped"):
+            found.append(f"--packing {config.data.packing} puts several samples in one row; --task {self.name} runs"
+                         " each pair as two rows of their own: use --packing off")
+        if config.training.auto_batch_size:
+            found.append(f"--auto-batch-size probes with causal-LM windows, not pairs; give --task {self.name} a"
+                         " --batch-size (out-of-memory recovery splits it if it does not fit)")
+        given = config.user_set or frozenset()
+        for name in PREFERENCE_SETTINGS:
+            if name in given and name not in self.settings_read:
+                found.append(f"--{name.replace('_', '-')} does not apply to --task {self.name}; it reads "
+                             + ", ".join(f"--{n.replace('_', '-')}" for n in self.settings_read))
+        return found
+
+    # -- the model and the data ------------------------------------------------------------------------------------
+
+    def prepare_model(self, model: torch.nn.Module, tokenizer: Any) -> None:
+        # The loaded model, before any technique wraps it: the frozen copy is made of it, and the cached pass runs it.
+        self._model = model
+        self._pad_token_id = getattr(tokenizer, "pad_token_id", None)
+        if self.reference_choice.mode == "copy":
+            self._copy, self.reference_cost.copy_bytes = frozen_copy(model)
+        if self.reference_choice.mode not in ("cached", NO_REFERENCE):  # cached: said when its pass has run
+            log.info("memfit: %s", self.reference_cost.describe())
+
+    def load_data(self, data_config: Any, tokenizer: Any, *, role: str = "training", max_positions: int | None = None,
+                  min_samples: int = 1, rope_positions: int | None = None, say: bool = True, **_: Any
+                  ) -> PreferenceSamples:
+        items = load_preference_data(data_config, tokenizer, task=self.name, max_positions=max_positions,
+                                     min_samples=min_samples, rope_positions=rope_positions, say=say)
+        partners = None if items.paired else kl_partners(len(items), self.config.training.batch_size)
+        samples = PreferenceSamples(items, partners)
+        if self.reference_choice.mode == "cached":
+            self._cache_reference(samples, Path(data_config.cache_dir or "."), role, say)
+        return samples
+
+    def _cache_reference(self, samples: PreferenceSamples, cache_dir: Path, role: str, say: bool) -> None:
+        """Set `samples.reference` from the cache file when its key matches, else from one no-grad pass (saved)."""
+        from memfit.techniques.precision import run_precision
+
+        if self._model is None:
+            raise RuntimeError("the cached reference needs the model: call prepare_model before load_data")
+        model = self._model
+        device = next(model.parameters()).device
+        precision = run_precision(self.config, device)
+        parts = {"model": model_fingerprint(model, str(self.config.model.model)), "data": samples.fingerprint(),
+                 "settings": {"task": self.name, "autocast": str(precision.autocast_dtype),
+                              "template": samples.template_name, "seq_len": samples.seq_len}}
+        key = cache_key(parts["model"], parts["data"], parts["settings"])
+        path = cache_dir / f"reference-logps-{self.name}-{role}.safetensors"
+        (values, why), seconds = timed(lambda: load_cached(path, key, parts))
+        reused = values is not None and values.shape == (len(samples), 2)
+        if not reused:
+            values, seconds = timed(lambda: precompute_logprobs(
+                model, len(samples), lambda start, end: self._rows_of(samples, start, end), 2,
+                batch_size=self.config.training.batch_size, chunk_size=self._chunk_size(0),
+                autocast=lambda: precision.autocast(device)))
+            save_cached(path, values, key, parts)
+        samples.reference = values
+        cost = ReferenceCost("cached", self.reference_choice.reason, seconds=seconds, cache_file=str(path),
+                             reused=reused, items=len(samples))
+        if role == "training":
+            self.reference_cost = cost
+        else:
+            self.eval_reference_cost = cost
+        if say:
+            log.info("memfit: %s%s", cost.describe(), "" if reused else f" ({why})")
+
+    def _rows_of(self, samples: PreferenceSamples, start: int, end: int):
+        batch = collate_preference([samples.tokens(index) for index in range(start, end)], self._pad_token_id)
+        return batch["input_ids"], batch["labels"], batch["attention_mask"]
+
+    def prepare(self, samples: list[dict], indices: Sequence[int], step: int) -> list[dict]:
+        """The step's samples, each with its NLL weight where the objective has a token-mean NLL (module docstring):
+        pairs / NLL targets of all of them, so the step's sum over pairs, divided by its pairs, is that token mean."""
+        tokens = sum(self.nll_targets(sample) for sample in samples)
+        if not tokens:
+            return samples
+        weight = torch.tensor(len(samples) / tokens, dtype=torch.float32)
+        return [{**sample, "nll_weight": weight} for sample in samples]
+
+    def nll_targets(self, sample: dict) -> int:
+        """Targets of the sample's share of a token-mean NLL term (0: the objective has none)."""
+        return 0
+
+    def collate(self, samples: Sequence[dict], pad_token_id: int | None) -> dict[str, torch.Tensor]:
+        if samples and self.nll_targets(samples[0]) and "nll_weight" not in samples[0]:
+            samples = self.prepare(list(samples), range(len(samples)), 0)  # not prepared (a probe): this micro-batch's
+        return collate_preference(samples, pad_token_id)
+
+    # -- the loss --------------------------------------------------------------------------------------------------
+
+    def count(self, sample: dict) -> int:
+        return 1
+
+    def loss_function(self, default: LossFunction) -> LossFunction:
+        return self.loss_sum
+
+    def loss_inputs(self, batch: dict) -> dict[str, Any]:
+        return {name: value for name, value in batch.items() if name not in _BATCH_ROWS}
+
+    def loss_sum(self, model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor,
+                 attention_mask: torch.Tensor | None = None, chunk_size: int = 0, *, pair_index: torch.Tensor,
+                 position_ids: torch.Tensor | None = None, **inputs: torch.Tensor) -> torch.Tensor:
+        """The micro-batch's summed per-pair losses (the step divides by the effective batch's pairs); its metrics
+        go to the step's stream (`step_metrics`)."""
+        rows = _Rows(input_ids, labels, attention_mask, self._chunk_size(chunk_size), position_ids)
+        total, result, weights = self.objective(model, rows, **inputs)
+        self.step_metric_stream.add(pair_index, result.metrics, weights)
+        return total
+
+    def objective(self, model: torch.nn.Module, rows: _Rows, **inputs: torch.Tensor
+                  ) -> tuple[torch.Tensor, PreferenceLoss, dict[str, Any]]:
+        """(the summed loss, the objective's PreferenceLoss, each metric's weight) of one micro-batch."""
+        raise NotImplementedError
+
+    def step_metrics(self) -> dict[str, float]:
+        """The TRL-named metrics of the training micro-batches run since the last call, weighted by pairs (one read
+        from the device), then forgotten: what the step's metrics line carries (rewards/chosen, ...)."""
+        return self.step_metric_stream.result()
+
+    def metric_stream(self) -> PreferenceMetrics:
+        return PreferenceMetrics()
+
+    def eval_loss_sum(self, model: torch.nn.Module, batch: dict, stream: PreferenceMetrics) -> torch.Tensor:
+        """An eval batch's summed per-pair losses, its metrics added to `stream`."""
+        rows = _Rows(batch["input_ids"], batch["labels"], batch.get("attention_mask"), self._chunk_size(0),
+                     batch.get("position_ids"))
+        inputs = {name: value for name, value in self.loss_inputs(batch).items() if name != "pair_index"}
+        total, result, weights = self.objective(model, rows, **inputs)
+        stream.add(batch["pair_index"], result.metrics, weights)
+        return total
+
+    def _chunk_size(self, given: int) -> int:
+        # Always chunked: a preference batch is two rows a pair, and its vocabulary logits are never built whole.
+        configured = self.config.memory.loss_chunk_size if self.config is not None else None
+        return given if given > 0 else (configured or DEFAULT_LOSS_CHUNK_TOKENS)
+
+    def policy_logprobs(self, model: torch.nn.Module, rows: _Rows, labels: torch.Tensor | None = None,
+                        per_token: bool = False):
+        return sequence_logprobs(model, rows.input_ids, rows.labels if labels is None else labels, rows.attention_mask,
+                                 chunk_size=rows.chunk_size, position_ids=rows.position_ids, per_token=per_token)
+
+    def reference_sums(self, model: torch.nn.Module, rows: _Rows, cached: torch.Tensor | None) -> torch.Tensor:
+        """`[rows]` reference log-probabilities of the batch's rows, in its layout (no gradient)."""
+        if cached is not None:  # [samples, 2] -> every sample's first row, then every second
+            return cached.t().reshape(-1).float()
+        mode = self.reference_choice.mode
+        if mode == "adapters-off":
+            return adapters_off_logprobs(model, rows.input_ids, rows.labels, rows.attention_mask, rows.chunk_size)
+        if mode == "copy" and self._copy is not None:
+            return copy_logprobs(self._copy, rows.input_ids, rows.labels, rows.attention_mask, rows.chunk_size)
+        raise RuntimeError(f"--task {self.name}: no reference log-probabilities for this batch (reference {mode})")
+
+    # -- what the run says ---------------------------------------------------------------------------------------
+
+    def facts(self) -> dict[str, Any]:
+        facts = super().facts() | {
+            "objective": self.name,
+            "settings": {name: getattr(self.config.task, name) for name in self.settings_read
+                         if name not in REFERENCE_SETTINGS} if self.config is not None else {},
+            "reference": self.reference_cost.facts(),
+            "packing": "off: each pair runs as two rows of their own, padded to the longest of its micro-batch",
+        }
+        if self.eval_reference_cost is not None:
+            facts["eval_reference"] = self.eval_reference_cost.facts()
+        return facts
+
+    def describe(self) -> str:
+        return f"{self.name} ({self.auto_class}; loss per {self.unit.removesuffix('s')}; {self.reference_cost.describe()})"
+
+    @classmethod
+    def describe_data(cls, facts: dict[str, Any]) -> str:
+        """Preference data facts (PreferenceDataset.data_facts) in words: the report's data row."""
+        noun = "pairs" if facts.get("paired", True) else "completions"
+        template = f", template {facts['chat_template']}" if facts.get("chat_template") else ""
+        text = (f"{facts.get('format')}{template}: {facts.get('samples_kept', 0):,} of {facts.get('items', 0):,} {noun}"
+                f" of <= {facts.get('seq_len')} tokens a sequence, {facts.get('target_tokens', 0):,} of"
+                f" {facts.get('tokens', 0):,} tokens scored (the completions)")
+        cost = []
+        if facts.get("samples_dropped_long"):
+            cost.append(f"{facts['samples_dropped_long']:,} longer than {facts.get('seq_len')} tokens dropped")
+        if facts.get("samples_truncated"):
+            cost.append(f"{facts['samples_truncated']:,} cut to {facts.get('seq_len')} tokens")
+        return text + ("; " + ", ".join(cost) if cost else "")
+
+
+class DPOTask(PreferenceTask):
+    """DPO (--loss-type sigmoid, hinge, ipo or robust) against the reference, on summed log-probabilities."""
+
+    name = "dpo"
+    settings_read = ("beta", "loss_type", "label_smoothing", *REFERENCE_SETTINGS)
+
+    def refusals(self, config: Any) -> list[str]:
+        found = super().refusals(config)
+        task = config.task
+        try:
+            DPOSettings(task.loss_type, task.beta, task.label_smoothing)
+        except ValueError as error:
+            found.append(f"--task dpo: {error} (--loss-type, --beta, --label-smoothing)")
+        return found
+
+    def objective(self, model, rows, *, reference_logps=None, **_):
+        task = self.config.task
+        policy = PairLogprobs.from_rows(self.policy_logprobs(model, rows))
+        reference = self.reference_sums(model, rows, reference_logps)
+        reference_pairs = PairLogprobs(reference[: rows.half], reference[rows.half :], policy.chosen_tokens,
+                                       policy.rejected_tokens)
+        result = dpo_loss(policy, reference_pairs, DPOSettings(task.loss_type, task.beta, task.label_smoothing))
+        return result.losses.sum(), result, dict.fromkeys(result.metrics, rows.half)
+
+
+class SimPOTask(PreferenceTask):
+    """SimPO: average log-probabilities against a margin, no reference; plus cpo_alpha x the chosen NLL."""
+
+    name = "simpo"
+    needs_reference = False
+    settings_read = ("beta", "label_smoothing", "simpo_gamma", "cpo_alpha")
+
+    def nll_targets(self, sample: dict) -> int:
+        return len(sample["chosen_ids"]) if self.config is not None and self.config.task.cpo_alpha else 0
+
+    def objective(self, model, rows, *, nll_weights=None, **_):
+        task = self.config.task
+        policy = PairLogprobs.from_rows(self.policy_logprobs(model, rows))
+        result = simpo_loss(policy, SimPOSettings(task.beta, task.simpo_gamma, task.label_smoothing, task.cpo_alpha))
+        total = result.losses.sum()
+        if task.cpo_alpha and nll_weights is not None:
+            total = total - task.cpo_alpha * (policy.chosen * nll_weights).sum()
+        return total, result, dict.fromkeys(result.metrics, rows.half)
+
+
+class ORPOTask(PreferenceTask):
+    """ORPO: the NLL of the chosen rows (prompt included, as TRL) plus beta x the odds-ratio term; no reference."""
+
+    name = "orpo"
+    needs_reference = False
+
+    def nll_targets(self, sample: dict) -> int:
+        return len(sample["prompt_ids"]) + len(sample["chosen_ids"]) - 1  # every real token but the first is predicted
+
+    def objective(self, model, rows, *, nll_weights=None, **_):
+        # one forward scores every real token (the NLL's) and, restricted, the completions' (the odds ratio's)
+        every = rows.input_ids if rows.attention_mask is None else rows.input_ids.masked_fill(
+            rows.attention_mask == 0, IGNORE_INDEX)
+        whole = self.policy_logprobs(model, rows, labels=every, per_token=True)
+        completions = PairLogprobs.from_rows(whole.restricted_to(rows.labels))
+        chosen_rows = slice(0, rows.half)
+        result = orpo_loss(completions, whole.sums[chosen_rows], whole.token_counts[chosen_rows],
+                           ORPOSettings(self.config.task.beta))
+        weights = nll_weights if nll_weights is not None else rows.half / whole.token_counts[chosen_rows].sum()
+        total = result.losses.sum() - (whole.sums[chosen_rows] * weights).sum()
+        return total, result, dict.fromkeys(result.metrics, rows.half)
+
+
+class KTOTask(PreferenceTask):
+    """KTO: each completion's log-ratio against the reference point z (its KL estimate), weighted by its label."""
+
+    name = "kto"
+    unit = "completions"
+    settings_read = ("beta", "desirable_weight", "undesirable_weight", *REFERENCE_SETTINGS)
+
+    def refusals(self, config: Any) -> list[str]:
+        found = super().refusals(config)
+        if config.training.batch_size < 2:
+            found.append("--task kto estimates its KL term from the other completions of a micro-batch, so it needs"
+                         " --batch-size 2 or more (as TRL)")
+        return found
+
+    def objective(self, model, rows, *, desirable, reference_logps=None, **_):
+        task = self.config.task
+        count = rows.half
+        matched = _Rows(rows.input_ids[:count], rows.labels[:count],
+                        None if rows.attention_mask is None else rows.attention_mask[:count], rows.chunk_size)
+        mismatched = _Rows(rows.input_ids[count:], rows.labels[count:],
+                           None if rows.attention_mask is None else rows.attention_mask[count:], rows.chunk_size)
+        policy = self.policy_logprobs(model, matched).sums
+        with torch.no_grad():  # z is a detached baseline: its rows need no graph (TRL's no_grad too)
+            policy_mismatched = self.policy_logprobs(model, mismatched).sums
+        reference = self.reference_sums(model, rows, reference_logps)
+        z = kto_kl_estimate(policy_mismatched, reference[count:])
+        result = kto_loss(policy, reference[:count], desirable, z,
+                          KTOSettings(task.beta, task.desirable_weight, task.undesirable_weight))
+        chosen = desirable.to(torch.float32).sum()
+        weights: dict[str, Any] = {"kl": count}
+        for name in result.metrics:
+            if name != "kl":
+                weights[name] = chosen if name.endswith("/chosen") else count - chosen
+        return result.losses.sum(), result, weights
+
+
+PREFERENCE_TASK_CLASSES: tuple[type[PreferenceTask], ...] = (DPOTask, SimPOTask, ORPOTask, KTOTask)
