@@ -8,12 +8,13 @@ and the feed-forward's intermediates are most of a block's activations.
 
 from __future__ import annotations
 
+import dataclasses
 from functools import cache
 
 import pytest
 from test_encoder_estimate import _config, _measured, encoder_config
 
-import memfit.prediction.run_shape as run_shape
+import memfit.prediction.estimator as estimator_module
 import memfit.train.traced  # noqa: F401  (registers the traced step)
 from memfit.prediction.estimator import ERROR_BAND, estimate
 
@@ -74,6 +75,8 @@ def test_esm_under_lora_stays_within_the_band_at_long_sequences(seq_len, changes
 def test_an_estimate_that_ignores_the_tiling_falls_outside_the_band(monkeypatch):
     """The check above can fail: counted as untiled, an ESM classifier's estimate is far above the tiled run's peak."""
     truth, _, _, hf_config, config = _truth_and_estimates("esm", "sequence-classification", {"tiled_mlp": 4})
-    monkeypatch.setattr(run_shape, "resolve_mlp_tiles", lambda tiled_mlp, seq_len: 0)
+    resolved = estimator_module.resolve_run
+    monkeypatch.setattr(estimator_module, "resolve_run",
+                        lambda *args: dataclasses.replace(resolved(*args), mlp_tiles=0))  # the run, counted untiled
     untiled = estimate(config, hf_config=hf_config).peak_bytes
     assert untiled / truth - 1 > ERROR_BAND["analytical"], (untiled, truth)
