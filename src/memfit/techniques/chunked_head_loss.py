@@ -100,47 +100,63 @@ class _ChunkedHeadLoss(torch.autograd.Function):
             total += token_loss(F.linear(hidden[start:end], weight, bias), targets[start:end], postprocess)
         ctx.save_for_backward(hidden, weight, bias, targets)
         ctx.chunk_size, ctx.postprocess, ctx.token_loss = chunk_size, postprocess, token_loss
-        # Backward recomputes the logits as forward computed them: under the same autocast.
-        device_type = hidden.device.type
-        ctx.autocast = (device_type, torch.get_autocast_dtype(device_type), torch.is_autocast_enabled(device_type))
+        ctx.autocast = autocast_state(hidden)
         return total
 
     @staticmethod
     def backward(ctx, grad_total):
-        hidden, weight, bias, targets = ctx.saved_tensors
-        needs_hidden, needs_weight, needs_bias = ctx.needs_input_grad[:3]
-        grad_hidden = torch.empty_like(hidden) if needs_hidden else None
-        grad_weight = grad_bias = None
-        device_type, dtype, enabled = ctx.autocast
-        # No autocast cache: a 16-bit copy of an fp32 head would stay for the whole backward; cast per chunk instead.
-        recompute = torch.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=False)
-        for start in range(0, hidden.size(0), ctx.chunk_size):
-            end = start + ctx.chunk_size
-            chunk = hidden[start:end].detach().requires_grad_(needs_hidden)
-            # no saved-tensor hooks: activation offload must not move a chunk's short-lived tensors, used right here
-            with torch.enable_grad(), recompute, torch.autograd.graph.saved_tensors_hooks(_same, _same):
-                logits = F.linear(chunk, weight, bias)  # as forward: no module call (its hooks, see forward)
-                if not needs_hidden:  # nothing upstream trains: the logits are where the recomputed graph starts
-                    logits = logits.detach().requires_grad_()
-                loss = ctx.token_loss(logits, targets[start:end], ctx.postprocess)
-                grads = torch.autograd.grad(loss, [logits, chunk] if needs_hidden else [logits], grad_total)
-            grad_logits = grads[0]
-            del logits, loss
-            if needs_hidden:
-                grad_hidden[start:end].copy_(grads[1])
-            del grads
-            # without autocast (a backward called inside an autocast region runs in it): the sums keep the
-            # parameters' dtypes
-            with torch.autocast(device_type, enabled=False):
-                if needs_weight:
-                    # the input the projection multiplied (cast to the compute dtype under autocast)
-                    rows = chunk.detach().to(grad_logits.dtype)
-                    grad_weight = _accumulate_product(grad_weight, grad_logits, rows, weight.dtype)
-                if needs_bias:
-                    chunk_bias = grad_logits.sum(0, dtype=bias.dtype)
-                    grad_bias = chunk_bias if grad_bias is None else grad_bias.add_(chunk_bias)
-            del grad_logits
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None
+        grads = backward_by_chunks(ctx, lambda logits, targets: ctx.token_loss(logits, targets, ctx.postprocess),
+                                   lambda start, end: grad_total)
+        return *grads, None, None, None, None
+
+
+def autocast_state(hidden: torch.Tensor) -> tuple:
+    """The autocast forward ran under, for backward to recompute the logits as forward computed them."""
+    device_type = hidden.device.type
+    return device_type, torch.get_autocast_dtype(device_type), torch.is_autocast_enabled(device_type)
+
+
+def backward_by_chunks(ctx, value_of: Callable, grad_of: Callable) -> tuple:
+    """The gradients of hidden, weight and bias for a head run a chunk of rows at a time, recomputed here.
+
+    `ctx` saved (hidden, weight, bias, targets), `chunk_size` and `autocast` (`autocast_state`); `value_of(logits,
+    targets)` is what forward computed of a chunk's logits, `grad_of(start, end)` the gradient it received for those
+    rows. The head's gradient is added to in place, chunk by chunk: one head-sized buffer.
+    """
+    hidden, weight, bias, targets = ctx.saved_tensors
+    needs_hidden, needs_weight, needs_bias = ctx.needs_input_grad[:3]
+    grad_hidden = torch.empty_like(hidden) if needs_hidden else None
+    grad_weight = grad_bias = None
+    device_type, dtype, enabled = ctx.autocast
+    # No autocast cache: a 16-bit copy of an fp32 head would stay for the whole backward; cast per chunk instead.
+    recompute = torch.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=False)
+    for start in range(0, hidden.size(0), ctx.chunk_size):
+        end = start + ctx.chunk_size
+        chunk = hidden[start:end].detach().requires_grad_(needs_hidden)
+        # no saved-tensor hooks: activation offload must not move a chunk's short-lived tensors, used right here
+        with torch.enable_grad(), recompute, torch.autograd.graph.saved_tensors_hooks(_same, _same):
+            logits = F.linear(chunk, weight, bias)  # as forward: no module call (its hooks, see forward)
+            if not needs_hidden:  # nothing upstream trains: the logits are where the recomputed graph starts
+                logits = logits.detach().requires_grad_()
+            value = value_of(logits, targets[start:end])
+            grads = torch.autograd.grad(value, [logits, chunk] if needs_hidden else [logits], grad_of(start, end))
+        grad_logits = grads[0]
+        del logits, value
+        if needs_hidden:
+            grad_hidden[start:end].copy_(grads[1])
+        del grads
+        # without autocast (a backward called inside an autocast region runs in it): the sums keep the
+        # parameters' dtypes
+        with torch.autocast(device_type, enabled=False):
+            if needs_weight:
+                # the input the projection multiplied (cast to the compute dtype under autocast)
+                rows = chunk.detach().to(grad_logits.dtype)
+                grad_weight = _accumulate_product(grad_weight, grad_logits, rows, weight.dtype)
+            if needs_bias:
+                chunk_bias = grad_logits.sum(0, dtype=bias.dtype)
+                grad_bias = chunk_bias if grad_bias is None else grad_bias.add_(chunk_bias)
+        del grad_logits
+    return grad_hidden, grad_weight, grad_bias
 
 
 def _same(tensor: torch.Tensor) -> torch.Tensor:

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from memfit.techniques.chunked_head_loss import in_place_head_problem
+from memfit.techniques.chunked_head_loss import autocast_state, backward_by_chunks, in_place_head_problem
 from memfit.techniques.loss import (
     DEFAULT_LOSS_CHUNK_TOKENS,
     IGNORE_INDEX,
@@ -178,57 +178,13 @@ class _InPlaceHeadTokenLogprobs(torch.autograd.Function):
                                                               targets[start:end], postprocess)
         ctx.save_for_backward(hidden, weight, bias, targets)
         ctx.chunk_size, ctx.postprocess = chunk_size, postprocess
-        # Backward recomputes the logits as forward computed them: under the same autocast.
-        device_type = hidden.device.type
-        ctx.autocast = (device_type, torch.get_autocast_dtype(device_type), torch.is_autocast_enabled(device_type))
+        ctx.autocast = autocast_state(hidden)
         return token_logprobs
 
     @staticmethod
     def backward(ctx, grad_token_logprobs):
-        hidden, weight, bias, targets = ctx.saved_tensors
-        needs_hidden, needs_weight, needs_bias = ctx.needs_input_grad[:3]
-        grad_hidden = torch.empty_like(hidden) if needs_hidden else None
-        grad_weight = grad_bias = None
-        device_type, dtype, enabled = ctx.autocast
-        # No autocast cache: a 16-bit copy of an fp32 head would stay for the whole backward.
-        recompute = torch.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=False)
-        for start in range(0, hidden.size(0), ctx.chunk_size):
-            end = start + ctx.chunk_size
-            chunk = hidden[start:end].detach().requires_grad_(needs_hidden)
-            # no saved-tensor hooks: activation offload must not move a chunk's short-lived tensors
-            with torch.enable_grad(), recompute, torch.autograd.graph.saved_tensors_hooks(_same, _same):
-                logits = F.linear(chunk, weight, bias)
-                if not needs_hidden:  # nothing upstream trains: the recomputed graph starts at the logits
-                    logits = logits.detach().requires_grad_()
-                chunk_logprobs = token_target_logprobs(logits, targets[start:end], ctx.postprocess)
-                grads = torch.autograd.grad(chunk_logprobs, [logits, chunk] if needs_hidden else [logits],
-                                            grad_token_logprobs[start:end])
-            grad_logits = grads[0]
-            del logits, chunk_logprobs
-            if needs_hidden:
-                grad_hidden[start:end].copy_(grads[1])
-            del grads
-            # outside autocast (a backward called in an autocast region runs in it): sums in the parameters' dtypes
-            with torch.autocast(device_type, enabled=False):
-                if needs_weight:
-                    grad_weight = _add_product(grad_weight, grad_logits, chunk.detach(), weight.dtype)
-                if needs_bias:
-                    chunk_bias = grad_logits.sum(0, dtype=bias.dtype)
-                    grad_bias = chunk_bias if grad_bias is None else grad_bias.add_(chunk_bias)
-            del grad_logits
-        return grad_hidden, grad_weight, grad_bias, None, None, None
+        grads = backward_by_chunks(ctx, lambda logits, targets: token_target_logprobs(logits, targets, ctx.postprocess),
+                                   lambda start, end: grad_token_logprobs[start:end])
+        return *grads, None, None, None
 
 
-def _same(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor
-
-
-def _add_product(total: torch.Tensor | None, grad_logits: torch.Tensor, rows: torch.Tensor,
-                 dtype: torch.dtype) -> torch.Tensor:
-    """`total += grad_logits^T @ rows` in place, in `dtype`; the first chunk's product starts the sum."""
-    # chunk-sized casts (autocast's 16-bit operands to an fp32 weight's dtype), never a head-sized one
-    grad_logits, rows = grad_logits.to(dtype), rows.to(dtype)
-    if total is None:
-        return grad_logits.t().mm(rows)
-    # the out= form of addmm: in place, and the op FLOP counters know
-    return torch.addmm(total, grad_logits.t(), rows, out=total)
