@@ -571,6 +571,7 @@ class KTOTask(PreferenceTask):
 
     name = "kto"
     unit = "completions"
+    eval_metrics = ("rewards/margins", "kl")  # no accuracy: a completion is not compared with another (TRL's)
     settings_read = ("beta", "desirable_weight", "undesirable_weight", *REFERENCE_SETTINGS)
 
     def refusals(self, config: Any) -> list[str]:

@@ -196,10 +196,10 @@ def model_fingerprint(model: torch.nn.Module, name: str) -> str:
         for chunk in flat.split(_CHECKSUM_CHUNK):
             chunk = chunk.to(torch.float64)
             total += torch.stack([chunk.sum(), chunk.square().sum()])
-        sums.append(total.cpu())  # small: two numbers a tensor; read once below
+        sums.append(total)
     digest.update("\n".join(names).encode())
-    if sums:
-        digest.update(torch.stack(sums).numpy().tobytes())
+    if sums:  # two numbers a tensor, read from the device in one copy
+        digest.update(torch.stack([total.to(sums[0].device) for total in sums]).cpu().numpy().tobytes())
     return digest.hexdigest()
 
 
