@@ -111,12 +111,12 @@ def _apply(model: nn.Module, run, context):
 
 
 def _technique():
-    from memfit.techniques.technique import Technique
+    from memfit.techniques.technique import Technique, report_when_on
 
     return Technique(
         name="expert_dequant_group", settings=("expert_dequant_group",), after=("embedding_on_host",), apply=_apply,
         resolve=lambda facts, run: {"expert_dequant_group": facts.config.memory.expert_dequant_group or 0},
-        report=lambda run: {"expert_dequant_group": run.expert_dequant_group} if run.expert_dequant_group else {},
+        report=report_when_on("expert_dequant_group"),
         summary="NF4 expert stacks are dequantized a group of experts at a time, not the whole stack",
     )
 

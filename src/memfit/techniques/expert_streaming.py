@@ -287,15 +287,6 @@ def expert_streaming_facts(model: nn.Module) -> dict | None:
             "bytes_per_micro_batch": 2 * streamer.host_bytes, "streamed_bytes": streamer.streamed_bytes}
 
 
-def _apply(model: nn.Module, run, context):
-    from memfit.techniques.technique import Applied
-
-    if not run.expert_offload:
-        return Applied()
-    # frozen experts in host memory, brought per layer (before tiled experts wrap them)
-    return Applied(f"expert offload: {apply_expert_streaming(model)}")
-
-
 def _speed_terms(run, facts) -> float:
     """The frozen experts cross the host link a layer at a time, beside the compute: what the forward and recompute
     passes cannot hide is added."""
@@ -306,12 +297,14 @@ def _speed_terms(run, facts) -> float:
 
 
 def _technique():
-    from memfit.techniques.technique import Technique
+    from memfit.techniques.technique import Technique, apply_when_on, report_when_on
 
     return Technique(
-        name="expert_offload", settings=("expert_offload",), after=("lora",), apply=_apply, speed_terms=_speed_terms,
+        name="expert_offload", settings=("expert_offload",), after=("lora",), speed_terms=_speed_terms,
         resolve=lambda facts, run: {"expert_offload": facts.config.memory.expert_offload},
-        report=lambda run: {"expert_offload": True} if run.expert_offload else {},
+        # frozen experts in host memory, brought per layer (before tiled experts wrap them)
+        apply=apply_when_on("expert_offload", "expert offload", apply_expert_streaming),
+        report=report_when_on("expert_offload"),
         summary="a mixture of experts' frozen expert weights stay in host memory, brought one layer at a time",
     )
 

@@ -84,21 +84,14 @@ def embedding_on_host(model: nn.Module) -> bool:
     return bool(getattr(embedding, "memfit_on_host", False))
 
 
-def _apply(model: nn.Module, run, context):
-    from memfit.techniques.technique import Applied
-
-    if not run.embedding_on_host:
-        return Applied()
-    return Applied(f"embedding on host: {embedding_to_host(model)}")  # the frozen input embedding's lookup
-
-
 def _technique():
-    from memfit.techniques.technique import Technique
+    from memfit.techniques.technique import Technique, apply_when_on, report_when_on
 
     return Technique(
-        name="embedding_on_host", settings=("embedding_on_host",), after=("nf4_head",), apply=_apply,
+        name="embedding_on_host", settings=("embedding_on_host",), after=("nf4_head",),
         resolve=lambda facts, run: {"embedding_on_host": facts.config.memory.embedding_on_host},
-        report=lambda run: {"embedding_on_host": True} if run.embedding_on_host else {},
+        apply=apply_when_on("embedding_on_host", "embedding on host", embedding_to_host),  # the frozen lookup
+        report=report_when_on("embedding_on_host"),
         summary="the frozen input embedding stays in host memory; only the looked-up rows reach the device",
     )
 

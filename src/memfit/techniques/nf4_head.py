@@ -141,22 +141,14 @@ def quantize_head(model: nn.Module) -> str:
 
 
 
-def _apply(model: nn.Module, run, context):
-    from memfit.techniques.technique import Applied
-
-    if not run.quantize_head:
-        return Applied()
-    # the frozen head in NF4, projected a tile of vocabulary rows at a time
-    return Applied(f"NF4 head: {quantize_head(model)}")
-
-
 def _technique():
-    from memfit.techniques.technique import Technique
+    from memfit.techniques.technique import Technique, apply_when_on, report_when_on
 
     return Technique(
-        name="nf4_head", settings=("quantize_head",), after=("expert_offload",), apply=_apply,
+        name="nf4_head", settings=("quantize_head",), after=("expert_offload",),
         resolve=lambda facts, run: {"quantize_head": facts.config.lora.quantize_head},
-        report=lambda run: {"quantize_head": True} if run.quantize_head else {},
+        # the frozen head in NF4, projected a tile of vocabulary rows at a time
+        apply=apply_when_on("quantize_head", "NF4 head", quantize_head), report=report_when_on("quantize_head"),
         summary="the frozen output head in NF4 (QLoRA), projected a tile of vocabulary rows at a time",
     )
 

@@ -185,3 +185,18 @@ class Technique:
             raise ValueError(f"technique {self.name}: stage must be one of {STAGES}, got {self.stage!r}")
         if self.apply is not None and self.stage != "model":
             raise ValueError(f"technique {self.name}: only a 'model' stage technique has an apply")
+
+
+def apply_when_on(field: str, label: str, action: Callable[[torch.nn.Module], str]) -> Callable[..., Applied]:
+    """The `apply` of a technique switched by one boolean field of the resolved run: `action(model)` when it is on,
+    said as '<label>: <what action returned>'."""
+
+    def apply(model: torch.nn.Module, run: ResolvedRun, context: ApplyContext) -> Applied:
+        return Applied(f"{label}: {action(model)}") if getattr(run, field) else Applied()
+
+    return apply
+
+
+def report_when_on(field: str) -> Callable[[ResolvedRun], dict[str, Any]]:
+    """The `report` of a technique switched by one field of the resolved run: the field's value while it is on."""
+    return lambda run: {field: getattr(run, field)} if getattr(run, field) else {}
