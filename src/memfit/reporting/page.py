@@ -196,7 +196,15 @@ def configuration_rows(run: RunData) -> list[tuple[str, str]]:
         ("attention kernel", facts.get("attention")),
         ("gradient checkpointing", facts.get("gradient_checkpointing")),
         ("loss chunk size", facts.get("loss_chunk_size") or "off" if "loss_chunk_size" in facts else None),
+        # what each technique of the registry says about the run (resolution.resolve.report)
+        ("techniques", ", ".join(f"{name.replace('_', ' ')} {value}" for name, value in facts["techniques"].items())
+         if facts.get("techniques") else None),
     ]
+    changes = [event for event in run.events if event.get("event") == "run_changed"]
+    if changes:  # what changed while running (an OOM escalation, compiled blocks run eager), step by step
+        rows.append(("changed while running", "; ".join(
+            f"step {event.get('step', '?')}: {event.get('technique')} {event.get('from')} -> {event.get('to')}"
+            f" ({event.get('reason')})" for event in changes)))
     if last.get("micro_batch_size"):
         rows.append(
             (

@@ -155,3 +155,20 @@ def test_run_killed_before_its_first_step_still_has_a_report(tmp_path):
     page = write_report(run_dir).read_text()
     assert "no summary: the run did not finish" in page
     assert remote_references(page) == []
+
+
+def test_the_configuration_says_what_each_technique_reports_and_what_changed_while_running():
+    from memfit.reporting.page import configuration_rows
+    from memfit.reporting.run_data import from_records
+
+    records = [
+        {"event": "start", "precision": "fp32", "techniques": {"loss_chunk_size": 1024, "toy_level": 2}},
+        {"step": 1, "loss": 2.0},
+        {"step": 1, "event": "run_changed", "technique": "gradient_checkpointing", "from": "checkpointing='off'",
+         "to": "checkpointing='full'", "reason": "out of memory in backward at micro-batch 1"},
+        {"step": 2, "loss": 1.9},
+    ]
+    rows = dict(configuration_rows(from_records(records, "run", "memory")))
+    assert rows["techniques"] == "loss chunk size 1024, toy level 2"
+    assert rows["changed while running"] == ("step 1: gradient_checkpointing checkpointing='off' -> checkpointing='full'"
+                                             " (out of memory in backward at micro-batch 1)")
