@@ -101,6 +101,11 @@ class Task:
         as keyword arguments (a preference task's pairs and reference log-probabilities); nothing by default."""
         return {}
 
+    def step_metrics(self) -> dict[str, Any]:
+        """What the task measured of its training steps since it was last asked (a preference task's rewards and
+        log-probabilities, under TRL's names), for the step's metrics line; then forgotten. Nothing by default."""
+        return {}
+
     def metric_stream(self) -> Any:
         """A stream of per-sample predictions for one evaluation (tasks.metrics), or None: loss and perplexity only."""
         return None

@@ -211,6 +211,7 @@ def _start(session: TrainingSession, start: _StartPoint, tracker: Any, save_outp
 def _take_steps(session: TrainingSession, start: _StartPoint, parts: _RunParts) -> None:
     """The steps phase: each optimizer step left to run, with the observers called at their points."""
     observers = parts.observers.in_step_order()
+    session.task.step_metrics()  # forget what losses computed before the first step (probes) would have added
     upcoming = _samples_of(session, start.state.step)
     for step in range(start.state.step, session.total_steps):
         for observer in observers:
@@ -225,6 +226,7 @@ def _take_steps(session: TrainingSession, start: _StartPoint, parts: _RunParts) 
         for observer in observers:
             observer.after_step(done)
         record = _step_line(session, done)
+        record.update(session.task.step_metrics())  # the task's own (a preference task's rewards/*, logps/*)
         for observer in observers:
             record.update(observer.record_fields(done))
         record.update(session.engine.step_metrics(record))  # every rank takes part

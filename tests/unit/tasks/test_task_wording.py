@@ -29,6 +29,9 @@ RECORDS = {
                                 "eval_accuracy": 0.9, "eval_f1": 0.8976, "eval_mcc": 0.8633, "eval_auroc": 0.9962},
     "regression": {"eval_loss": 0.02, "eval_perplexity": 1.02, "eval_tokens": 80, "eval_samples": 80,
                    "eval_mse": 0.02, "eval_r2": 0.7, "eval_pearson": 0.85, "eval_spearman": 0.83},
+    **{name: {"eval_loss": 0.6, "eval_perplexity": 1.82, "eval_tokens": 4000, "eval_samples": 40, "eval_rewards/accuracies": 0.75, "eval_rewards/margins": 0.1234} for name in ("dpo", "simpo", "orpo")},
+    "kto": {"eval_loss": 0.6, "eval_perplexity": 1.82, "eval_tokens": 4000, "eval_samples": 40,
+            "eval_rewards/margins": 0.1234, "eval_kl": 0.05},
 }
 EXPECTED = {  # (what the eval is averaged over, the measures shown, words never shown)
     "causal-lm": ("12,345 target tokens", ["perplexity 24.53"], ["samples"]),
@@ -37,6 +40,9 @@ EXPECTED = {  # (what the eval is averaged over, the measures shown, words never
     "sequence-classification": ("80 samples", ["accuracy 0.9", "F1 0.8976", "MCC 0.8633", "AUROC 0.9962"],
                                 ["perplexity", "tokens"]),
     "regression": ("80 samples", ["MSE 0.02", "R2 0.7", "Pearson 0.85", "Spearman 0.83"], ["perplexity", "tokens"]),
+    **{name: ("40 pairs", ["rewards/accuracies 0.75", "rewards/margins 0.1234"], ["perplexity", "tokens"])
+       for name in ("dpo", "simpo", "orpo")},
+    "kto": ("40 completions", ["rewards/margins 0.1234", "kl 0.05"], ["perplexity", "tokens"]),
 }
 SUMMARY = {"event": "summary", "steps": 10, "first_loss": 1.1, "final_loss": 0.5, "device": "cpu", "precision": "fp32",
            "optimizer": "adamw", "attention": "sdpa", "gradient_checkpointing": "off", "eval_step": 10}
