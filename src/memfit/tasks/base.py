@@ -137,6 +137,13 @@ class Task:
                 for name in cls.eval_metrics if record.get(f"eval_{name}") is not None]
 
     @classmethod
+    def step_scores(cls, record: dict[str, Any]) -> list[str]:
+        """The task's measures a training step's line carries (its `step_metrics` under the eval metrics' names),
+        worded for the progress line: ["rewards/accuracies 0.75", "rewards/margins 0.1234"]."""
+        return [f"{METRIC_LABELS.get(name, name)} {format_metric(name, record[name])}"
+                for name in cls.eval_metrics if isinstance(record.get(name), int | float)]
+
+    @classmethod
     def eval_count(cls, record: dict[str, Any]) -> str:
         """What the eval loss was averaged over: "80 samples", "12,345 target tokens" ("" when the line lacks it)."""
         count = record.get(cls.eval_count_field)

@@ -190,7 +190,7 @@ def _start(session: TrainingSession, start: _StartPoint, tracker: Any, save_outp
                         enabled=session.dist.is_main)
     observers = RunObservers(
         first_step=FirstStepChecks(session, logger, tracked=tracker is not None),
-        progress=ProgressDisplay(progress),
+        progress=ProgressDisplay(progress, session.task),
         evaluation=EvaluationRuns(evaluator, logger, progress) if evaluator is not None else None,
         speed=SpeedFacts(session, speed, sample.step if sample is not None else None, calibrate=save_outputs),
         memory_peaks=MemoryPeaks(session.device),

@@ -34,13 +34,16 @@ from memfit.train.step_observer import FinishedStep, StepObserver
 
 
 class ProgressDisplay(StepObserver):
-    """The step's loss, tokens per second and peak on the console, once its line is written."""
+    """The step's loss, the task's own measures, tokens per second and peak on the console, once its line is
+    written."""
 
-    def __init__(self, progress: Progress):
+    def __init__(self, progress: Progress, task: Any):
         self.progress = progress
+        self.task = task
 
     def after_record(self, done: FinishedStep, record: dict[str, Any]) -> None:
-        self.progress.update(done.step, done.loss, record["tokens_per_second"], record.get("peak_memory_bytes"))
+        self.progress.update(done.step, done.loss, record["tokens_per_second"], record.get("peak_memory_bytes"),
+                             self.task.step_scores(record))
 
 
 class EvaluationRuns(StepObserver):

@@ -35,11 +35,13 @@ class Progress:
             self._task = self._bar.add_task("train", total=self.total, completed=self.start, status="")
         return self
 
-    def update(self, step: int, loss: float, tokens_per_second: float, peak_bytes: int | None) -> None:
+    def update(self, step: int, loss: float, tokens_per_second: float, peak_bytes: int | None,
+               scores: list[str] | None = None) -> None:
+        """`scores`: the task's own measures of the step, worded (Task.step_scores)."""
         if not self.enabled:
             return
         memory = format_bytes(peak_bytes) if peak_bytes else "n/a"
-        status = f"loss {loss:.4f} | {tokens_per_second:,.0f} tok/s | peak {memory}"
+        status = " | ".join([f"loss {loss:.4f}", *(scores or []), f"{tokens_per_second:,.0f} tok/s", f"peak {memory}"])
         if self._bar is not None:
             self._bar.update(self._task, completed=step, status=status)
         elif step % self.every == 0 or step == self.total or step == self.start + 1:

@@ -138,3 +138,9 @@ def test_packing_asked_and_refused_is_an_error_not_a_silent_fallback(encoder_dir
                                         task="sequence-classification", seq_len=64, max_steps=1, output_dir=str(tmp_path)))
     with pytest.raises(UsageError, match="--packing samples"):
         train(config)
+
+
+def test_a_training_step_line_shows_the_tasks_own_measures():
+    step = {"step": 3, "loss": 0.61, "rewards/accuracies": 0.75, "rewards/margins": 0.1234, "rewards/chosen": 0.2}
+    assert TASK_CLASSES["dpo"].step_scores(step) == ["rewards/accuracies 0.75", "rewards/margins 0.1234"]
+    assert TASK_CLASSES["causal-lm"].step_scores(step) == []  # its measure (perplexity) is an eval's
