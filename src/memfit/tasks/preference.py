@@ -5,7 +5,10 @@ step's loss is the mean over the pairs of the effective batch, as TRL's is over 
 pairs). `collate` makes two rows of a sample: prompt + chosen and prompt + rejected (KTO: prompt + completion and
 prompt + a mismatched completion, the rows of its KL estimate), all first rows, then all second rows (TRL's
 concatenated layout), labels IGNORE_INDEX on the prompt and the padding. A pair is never split: OOM recovery splits
-the list of samples, so both rows of a pair always meet in one micro-batch.
+the list of samples, so both rows of a pair always meet in one micro-batch. Under --pair-layout shared-prompt (or
+auto, where the model's attention kernel takes a 4D mask and the prompts are long enough) a pair is instead one row
+that computes its prompt once (tasks/pair_layout.py); the log-probabilities reach the objectives in the two-row
+order either way, so the objectives do not know which layout ran.
 
 The loss function runs the policy's log-probabilities of the completions chunk by chunk
 (techniques/sequence_logprobs.py: no `[rows, length, vocabulary]` logits), takes the reference's
@@ -55,7 +58,19 @@ from memfit.tasks.preference_losses import (
     orpo_loss,
     simpo_loss,
 )
-from memfit.techniques.loss import DEFAULT_LOSS_CHUNK_TOKENS, IGNORE_INDEX
+from memfit.tasks.pair_layout import (
+    UNDECIDED,
+    PairLayout,
+    as_two_rows,
+    choose_pair_layout,
+    collate_shared_prompt,
+    every_token_labels,
+    layout_inputs,
+    shared_prompt_attention_mask,
+    side_labels,
+)
+from memfit.techniques.loss import DEFAULT_LOSS_CHUNK_TOKENS, IGNORE_INDEX, unwrap_causal_lm
+from memfit.techniques.reference_model import _peft_model as peft_model_of  # the PEFT model under any engine wrapper
 from memfit.techniques.reference_model import (
     NO_REFERENCE,
     ReferenceChoice,
@@ -183,13 +198,18 @@ def collate_preference(samples: Sequence[dict], pad_token_id: int | None) -> dic
         input_ids[row, len(prompt) : end] = completion
         labels[row, len(prompt) : end] = completion
         attention_mask[row, :end] = 1
-    batch = {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask,
-             "pair_index": torch.stack([sample["index"] for sample in samples])}
+    return {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask} | per_sample_values(samples)
+
+
+def per_sample_values(samples: Sequence[dict]) -> dict[str, torch.Tensor]:
+    """What a batch carries once a sample, in either layout: pair_index, and reference_logps, desirable, nll_weights
+    where every sample has them."""
+    values = {"pair_index": torch.stack([sample["index"] for sample in samples])}
     for name, batch_name in (("reference_logps", "reference_logps"), ("desirable", "desirable"),
                              ("nll_weight", "nll_weights")):
         if all(name in sample for sample in samples):
-            batch[batch_name] = torch.stack([sample[name] for sample in samples])
-    return batch
+            values[batch_name] = torch.stack([sample[name] for sample in samples])
+    return values
 
 
 # -- the metrics ------------------------------------------------------------------------------------------------------
@@ -264,18 +284,50 @@ class PreferenceMetrics:
 
 @dataclass
 class _Rows:
-    """A collated micro-batch as the loss function receives it."""
+    """A collated micro-batch as the loss function receives it, in either pair layout (tasks/pair_layout.py)."""
 
     input_ids: torch.Tensor
     labels: torch.Tensor
     attention_mask: torch.Tensor | None
     chunk_size: int
     position_ids: torch.Tensor | None = None
+    branches: torch.Tensor | None = None
+    """shared-prompt rows: each token's branch (pair_layout.TRUNK, ...); None for two rows a pair."""
+    mask_kind: str = ""
+    """shared-prompt rows: the 4D mask the attention kernel takes (pair_layout.BOOLEAN_MASK, ADDITIVE_MASK)."""
+    _shared_mask: torch.Tensor | None = None
 
     @property
-    def half(self) -> int:
-        """Samples in the batch: each has two rows."""
-        return self.input_ids.shape[0] // 2
+    def shared(self) -> bool:
+        return self.branches is not None
+
+    @property
+    def pairs(self) -> int:
+        """Samples in the batch: two rows each, or one shared-prompt row each."""
+        return self.input_ids.shape[0] if self.shared else self.input_ids.shape[0] // 2
+
+    def shared_mask(self, model: torch.nn.Module) -> torch.Tensor:
+        """The shared-prompt rows' 4D attention mask, built once a micro-batch (the policy's and the reference's
+        forwards read the same one); an additive mask has the dtype of the model's embeddings, as transformers'
+        own eager mask."""
+        if self._shared_mask is None:
+            dtype = unwrap_causal_lm(model).get_input_embeddings().weight.dtype
+            self._shared_mask = shared_prompt_attention_mask(self.branches, self.mask_kind, dtype)
+        return self._shared_mask
+
+    def every_token_labels(self) -> torch.Tensor:
+        """Labels that score every real token (ORPO's NLL reads them), in the rows' own layout."""
+        if self.shared:
+            return every_token_labels(self.input_ids, self.branches)
+        if self.attention_mask is None:
+            return self.input_ids
+        return self.input_ids.masked_fill(self.attention_mask == 0, IGNORE_INDEX)
+
+    @property
+    def answer_labels(self) -> torch.Tensor:
+        """The answers' targets in the two-row layout's order, `[2 x pairs, length]` (chosen rows first): what
+        `SequenceLogprobs.restricted_to` reads of `policy_logprobs`'s per-token values in either layout."""
+        return side_labels(self.labels, self.branches) if self.shared else self.labels
 
 
 class PreferenceTask(Task):
@@ -307,6 +359,10 @@ class PreferenceTask(Task):
         self._pad_token_id: int | None = None
         self._copy: torch.nn.Module | None = None
         self.eval_reference_cost: ReferenceCost | None = None
+        self.requested_pair_layout = getattr(config.task, "pair_layout", "auto") if config is not None else "auto"
+        self.pair_layout: PairLayout = UNDECIDED
+        """How the pairs are laid out (tasks/pair_layout.py): chosen when the training data is loaded, two rows until
+        then."""
 
     # -- settings and refusals ------------------------------------------------------------------------------------
 
@@ -343,9 +399,19 @@ class PreferenceTask(Task):
                                      min_samples=min_samples, rope_positions=rope_positions, say=say)
         partners = None if items.paired else kl_partners(len(items), self.config.training.batch_size)
         samples = PreferenceSamples(items, partners)
+        if role == "training":
+            self._choose_pair_layout(items, say)
         if self.reference_choice.mode == "cached":
             self._cache_reference(samples, Path(data_config.cache_dir or "."), role, say)
         return samples
+
+    def _choose_pair_layout(self, items: PreferenceDataset, say: bool) -> None:
+        """The pairs' layout for this run (training and evaluation alike), from the loaded model and the training
+        data; said in the log (a warning where shared-prompt was asked for and two rows run) and in `facts`."""
+        self.pair_layout = choose_pair_layout(self.requested_pair_layout, self._model, items.paired,
+                                              getattr(items, "segment_lengths", None))
+        if say:
+            (log.warning if self.pair_layout.fell_back else log.info)("memfit: %s", self.pair_layout.describe())
 
     def _cache_reference(self, samples: PreferenceSamples, cache_dir: Path, role: str, say: bool) -> None:
         """Set `samples.reference` from the cache file when its key matches, else from one no-grad pass (saved)."""
@@ -399,6 +465,8 @@ class PreferenceTask(Task):
     def collate(self, samples: Sequence[dict], pad_token_id: int | None) -> dict[str, torch.Tensor]:
         if samples and self.nll_targets(samples[0]) and "nll_weight" not in samples[0]:
             samples = self.prepare(list(samples), range(len(samples)), 0)  # not prepared (a probe): this micro-batch's
+        if self.pair_layout.shared and samples and "chosen_ids" in samples[0]:
+            return collate_shared_prompt(samples, pad_token_id) | per_sample_values(samples)
         return collate_preference(samples, pad_token_id)
 
     # -- the loss --------------------------------------------------------------------------------------------------
@@ -417,10 +485,18 @@ class PreferenceTask(Task):
                  position_ids: torch.Tensor | None = None, **inputs: torch.Tensor) -> torch.Tensor:
         """The micro-batch's summed per-pair losses (the step divides by the effective batch's pairs); its metrics
         go to the step's stream (`step_metrics`)."""
-        rows = _Rows(input_ids, labels, attention_mask, self._chunk_size(chunk_size), position_ids)
+        rows = self._rows(input_ids, labels, attention_mask, self._chunk_size(chunk_size), position_ids, inputs)
         total, result, weights = self.objective(model, rows, **inputs)
         self.step_metric_stream.add(pair_index, result.metrics, weights)
         return total
+
+    def _rows(self, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None,
+              chunk_size: int, position_ids: torch.Tensor | None, inputs: dict[str, Any]) -> _Rows:
+        """The micro-batch's rows; a shared-prompt batch's branches and positions are taken out of `inputs`."""
+        branches, positions = layout_inputs(inputs)
+        if branches is None:
+            return _Rows(input_ids, labels, attention_mask, chunk_size, position_ids)
+        return _Rows(input_ids, labels, None, chunk_size, positions, branches, self.pair_layout.mask)
 
     def objective(self, model: torch.nn.Module, rows: _Rows, **inputs: torch.Tensor
                   ) -> tuple[torch.Tensor, PreferenceLoss, dict[str, Any]]:
@@ -437,9 +513,9 @@ class PreferenceTask(Task):
 
     def eval_loss_sum(self, model: torch.nn.Module, batch: dict, stream: PreferenceMetrics) -> torch.Tensor:
         """An eval batch's summed per-pair losses, its metrics added to `stream`."""
-        rows = _Rows(batch["input_ids"], batch["labels"], batch.get("attention_mask"), self._chunk_size(0),
-                     batch.get("position_ids"))
         inputs = {name: value for name, value in self.loss_inputs(batch).items() if name != "pair_index"}
+        rows = self._rows(batch["input_ids"], batch["labels"], batch.get("attention_mask"), self._chunk_size(0),
+                          batch.get("position_ids"), inputs)
         total, result, weights = self.objective(model, rows, **inputs)
         stream.add(batch["pair_index"], result.metrics, weights)
         return total
@@ -451,14 +527,28 @@ class PreferenceTask(Task):
 
     def policy_logprobs(self, model: torch.nn.Module, rows: _Rows, labels: torch.Tensor | None = None,
                         per_token: bool = False):
-        return sequence_logprobs(model, rows.input_ids, rows.labels if labels is None else labels, rows.attention_mask,
-                                 chunk_size=rows.chunk_size, position_ids=rows.position_ids, per_token=per_token)
+        """`model`'s log-probabilities of `labels` (default: the answers), in the two-row layout's order whatever the
+        rows' layout: `[2 x pairs]`, every chosen row then every rejected row (shared-prompt rows always carry the
+        per-token values: `pair_layout.as_two_rows` splits them)."""
+        labels = rows.labels if labels is None else labels
+        if not rows.shared:
+            return sequence_logprobs(model, rows.input_ids, labels, rows.attention_mask, chunk_size=rows.chunk_size,
+                                     position_ids=rows.position_ids, per_token=per_token)
+        scored = sequence_logprobs(model, rows.input_ids, labels, rows.shared_mask(model), chunk_size=rows.chunk_size,
+                                   position_ids=rows.position_ids, per_token=True)
+        return as_two_rows(scored.per_token, labels, rows.branches)
 
     def reference_sums(self, model: torch.nn.Module, rows: _Rows, cached: torch.Tensor | None) -> torch.Tensor:
-        """`[rows]` reference log-probabilities of the batch's rows, in its layout (no gradient)."""
+        """`[2 x pairs]` reference log-probabilities of the batch's answers, in the two-row order (no gradient)."""
         if cached is not None:  # [samples, 2] -> every sample's first row, then every second
             return cached.t().reshape(-1).float()
         mode = self.reference_choice.mode
+        if rows.shared and mode == "adapters-off":
+            with torch.no_grad(), peft_model_of(model).disable_adapter():
+                return self.policy_logprobs(model, rows).sums
+        if rows.shared and mode == "copy" and self._copy is not None:
+            with torch.no_grad():
+                return self.policy_logprobs(self._copy, rows).sums
         if mode == "adapters-off":
             return adapters_off_logprobs(model, rows.input_ids, rows.labels, rows.attention_mask, rows.chunk_size)
         if mode == "copy" and self._copy is not None:
@@ -473,7 +563,10 @@ class PreferenceTask(Task):
             "settings": {name: getattr(self.config.task, name) for name in self.settings_read
                          if name not in REFERENCE_SETTINGS} if self.config is not None else {},
             "reference": self.reference_cost.facts(),
-            "packing": "off: each pair runs as two rows of their own, padded to the longest of its micro-batch",
+            "packing": ("off: each pair runs as one row of its own (the prompt once, both answers), padded to the"
+                        " longest of its micro-batch" if self.pair_layout.shared else
+                        "off: each pair runs as two rows of their own, padded to the longest of its micro-batch"),
+            "pair_layout": self.pair_layout.facts(),
         }
         if self.eval_reference_cost is not None:
             facts["eval_reference"] = self.eval_reference_cost.facts()
@@ -517,10 +610,10 @@ class DPOTask(PreferenceTask):
         task = self.config.task
         policy = PairLogprobs.from_rows(self.policy_logprobs(model, rows))
         reference = self.reference_sums(model, rows, reference_logps)
-        reference_pairs = PairLogprobs(reference[: rows.half], reference[rows.half :], policy.chosen_tokens,
+        reference_pairs = PairLogprobs(reference[: rows.pairs], reference[rows.pairs :], policy.chosen_tokens,
                                        policy.rejected_tokens)
         result = dpo_loss(policy, reference_pairs, DPOSettings(task.loss_type, task.beta, task.label_smoothing))
-        return result.losses.sum(), result, dict.fromkeys(result.metrics, rows.half)
+        return result.losses.sum(), result, dict.fromkeys(result.metrics, rows.pairs)
 
 
 class SimPOTask(PreferenceTask):
@@ -540,7 +633,7 @@ class SimPOTask(PreferenceTask):
         total = result.losses.sum()
         if task.cpo_alpha and nll_weights is not None:
             total = total - task.cpo_alpha * (policy.chosen * nll_weights).sum()
-        return total, result, dict.fromkeys(result.metrics, rows.half)
+        return total, result, dict.fromkeys(result.metrics, rows.pairs)
 
 
 class ORPOTask(PreferenceTask):
@@ -554,16 +647,14 @@ class ORPOTask(PreferenceTask):
 
     def objective(self, model, rows, *, nll_weights=None, **_):
         # one forward scores every real token (the NLL's) and, restricted, the completions' (the odds ratio's)
-        every = rows.input_ids if rows.attention_mask is None else rows.input_ids.masked_fill(
-            rows.attention_mask == 0, IGNORE_INDEX)
-        whole = self.policy_logprobs(model, rows, labels=every, per_token=True)
-        completions = PairLogprobs.from_rows(whole.restricted_to(rows.labels))
-        chosen_rows = slice(0, rows.half)
+        whole = self.policy_logprobs(model, rows, labels=rows.every_token_labels(), per_token=True)
+        completions = PairLogprobs.from_rows(whole.restricted_to(rows.answer_labels))
+        chosen_rows = slice(0, rows.pairs)
         result = orpo_loss(completions, whole.sums[chosen_rows], whole.token_counts[chosen_rows],
                            ORPOSettings(self.config.task.beta))
-        weights = nll_weights if nll_weights is not None else rows.half / whole.token_counts[chosen_rows].sum()
+        weights = nll_weights if nll_weights is not None else rows.pairs / whole.token_counts[chosen_rows].sum()
         total = result.losses.sum() - (whole.sums[chosen_rows] * weights).sum()
-        return total, result, dict.fromkeys(result.metrics, rows.half)
+        return total, result, dict.fromkeys(result.metrics, rows.pairs)
 
 
 class KTOTask(PreferenceTask):
@@ -583,7 +674,7 @@ class KTOTask(PreferenceTask):
 
     def objective(self, model, rows, *, desirable, reference_logps=None, **_):
         task = self.config.task
-        count = rows.half
+        count = rows.pairs
         matched = _Rows(rows.input_ids[:count], rows.labels[:count],
                         None if rows.attention_mask is None else rows.attention_mask[:count], rows.chunk_size)
         mismatched = _Rows(rows.input_ids[count:], rows.labels[count:],
