@@ -45,6 +45,17 @@ import torch
 
 from memfit.data.preferences import PreferenceDataset, PreferencePair, load_preference_data
 from memfit.tasks.base import LossFunction, Task
+from memfit.tasks.pair_layout import (
+    UNDECIDED,
+    PairLayout,
+    as_two_rows,
+    choose_pair_layout,
+    collate_shared_prompt,
+    every_token_labels,
+    layout_inputs,
+    shared_prompt_attention_mask,
+    side_labels,
+)
 from memfit.tasks.preference_losses import (
     DPOSettings,
     KTOSettings,
@@ -58,19 +69,7 @@ from memfit.tasks.preference_losses import (
     orpo_loss,
     simpo_loss,
 )
-from memfit.tasks.pair_layout import (
-    UNDECIDED,
-    PairLayout,
-    as_two_rows,
-    choose_pair_layout,
-    collate_shared_prompt,
-    every_token_labels,
-    layout_inputs,
-    shared_prompt_attention_mask,
-    side_labels,
-)
 from memfit.techniques.loss import DEFAULT_LOSS_CHUNK_TOKENS, IGNORE_INDEX, unwrap_causal_lm
-from memfit.techniques.reference_model import _peft_model as peft_model_of  # the PEFT model under any engine wrapper
 from memfit.techniques.reference_model import (
     NO_REFERENCE,
     ReferenceChoice,
@@ -86,6 +85,7 @@ from memfit.techniques.reference_model import (
     save_cached,
     timed,
 )
+from memfit.techniques.reference_model import _peft_model as peft_model_of  # the PEFT model under any engine wrapper
 from memfit.techniques.sequence_logprobs import sequence_logprobs
 
 log = logging.getLogger("memfit")
