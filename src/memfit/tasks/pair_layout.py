@@ -102,7 +102,8 @@ class PairLayout:
         return f"pair layout {self.layout} ({self.reason})"
 
 
-UNDECIDED = PairLayout(TWO_ROWS, "auto", "the model and the data are not known yet")
+NOT_YET_KNOWN = "the model and the training data are not known yet"
+"""Why two rows run before a layout is chosen (a probe's or a test's batches)."""
 
 
 def mask_refusal(model: torch.nn.Module, max_row_length: int) -> tuple[str, str]:
@@ -146,7 +147,7 @@ def choose_pair_layout(requested: str, model: torch.nn.Module | None, paired: bo
         return PairLayout(TWO_ROWS, requested, "kto scores one completion and, without a gradient, a mismatched one:"
                                                " there is no pair of answers to share a prompt")
     if model is None or segment_lengths is None or not len(segment_lengths):
-        return PairLayout(TWO_ROWS, requested, UNDECIDED.reason)
+        return PairLayout(TWO_ROWS, requested, NOT_YET_KNOWN)
     lengths = np.asarray(segment_lengths, dtype=np.int64).reshape(-1, 3)
     prompts, shorter = lengths[:, 0], lengths[:, 1:].min(axis=1)
     longest = int((lengths.sum(axis=1) + (prompts > 0)).max())

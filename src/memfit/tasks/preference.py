@@ -46,7 +46,7 @@ import torch
 from memfit.data.preferences import PreferenceDataset, PreferencePair, load_preference_data
 from memfit.tasks.base import LossFunction, Task
 from memfit.tasks.pair_layout import (
-    UNDECIDED,
+    TWO_ROWS,
     PairLayout,
     as_two_rows,
     choose_pair_layout,
@@ -359,8 +359,8 @@ class PreferenceTask(Task):
         self._pad_token_id: int | None = None
         self._copy: torch.nn.Module | None = None
         self.eval_reference_cost: ReferenceCost | None = None
-        self.requested_pair_layout = getattr(config.task, "pair_layout", "auto") if config is not None else "auto"
-        self.pair_layout: PairLayout = UNDECIDED
+        self.requested_pair_layout = getattr(config.task, "pair_layout", TWO_ROWS) if config is not None else TWO_ROWS
+        self.pair_layout: PairLayout = choose_pair_layout(self.requested_pair_layout, None, True, None)
         """How the pairs are laid out (tasks/pair_layout.py): chosen when the training data is loaded, two rows until
         then."""
 
