@@ -36,7 +36,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +46,7 @@ import torch
 from memfit.data.preferences import PreferenceDataset, PreferencePair, load_preference_data
 from memfit.tasks.base import LossFunction, Task
 from memfit.tasks.pair_layout import (
+    ADDITIVE_MASK,
     TWO_ROWS,
     PairLayout,
     as_two_rows,
@@ -295,7 +296,7 @@ class _Rows:
     """shared-prompt rows: each token's branch (pair_layout.TRUNK, ...); None for two rows a pair."""
     mask_kind: str = ""
     """shared-prompt rows: the 4D mask the attention kernel takes (pair_layout.BOOLEAN_MASK, ADDITIVE_MASK)."""
-    _shared_mask: torch.Tensor | None = None
+    _shared_mask: torch.Tensor | None = field(default=None, init=False, repr=False)
 
     @property
     def shared(self) -> bool:
@@ -311,7 +312,8 @@ class _Rows:
         forwards read the same one); an additive mask has the dtype of the model's embeddings, as transformers'
         own eager mask."""
         if self._shared_mask is None:
-            dtype = unwrap_causal_lm(model).get_input_embeddings().weight.dtype
+            dtype = (unwrap_causal_lm(model).get_input_embeddings().weight.dtype if self.mask_kind == ADDITIVE_MASK
+                     else torch.bool)
             self._shared_mask = shared_prompt_attention_mask(self.branches, self.mask_kind, dtype)
         return self._shared_mask
 
@@ -407,7 +409,10 @@ class PreferenceTask(Task):
 
     def _choose_pair_layout(self, items: PreferenceDataset, say: bool) -> None:
         """The pairs' layout for this run (training and evaluation alike), from the loaded model and the training
-        data; said in the log (a warning where shared-prompt was asked for and two rows run) and in `facts`."""
+        data; said in the log (a warning where shared-prompt was asked for and two rows run) and in `facts`. Without
+        the model (data read for a plan) nothing is chosen."""
+        if self._model is None:
+            return
         self.pair_layout = choose_pair_layout(self.requested_pair_layout, self._model, items.paired,
                                               getattr(items, "segment_lengths", None))
         if say:
