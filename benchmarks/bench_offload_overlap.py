@@ -90,7 +90,7 @@ def _predicted(config, session, gpu) -> dict[str, Any]:
     changes = {"batch_size": config.training.batch_size, "gradient_accumulation_steps": 1,
                "precision": config.memory.precision, "dtype": config.model.dtype,
                "gradient_checkpointing": config.memory.gradient_checkpointing,
-               "loss_chunk_size": session.loss_chunk_size, "tiled_mlp": config.memory.tiled_mlp or 0,
+               "loss_chunk_size": session.run.loss_chunk_size, "tiled_mlp": config.memory.tiled_mlp or 0,
                "optimizer": config.optimizer.optimizer}
     seconds, estimates = {}, {}
     for offload in (True, False):

@@ -205,17 +205,21 @@ def test_lora_and_bad_settings_are_refused_in_one_line():
 
 def test_sharded_engines_refuse_them_and_ddp_runs_them():
     from memfit.config import TrainConfig
-    from memfit.distributed.parallel import check_supported
+    from memfit.resolution.resolve import resolve
+
+    engines = {"--sharding fsdp": {"sharding": "fsdp"}, "DeepSpeed": {"zero_stage": 2}, "--sharding ddp": {"sharding": "ddp"}}
+
+    def resolve_under(name: str, engine: str):  # the optimizer technique's refusals read the engine of the run
+        return resolve(TrainConfig().replace(optimizer=name, **engines[engine]), None, "cpu", world_size=2)
 
     for name in (*LOW_RANK, "adam-mini", "adamw-4bit", "galore-adamw-8bit"):
-        config = TrainConfig().replace(optimizer=name)
         for engine in ("--sharding fsdp", "DeepSpeed"):
             if (name, engine) == ("adamw-4bit", "--sharding fsdp"):
                 continue  # torchao's 4-bit AdamW steps and checkpoints FSDP2 shards (tests/distributed)
             with pytest.raises(UsageError, match=f"--optimizer {name}.*use --sharding ddp"):
-                check_supported(config, engine)
-        check_supported(config, "--sharding ddp")
-    check_supported(TrainConfig().replace(optimizer="adamw-4bit"), "--sharding fsdp")
+                resolve_under(name, engine)
+        resolve_under(name, "--sharding ddp")
+    resolve_under("adamw-4bit", "--sharding fsdp")
 
 
 def test_trainer_names_are_aliases():
