@@ -252,8 +252,11 @@ def traced_task(config: Any, hf_config: Any) -> tuple[Any, dict[str, Any], Any]:
     import torch
 
     from memfit.data.tables import LabelSpec
+    from memfit.prediction.preference_step import is_preference, traced_sample_maker
 
     task = _task_class(config)(config)
+    if is_preference(task):  # a sample is a pair: two rows of --seq-len tokens
+        return task, task.model_config(), traced_sample_maker(task)
     labels = num_labels_of(config)
     if task.label_kind not in (None, "none"):
         task.spec = LabelSpec(task.label_kind, [], [f"label_{i}" for i in range(labels)])

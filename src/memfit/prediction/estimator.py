@@ -74,6 +74,13 @@ from memfit.prediction.in_backward import untied_edge_steps
 from memfit.prediction.load_peak import LoadPeak, load_peak
 from memfit.prediction.offload_terms import host_activations, offload_first_blocks
 from memfit.prediction.padding_mask import PaddingMask, padding_mask
+from memfit.prediction.preference_step import (
+    PreferenceStep,
+    micro_batch_rows,
+    preference_step,
+    reference_copy_bytes,
+    traced_refusal,
+)
 from memfit.prediction.qlora_levers import with_qlora_levers
 from memfit.prediction.run_shape import (
     RunShape,
@@ -129,7 +136,7 @@ def estimate(
     request = _request(config, method, world_size, sharding, gpu, budget_bytes, hf_config)
     run = resolve_run(config, request.hf_config, request.gpu)
     inventory, parts, loaded_parameters = _state(request, run)
-    moment, per_layer, notes = _step_moment(request, run, inventory, parts)
+    moment, per_layer, notes = _step_moment(request, run, inventory, parts, loaded_parameters)
     loading = load_peak(config, request.hf_config, world_size, loaded_parameters, parts, inventory, run.lora_r,
                         run.quantize, run.weight_bytes)
     moment = _with_load_and_device(moment, notes, loading, run)
@@ -174,6 +181,8 @@ def _request(config: TrainConfig, method: str, world_size: int, sharding: str, g
     if config.task.task == "causal-lm" and is_encoder(hf_config):
         raise UsageError(f"--model {config.model.model} is an encoder ({hf_config.model_type}) with no causal-LM head:"
                          " give --task masked-lm, sequence-classification, token-classification or regression")
+    if method == "traced" and traced_refusal(config):
+        raise UsageError(traced_refusal(config))
     if config.model.rope_scale is not None:
         from memfit.models.rope import scaled_positions
 
@@ -198,13 +207,16 @@ def _state(request: _Request, run: RunShape) -> tuple[ParameterInventory, dict[s
     return inventory, parts, loaded_parameters
 
 
-def _step_moment(request: _Request, run: RunShape, inventory: ParameterInventory,
-                 parts: dict[str, Any]) -> tuple[dict[str, float], float, dict[str, Any]]:
+def _step_moment(request: _Request, run: RunShape, inventory: ParameterInventory, parts: dict[str, Any],
+                 loaded_parameters: int) -> tuple[dict[str, float], float, dict[str, Any]]:
     """The step's peak moment by the request's method, divided over the ranks, with what neither method counts
-    itself: the balancing loss's router logits (analytical only) and a packed micro-batch's masks."""
+    itself: the balancing loss's router logits (analytical only) and a packed micro-batch's masks; and a preference
+    run's frozen reference copy (analytical: the traced step holds it), whole on every rank."""
     config, hf_config, method = request.config, request.hf_config, request.method
+    preference = preference_step(config, run)  # None but for a preference task
     if method == "analytical":
-        moment, per_layer, notes = _analytical_peak(config, run, hf_config, inventory, parts, request.sharding)
+        moment, per_layer, notes = _analytical_peak(config, run, hf_config, inventory, parts, request.sharding,
+                                                    preference)
     else:
         moment, per_layer, notes = traced_peak(config, run, hf_config, inventory, parts)
     moment = apply_sharding(moment, parts, request.sharding, request.world_size, hf_config, run,
@@ -213,8 +225,12 @@ def _step_moment(request: _Request, run: RunShape, inventory: ParameterInventory
                                        architecture_for(hf_config), precision_of(run).attention,
                                        config.model.attention, run.device_type, hf_config)
     if method == "analytical":  # every MoE layer's router logits, kept for the balancing loss (traced: in the step)
-        moment["activations"] += balancing_loss_bytes(hf_config, config.training.batch_size * config.data.seq_len,
-                                                      precision_of(run).compute)
+        rows = micro_batch_rows(config.training.batch_size, preference)
+        moment["activations"] += balancing_loss_bytes(hf_config, rows * config.data.seq_len, precision_of(run).compute)
+        if preference is not None:  # its copy is never sharded (prediction/preference_step.py)
+            copy = reference_copy_bytes(preference, loaded_parameters, parts["trainable_count"], run.lora_r)
+            moment["parameters"] += copy
+            notes.update(preference.details(copy))
     if packed_mask:  # --packing samples under SDPA: the block-diagonal mask and its per-layer copies
         moment["activations"] += packed_mask
         notes["packed_mask_bytes"] = packed_mask
@@ -343,7 +359,10 @@ class _Step:
     """The --task's head: vocabulary logits or a few labels (prediction.encoders.task_head)."""
     precision: Precision
     batch: int
+    """Rows of one micro-batch: --batch-size, or the rows of its pairs (prediction.preference_step)."""
     seq_len: int
+    preference: PreferenceStep | None = None
+    """A preference task's step (its chunked log-probabilities and reference), None for any other task."""
 
     @property
     def tokens(self) -> int:
@@ -428,8 +447,8 @@ class _OptimizerStep:
     """Where this moment falls: 'optimizer step', or 'backward' when it is a tied gradient's sum at its end."""
 
 
-def _analytical_peak(config, run: RunShape, hf_config, inventory, parts,
-                     sharding: str = "none") -> tuple[dict, float, dict]:
+def _analytical_peak(config, run: RunShape, hf_config, inventory, parts, sharding: str = "none",
+                     preference: PreferenceStep | None = None) -> tuple[dict, float, dict]:
     """The breakdown at the step's peak moment, a block's activation bytes and the notes of how it was found.
 
     The step is taken phase by phase (what forward ends holding, what backward peaks at, what the optimizer step
@@ -437,7 +456,7 @@ def _analytical_peak(config, run: RunShape, hf_config, inventory, parts,
     """
     arch = architecture_for(hf_config)
     step = _Step(config, run, hf_config, inventory, parts, sharding, arch, task_head(config, arch), precision_of(run),
-                 config.training.batch_size, config.data.seq_len)
+                 micro_batch_rows(config.training.batch_size, preference), config.data.seq_len, preference)
     terms, padding = _saved_activations(step)
     # What the techniques add by themselves (QLoRA's dequantized weight, paged state, ...: their TECHNIQUE's terms);
     # "other" is resident through every phase, the other categories join the peak moment.
@@ -479,7 +498,7 @@ def _saved_activations(step: _Step) -> tuple[ActivationTerms, PaddingMask]:
         layer_per_token=padding.on_layer(
             moe.layer_per_token if moe else tiled_layer_per_token(  # an encoder's tiled feed-forward: its norm too
                 _layer_per_token(run, arch, step.hf_config, precision, s), arch, precision, run.mlp_tiles), b * s),
-        unchunked_loss=not run.fused_loss and not 0 < run.loss_chunk_size < b * (s - 1),
+        unchunked_loss=not run.fused_loss and not 0 < run.loss_chunk_size < b * (s - 1) and step.preference is None,
     )
     terms = moe.with_backward(terms) if moe else terms
     terms = offload_first_blocks(terms, device_run, arch, precision, b * s)
@@ -492,8 +511,12 @@ def _saved_activations(step: _Step) -> tuple[ActivationTerms, PaddingMask]:
 def _forward_phase(step: _Step, terms: ActivationTerms, other: float) -> _Forward:
     """What the forward ends holding: the kept activations, autocast's weight copies and the logits."""
     run, parts = step.run, step.parts
-    logits = head_logits_bytes(step.head, step.arch, step.batch, step.seq_len, run.loss_chunk_size,
-                               step.precision.compute, run.fused_loss)
+    if step.preference is not None:  # a chunk of log-probabilities, or the reference's forward after the policy's
+        logits = step.preference.forward_extra_bytes(step.arch, step.precision, step.config.training.batch_size,
+                                                     step.seq_len)
+    else:
+        logits = head_logits_bytes(step.head, step.arch, step.batch, step.seq_len, run.loss_chunk_size,
+                                   step.precision.compute, run.fused_loss)
     # autocast caches a 16-bit copy of each weight from its first use until backward is past it
     # (the fused experts' 3-D weights too: autocast casts them for grouped_mm and caches the copies alike)
     cache = 2 * (step.inventory.linear_params + step.inventory.expert_params) if (
@@ -523,7 +546,9 @@ def _gradients(step: _Step, logits: float) -> _Gradients:
     tied = step.head.tied and not run.lora_r and (arch.vocab, arch.hidden) in parts["trainable_shapes"]
     # Beside the head's gradient while the chunked loss's backward makes it, with every activation kept and
     # before any block's gradient: one chunk's logits (in place) or two more head-sized sums (prediction/chunked_head)
-    head_sums = chunked_loss_head_bytes(run, head, logits, step.batch * (step.seq_len - 1), step.sharding)
+    head_sums = chunked_loss_head_bytes(run, head, logits, step.batch * (step.seq_len - 1), step.sharding) if (
+        step.preference is None) else step.preference.head_working_bytes(run, arch, step.precision, step.tokens, head,
+                                                                          step.sharding)
     gradients = _Gradients(head=head, block=(parts["gradients"] - head - embedding_grad) / max(1, arch.layers),
                            largest=parts["largest_trainable"] * tb, step_temporaries=parts["optimizer_temporaries"],
                            head_sums=head_sums, tied=arch.vocab * arch.hidden * tb if tied else 0.0, tied_end=0.0)

@@ -114,6 +114,7 @@ def _build_step(hf_config, train_config: TrainConfig, setup: StepSetup, fake: bo
     import transformers
 
     from memfit.prediction.encoders import is_encoder, traced_task
+    from memfit.prediction.preference_step import prepare_traced_model
 
     task, head_config, make_sample = traced_task(train_config, hf_config)  # the --task's head, loss and batches
 
@@ -144,6 +145,7 @@ def _build_step(hf_config, train_config: TrainConfig, setup: StepSetup, fake: bo
             model.tie_weights()
         model.config.use_cache = False
         model.train()
+        prepare_traced_model(task, model)  # a preference task's frozen reference copy, before LoRA wraps the model
         run = dataclasses.replace(resolve(config, hf_config, setup.device.type), loss_chunk_size=setup.loss_chunk_size)
         model, run = apply_model_techniques(config, model, task.peft_task_type, run=run, device=setup.device)
     if not fake:

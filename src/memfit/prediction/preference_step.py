@@ -1,0 +1,242 @@
+"""A preference step (DPO, SimPO, ORPO, KTO: memfit.tasks.preference) as the estimator counts it.
+
+What differs from causal-LM training on --batch-size windows, and what the estimator's phases are told here:
+
+- **Two rows a pair.** `--batch-size` counts pairs, as training does, and a pair runs as two rows of its own
+  (prompt + chosen, prompt + rejected), each up to --seq-len tokens: the policy keeps the activations of
+  2 x --batch-size rows (`PreferenceStep.rows`). KTO's second row of an example (the mismatched completion of its
+  KL estimate) runs without a graph: its policy keeps one row an example and runs one more without keeping it.
+- **The log-probabilities, a chunk at a time** (techniques/sequence_logprobs.py), over every position of every
+  row, whatever --loss-chunk-size says (0 or unset: DEFAULT_LOSS_CHUNK_TOKENS): never the `[rows, length,
+  vocabulary]` logits, at most one chunk's. Forward holds a chunk's logits, their fp32 copy under 16-bit compute
+  and the fp32 log-softmax (`chunk_forward_bytes`); backward holds a chunk's log-softmax and two gradients of its
+  size, and the in-place head gradient's backward its recomputed logits too (`head_working_bytes`).
+- **The reference** (techniques/reference_model.py), the one the run would choose (`choose_reference`): `copy`
+  keeps a frozen copy of the weights as loaded (no gradients, no optimizer state: `reference_copy_bytes`), whole on
+  every rank whatever the sharding; `copy` and `adapters-off` run a no-grad forward of every row of the micro-batch
+  after the policy's, while all the policy's activations are kept (`no_grad_forward_bytes`: its largest moment, a
+  block's MLP or the last chunk of logits); `cached` has no copy and no forward in the step, and `none` (SimPO,
+  ORPO) no reference. KTO's policy runs its mismatched rows without a graph at the same moment.
+
+Every term was fitted to and checked against the tracked peak of memfit's real step on CPU
+(tests/unit/prediction/test_preference_estimate.py).
+
+The layout is two rows a pair: `--pair-layout shared-prompt` (or auto) computes a long prompt once and holds less,
+by how much the prompts' lengths decide, which an estimate does not read; two rows is the larger case.
+
+The traced estimate and the tests' measured step run the real task on pairs of --seq-len rows
+(`traced_sample_maker`), the frozen copy made as a training run makes it (`prepare_traced_model`). KTO's step does
+not run on fake tensors (`traced_refusal`). On fake tensors a trained head's chunk backward is counted one
+`[chunk, vocabulary]` tensor short of what the real CPU kernels hold (the causal LM's chunked loss alike), so the
+traced estimate is low where that backward is the peak.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from memfit.prediction.activations import Architecture, Precision
+from memfit.prediction.chunked_head import in_place_head_runs
+
+PER_STEP_REFERENCES = ("copy", "adapters-off")
+"""References that run a forward in every micro-batch (cached ran before training; none has none)."""
+
+CHUNK_BACKWARD_BYTES = 12
+"""Bytes a chunk's backward holds a token and vocabulary entry whatever the compute dtype: the fp32 log-softmax, the
+per-token NLL's gradient and the log-softmax's (tracked on CPU); the in-place head's adds the recomputed logits."""
+
+TARGET_BYTES_PER_TOKEN = 16
+"""A log-probability pass's own per-token tensors beside the model's: the shifted int64 targets and the fp32
+per-token values (tracked: 12-28 bytes a token)."""
+
+
+def is_preference(task: Any) -> bool:
+    """Whether `task` (an instance or class of memfit.tasks) learns from preference pairs."""
+    from memfit.tasks.preference import PreferenceTask
+
+    return isinstance(task, PreferenceTask) or (isinstance(task, type) and issubclass(task, PreferenceTask))
+
+
+@dataclass(frozen=True)
+class PreferenceStep:
+    """What a preference task's micro-batch runs, as the estimator counts it (module docstring)."""
+
+    task: str
+    reference: str
+    """none, adapters-off, copy or cached (techniques.reference_model.choose_reference)."""
+    reference_note: str
+    """Why this reference, or why the one asked for cannot run and which was estimated instead."""
+    trained_rows: int
+    """Rows a sample the policy runs with a graph: 2 (KTO: 1)."""
+    untrained_rows: int
+    """Rows a sample the policy runs without a graph (KTO's mismatched completions: 1)."""
+    chunk_tokens: int
+    """Tokens a chunk of the log-probabilities (--loss-chunk-size, else DEFAULT_LOSS_CHUNK_TOKENS)."""
+    layout_note: str = "two rows a pair"
+    """The pair layout estimated, and why where another was asked for."""
+
+    @property
+    def reference_rows(self) -> int:
+        """Rows a sample the reference's forward runs in the step (every row of a pair; 0 when cached or none)."""
+        return 2 if self.reference in PER_STEP_REFERENCES else 0
+
+    def rows(self, samples: int) -> int:
+        """Rows the policy keeps activations for in a micro-batch of `samples` pairs (or KTO examples)."""
+        return samples * self.trained_rows
+
+    def chunk_forward_bytes(self, arch: Architecture, precision: Precision, tokens: int) -> float:
+        """What one chunk holds while its log-probabilities are computed, of a pass over `tokens` tokens: the
+        logits in the compute dtype, their fp32 copy (16-bit compute) and the fp32 log-softmax."""
+        upcast = 4 if precision.compute != 4 else 0
+        return float((precision.compute + upcast + 4) * min(self.chunk_tokens, tokens) * arch.vocab)
+
+    def head_working_bytes(self, run: Any, arch: Architecture, precision: Precision, tokens: int, head_grad: float,
+                           sharding: str) -> float:
+        """What the log-probabilities' backward holds beside the trained head's gradient (`head_grad`, 0 when the
+        head is frozen) and every kept activation, before any block's gradient: the estimator's head sums.
+
+        A chunk's backward holds the fp32 log-softmax, the per-token NLL's gradient and the log-softmax's, each
+        `[chunk, vocabulary]` (12 bytes a token and vocabulary entry); the in-place head gradient's backward
+        (a trained plain head) holds the recomputed logits in the compute dtype beside them, where the checkpointed
+        chunks (a frozen head, under LoRA) have let them go (tracked on CPU in fp32, bf16 and bf16 autocast: 16,
+        14 and 12 bytes). The in-place head gradient is made after the first chunk's tensors are freed: with one
+        chunk it is never beside them. Checkpointed chunks of a trained head (a sharded or quantized head) add
+        each chunk's head-sized gradient to the sum out of place: two head-sized tensors more, as for the chunked
+        loss.
+        """
+        in_place = head_grad and in_place_head_runs(run, sharding)
+        per_entry = CHUNK_BACKWARD_BYTES + (precision.compute if in_place else 0)
+        working = float(per_entry * min(self.chunk_tokens, tokens) * arch.vocab)
+        working += precision.residual * arch.hidden * tokens  # the final hidden states' gradient
+        if run.autocast and run.weight_bytes == 4:  # each chunk casts the fp32 head anew: no autocast cache there
+            working += precision.compute * arch.vocab * arch.hidden
+        if not head_grad:  # a frozen head: no gradient to wait beside
+            return working
+        if not in_place:
+            return working + 2.0 * head_grad
+        return max(0.0, working - head_grad) if self.chunk_tokens >= tokens else working
+
+    def forward_extra_bytes(self, arch: Architecture, precision: Precision, samples: int, seq_len: int) -> float:
+        """The largest moment of the forward beyond the kept activations: the policy's chunk of logits, or later in
+        the same loss the reference's no-grad forward (and KTO's mismatched rows), all of the policy's activations
+        kept meanwhile; the estimator's forward "logits" term."""
+        policy = self.chunk_forward_bytes(arch, precision, self.rows(samples) * seq_len)
+        reference = no_grad_forward_bytes(self, arch, precision, samples * self.reference_rows * seq_len)
+        untrained = no_grad_forward_bytes(self, arch, precision, samples * self.untrained_rows * seq_len)
+        return max(policy, reference, untrained)
+
+    def details(self, copy: float) -> dict[str, Any]:
+        """What the estimate's details say about the preference step."""
+        return {"preference": {"task": self.task, "reference": self.reference, "reference_reason": self.reference_note,
+                               "rows_per_sample": self.trained_rows + self.untrained_rows, "layout": self.layout_note,
+                               "logprob_chunk_tokens": self.chunk_tokens, "reference_copy_bytes": int(copy)}}
+
+
+def preference_step(config: Any, run: Any) -> PreferenceStep | None:
+    """The preference step of `config` as resolved to `run`, or None for a task that does not learn from pairs."""
+    from memfit.tasks import TASK_CLASSES
+    from memfit.tasks.pair_layout import TWO_ROWS
+    from memfit.techniques.loss import DEFAULT_LOSS_CHUNK_TOKENS
+    from memfit.techniques.reference_model import choose_reference
+
+    task_class = TASK_CLASSES[config.task.task]
+    if not is_preference(task_class):
+        return None
+    lora = run.lora_r > 0
+    task = config.task
+    try:
+        choice = choose_reference(task.reference, task.precompute_ref_log_probs, lora, task_class.needs_reference)
+        note = choice.reason
+    except ValueError as error:
+        # training refuses this; a plan's other candidates (full training under --reference adapters-off) are
+        # estimated with the reference the run would choose by itself
+        choice = choose_reference("auto", False, lora, task_class.needs_reference)
+        note = f"{error}: estimated with {choice.mode}"
+    kto = task_class.name == "kto"
+    chunk = run.loss_chunk_size or config.memory.loss_chunk_size or DEFAULT_LOSS_CHUNK_TOKENS
+    layout = "two rows a pair"
+    if getattr(task, "pair_layout", TWO_ROWS) != TWO_ROWS and not kto:
+        layout += (f" (--pair-layout {task.pair_layout} shares long prompts: less, by what the prompts' lengths"
+                   " decide, which an estimate does not read)")
+    return PreferenceStep(task_class.name, choice.mode, note, 1 if kto else 2, 1 if kto else 0, chunk, layout)
+
+
+def traced_refusal(config: Any) -> str:
+    """Why the traced estimate cannot run `config`'s preference step on fake tensors ('' when it can)."""
+    if config.task.task == "kto":
+        return ("--task kto selects each side's metrics by the completions' labels, a shape fake tensors cannot know:"
+                " the traced estimate cannot run its step; use --method analytical")
+    return ""
+
+
+def micro_batch_rows(batch_size: int, step: PreferenceStep | None) -> int:
+    """Rows of a micro-batch of `batch_size` samples that the model keeps activations for: the samples themselves,
+    or the rows of a preference step's pairs."""
+    return batch_size if step is None else step.rows(batch_size)
+
+
+def no_grad_forward_bytes(step: PreferenceStep, arch: Architecture, precision: Precision, tokens: int) -> float:
+    """The most a no-grad forward of `tokens` tokens holds at once beside what the step already keeps (0 for none).
+
+    A block keeps nothing: its largest moment is the MLP's (the activation's output, the up projection and their
+    product, `intermediate` wide in the compute dtype) beside the residual stream's tensors (its input, the norm's
+    output, the attention's output and the sum: four `hidden` wide in the residual dtype). After the blocks, one
+    chunk of logits beside the final hidden states. Tracked on CPU (fp32, bf16 autocast, bf16 weights; hidden
+    64-256, intermediate 256-1,024): within 4 % of each.
+    """
+    if tokens <= 0:
+        return 0.0
+    block = (3 * precision.compute * arch.intermediate + 4 * precision.residual * arch.hidden) * tokens
+    head = step.chunk_forward_bytes(arch, precision, tokens) + precision.residual * arch.hidden * tokens
+    return float(max(block, head) + TARGET_BYTES_PER_TOKEN * tokens)
+
+
+def reference_copy_bytes(step: PreferenceStep | None, loaded_parameters: float, trainable_count: int,
+                         lora_r: int) -> float:
+    """Bytes of the frozen copy `--reference copy` keeps: the weights as loaded, before LoRA adds its adapters (0
+    for any other reference)."""
+    if step is None or step.reference != "copy":
+        return 0.0
+    return float(loaded_parameters - (4 * trainable_count if lora_r else 0))
+
+
+# -- the traced step's pairs -------------------------------------------------------------------------------------------
+
+
+def traced_sample_maker(task: Any) -> Callable[[torch.Tensor], dict[str, torch.Tensor]]:
+    """`make_sample(input_ids)` for tracing (or measuring) a preference step without its data: one pair a sample,
+    both of its rows `input_ids` long (the first half the prompt, then the answer; the other answer is the first one
+    reversed), as PreferenceSamples gives them; KTO's examples alternately desirable; with reference log-probabilities
+    when the reference is cached (they are read from the samples, not computed in the step)."""
+    paired = task.name != "kto"
+    cached = task.reference_choice.mode == "cached"
+    made = [0]
+
+    def make_sample(input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        index = made[0]
+        made[0] += 1
+        half = max(1, input_ids.numel() // 2)
+        prompt, answer = input_ids[:half], input_ids[half:]
+        other = answer.flip(0)
+        sample = {"input_ids": torch.cat([prompt, answer, prompt, other]), "prompt_ids": prompt,
+                  "index": torch.tensor(index)}
+        if paired:
+            sample |= {"chosen_ids": answer, "rejected_ids": other}
+        else:
+            sample |= {"completion_ids": answer, "kl_completion_ids": other, "desirable": torch.tensor(index % 2 == 0)}
+        if cached:
+            sample["reference_logps"] = torch.full((2,), -float(answer.numel()), dtype=torch.float32)
+        return sample
+
+    return make_sample
+
+
+def prepare_traced_model(task: Any, model: torch.nn.Module) -> None:
+    """Let a preference task see the built model before the techniques wrap it, as a training run's setup does: the
+    frozen copy of `--reference copy` is made of it."""
+    if is_preference(task):
+        task.prepare_model(model, None)
