@@ -248,6 +248,8 @@ def traced_task(config: Any, hf_config: Any) -> tuple[Any, dict[str, Any], Any]:
     --seq-len positions, and with them every activation; on real tensors (the measured step) it also carries the
     attention masks a padded batch builds. On fake tensors every mask reads as all ones and is dropped, so the
     traced estimate adds them as the analytical one does (`prediction.padding_mask`).
+
+    A preference task's sample is a pair of two such rows (`prediction.preference_step.traced_sample_maker`).
     """
     import torch
 

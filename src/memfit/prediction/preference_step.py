@@ -235,8 +235,13 @@ def traced_sample_maker(task: Any) -> Callable[[torch.Tensor], dict[str, torch.T
     return make_sample
 
 
-def prepare_traced_model(task: Any, model: torch.nn.Module) -> None:
+def prepare_traced_model(task: Any, model: torch.nn.Module, device: torch.device) -> None:
     """Let a preference task see the built model before the techniques wrap it, as a training run's setup does: the
-    frozen copy of `--reference copy` is made of it."""
-    if is_preference(task):
-        task.prepare_model(model, None)
+    frozen copy of `--reference copy` is made of it, and put on `device` (a run loads its model there first; the
+    traced step builds it on the host and moves it after LoRA, which the copy never sees)."""
+    if not is_preference(task):
+        return
+    task.prepare_model(model, None)
+    reference = getattr(task, "_copy", None)  # the task's frozen copy, None for any other reference
+    if reference is not None:
+        reference.to(device)

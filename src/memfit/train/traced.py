@@ -145,7 +145,7 @@ def _build_step(hf_config, train_config: TrainConfig, setup: StepSetup, fake: bo
             model.tie_weights()
         model.config.use_cache = False
         model.train()
-        prepare_traced_model(task, model)  # a preference task's frozen reference copy, before LoRA wraps the model
+        prepare_traced_model(task, model, setup.device)  # a preference task's frozen copy, before LoRA wraps the model
         run = dataclasses.replace(resolve(config, hf_config, setup.device.type), loss_chunk_size=setup.loss_chunk_size)
         model, run = apply_model_techniques(config, model, task.peft_task_type, run=run, device=setup.device)
     if not fake:
