@@ -124,6 +124,39 @@ def tracked_and_estimated(config) -> tuple[int, int, Any]:
     return data["peak_bytes"], data.get("host_peak_bytes", 0), estimate(config)
 
 
+@contextlib.contextmanager
+def instrumented_loop(loop: Any, watch: PeakWatch, on_record: Any) -> Iterator[None]:
+    """memfit's training loop (the module `memfit.train.loop`) instrumented while the block runs: the peak is read
+    before each of the loop's per-step resets, and `on_record(record)` sees every metrics line before it is written.
+
+    Instrumentation only: the loop runs as it would. On leaving, the loop is as it was (a --quick benchmark runs
+    several workers in one process).
+    """
+    original_reset, original_make_logger = loop.reset_peaks, loop.make_logger
+
+    def reset_peaks(device):
+        watch.before_reset()
+        original_reset(device)
+
+    class ObservedLogger:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def log(self, record: dict[str, Any]) -> None:
+            on_record(record)
+            self.inner.log(record)
+
+        def close(self) -> None:
+            self.inner.close()
+
+    loop.reset_peaks = reset_peaks
+    loop.make_logger = lambda session: ObservedLogger(original_make_logger(session))
+    try:
+        yield
+    finally:
+        loop.reset_peaks, loop.make_logger = original_reset, original_make_logger
+
+
 def current_rss_bytes() -> int:
     from memfit.memory.stats import process_rss_bytes
 

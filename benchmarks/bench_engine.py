@@ -36,6 +36,7 @@ from _common import (
     current_rss_bytes,
     default_label,
     emit_result,
+    instrumented_loop,
     machine_description,
     markdown_table,
     median,
@@ -103,38 +104,18 @@ def memfit_worker(spec: dict[str, Any]) -> dict[str, Any]:
     metric_rates: list[float] = []
     peak_through_steps = [0]
 
-    # Instrumentation only: read the peak before each of the loop's per-step resets, and
-    # time each step's end when its metrics line is written.
-    original_reset, original_make_logger = loop.reset_peaks, loop.make_logger
+    def on_record(record: dict[str, Any]) -> None:  # each step's end is timed when its metrics line is written
+        if record.get("event") == "start":
+            stamps.append(time.perf_counter())
+        elif "event" not in record and "step" in record:
+            synchronize(spec["device"])
+            stamps.append(time.perf_counter())
+            tokens.append(int(record["tokens"]))
+            metric_rates.append(float(record["tokens_per_second"]))
+            peak_through_steps[0] = watch.total()
 
-    def reset_peaks(device):
-        watch.before_reset()
-        original_reset(device)
-
-    class StampingLogger:
-        def __init__(self, inner):
-            self.inner = inner
-
-        def log(self, record: dict[str, Any]) -> None:
-            if record.get("event") == "start":
-                stamps.append(time.perf_counter())
-            elif "event" not in record and "step" in record:
-                synchronize(spec["device"])
-                stamps.append(time.perf_counter())
-                tokens.append(int(record["tokens"]))
-                metric_rates.append(float(record["tokens_per_second"]))
-                peak_through_steps[0] = watch.total()
-            self.inner.log(record)
-
-        def close(self) -> None:
-            self.inner.close()
-
-    loop.reset_peaks = reset_peaks
-    loop.make_logger = lambda session: StampingLogger(original_make_logger(session))
-    try:
+    with instrumented_loop(loop, watch, on_record):
         return _memfit_run(spec, loop, watch, import_rss, stamps, tokens, metric_rates, peak_through_steps)
-    finally:  # --quick runs both workers in one process: the next run gets the loop as it was
-        loop.reset_peaks, loop.make_logger = original_reset, original_make_logger
 
 
 def _memfit_run(spec, loop, watch, import_rss, stamps, tokens, metric_rates, peak_through_steps) -> dict[str, Any]:

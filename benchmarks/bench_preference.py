@@ -81,6 +81,7 @@ from _common import (  # noqa: E402
     current_rss_bytes,
     default_label,
     emit_result,
+    instrumented_loop,
     llama_config,
     machine_description,
     markdown_table,
@@ -254,30 +255,13 @@ def memfit_worker(spec: dict[str, Any]) -> dict[str, Any]:
     import_rss = current_rss_bytes()
     clock = Clock(watch)
     reference: dict[str, Any] = {}
-    original_reset, original_make_logger = loop.reset_peaks, loop.make_logger
 
-    # Instrumentation only: the peak is read before each of the loop's per-step resets, and each step's end is
-    # stamped when its metrics line is written.
-    def reset_peaks(device):
-        watch.before_reset()
-        original_reset(device)
+    def on_record(record: dict[str, Any]) -> None:  # each step's end is stamped when its metrics line is written
+        if record.get("event") == "start" or ("event" not in record and "step" in record):
+            clock.tick()
+        if record.get("event") == "start" and isinstance(record.get("task"), dict):
+            reference.update(record["task"].get("reference") or {})
 
-    class StampingLogger:
-        def __init__(self, inner):
-            self.inner = inner
-
-        def log(self, record: dict[str, Any]) -> None:
-            if record.get("event") == "start" or ("event" not in record and "step" in record):
-                clock.tick()
-            if record.get("event") == "start" and isinstance(record.get("task"), dict):
-                reference.update(record["task"].get("reference") or {})
-            self.inner.log(record)
-
-        def close(self) -> None:
-            self.inner.close()
-
-    loop.reset_peaks = reset_peaks
-    loop.make_logger = lambda session: StampingLogger(original_make_logger(session))
     overrides = {
         "model": spec["model_dir"], "dataset": spec["data"], "task": "dpo", "seq_len": spec["seq_len"],
         "batch_size": spec["batch_size"], "max_steps": spec["steps"], "seed": SEED, "lr": LR,
@@ -286,10 +270,8 @@ def memfit_worker(spec: dict[str, Any]) -> dict[str, Any]:
         "beta": spec["beta"], "loss_type": spec["loss_type"], "output_dir": spec["output_dir"],
         "cache_dir": spec["cache_dir"], "log_every": 10**6, **spec["settings"],
     }
-    try:
+    with instrumented_loop(loop, watch, on_record):
         result = loop.train(load_config(overrides={k: str(v) for k, v in overrides.items()}))
-    finally:  # --quick runs every worker in one process: the next gets the loop as it was
-        loop.reset_peaks, loop.make_logger = original_reset, original_make_logger
     out = figures(clock, spec["batch_size"], spec["warmup"], started, [float(x) for x in result.losses], import_rss)
     out["ran"] = {key: result.summary.get(key) for key in ("precision", "optimizer", "attention",
                                                            "gradient_checkpointing")}
