@@ -50,6 +50,9 @@ from memfit.config_sections import (  # noqa: F401 (the sections' names are memf
     ModelConfig,
     OptimizerConfig,
     OutputConfig,
+    PREFERENCE_TASKS,
+    RL_TASKS,
+    RLConfig,
     TaskConfig,
     TrainingConfig,
 )
@@ -70,6 +73,7 @@ class TrainConfig:
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     evaluation: EvalConfig = field(default_factory=EvalConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
 
     def __post_init__(self) -> None:
         # Where the settings came from: not settings themselves, so not fields (to_dict and
@@ -228,8 +232,35 @@ class TrainConfig:
             problems.append("--deepspeed and --sharding fsdp are two engines: pick one")
         problems.extend(self.evaluation.problems())
         problems.extend(self.task.problems())
+        problems.extend(self.distributed.problems())
+        problems.extend(_objective_setting_problems(self))
         if problems:
             raise UsageError("; ".join(problems))
+
+
+_PREFERENCE_ONLY = ("label_smoothing", "simpo_gamma", "cpo_alpha", "desirable_weight", "undesirable_weight",
+                    "pair_layout")
+_OBJECTIVE_SHARED = ("beta", "loss_type", "reference", "precompute_ref_log_probs")
+
+
+def _objective_setting_problems(config: TrainConfig) -> list[str]:
+    """Settings the user gave that the chosen --task never reads: one line naming the tasks that do."""
+    given = config.user_set or frozenset()
+    task = config.task.task
+    unread = []
+    if task not in PREFERENCE_TASKS + RL_TASKS:
+        unread += [name for name in _OBJECTIVE_SHARED if name in given]
+    if task not in PREFERENCE_TASKS:
+        unread += [name for name in _PREFERENCE_ONLY if name in given]
+    if task not in RL_TASKS:
+        unread += [f.name for f in dataclasses.fields(RLConfig) if f.name in given]
+    if not unread:
+        return []
+    flags = ", ".join(f"--{name.replace('_', '-')}" for name in unread)
+    readers = "grpo" if all(n in {f.name for f in dataclasses.fields(RLConfig)} for n in unread) else (
+        ", ".join(PREFERENCE_TASKS) if all(n in _PREFERENCE_ONLY for n in unread) else ", ".join(PREFERENCE_TASKS + RL_TASKS))
+    return [f"{flags} {'is' if len(unread) == 1 else 'are'} read by --task {readers}, not --task {task}: drop"
+            f" {'it' if len(unread) == 1 else 'them'} or choose that task"]
 
 
 def _expert_offload_problems(m: MemoryConfig, lo: LoraConfig) -> list[str]:
@@ -335,6 +366,14 @@ def derive_defaults(values: dict[str, Any], user_set: frozenset[str]) -> tuple[d
         derived["activation_offload"] = "activation offload is on: --activation-offload-blocks offloads part of the block inputs"
     if values.get("chunked_training"):
         _derive_chunked_training(values, user_set, derived)
+    if values.get("task") in RL_TASKS:
+        # TRL's GRPO defaults, which differ from the preference objectives' under the same names.
+        if "beta" not in user_set:
+            values["beta"] = 0.0
+            derived["beta"] = "no KL term and no reference model: --task grpo's --beta is 0 unless given (TRL's default)"
+        if "loss_type" not in user_set:
+            values["loss_type"] = "dapo"
+            derived["loss_type"] = "--task grpo averages the token losses over the batch's tokens (dapo, TRL's default)"
     if values.get("optimizer_in_backward") and "max_grad_norm" not in user_set:
         # Each parameter is updated as its gradient arrives, before the global norm exists.
         values["max_grad_norm"] = 0.0

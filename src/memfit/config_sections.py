@@ -20,6 +20,7 @@ LR_SCHEDULES = ("cosine", "linear", "constant")
 CHECKPOINTING_MODES = ("off", "full", "selective", "auto")
 QUANTIZE_MODES = ("none", "4bit", "8bit")
 SHARDING_MODES = ("none", "ddp", "fsdp")
+CONTEXT_PARALLEL_MODES = ("auto", "ulysses", "ring")
 KERNEL_CHOICES = ("auto", "liger", "none")
 ROPE_SCALINGS = ("auto", "linear", "yarn", "llama3")
 DATASET_FORMATS = ("auto", "text", "prompt-completion", "messages", "alpaca", "sharegpt")
@@ -265,6 +266,17 @@ class DistributedConfig:
     """Generate a DeepSpeed config with this ZeRO stage (1, 2 or 3) when you have no file."""
     zero_offload: bool = False
     """With --zero-stage: offload optimizer state (and parameters at stage 3) to the CPU."""
+    context_parallel: int = 1
+    """Under torchrun: split every sequence into N contiguous shards, one per rank of a context group (world size = data-parallel x N); each rank holds 1/N of every sequence's activations (docs/distributed.md). Axolotl's context_parallel_size."""
+    context_parallel_mode: str = field(default="auto", metadata=_choices(*CONTEXT_PARALLEL_MODES))
+    """How attention sees the whole sequence under --context-parallel: ulysses (all-to-all of heads: DeepSpeed's Ulysses where it runs, else memfit's over torch.distributed), ring (PyTorch's context parallel, CUDA), auto (ulysses when the heads divide by N, else ring)."""
+
+    def problems(self) -> list[str]:
+        """What is wrong with these settings, by flag name (TrainConfig.validate reports them)."""
+        found = []
+        if self.context_parallel < 1:
+            found.append(f"--context-parallel must be at least 1 (ranks a sequence is split over), got {self.context_parallel}")
+        return found
 
 
 EVAL_STRATEGIES = ("steps", "epoch", "no")
@@ -308,11 +320,16 @@ class EvalConfig:
 
 PREFERENCE_TASKS = ("dpo", "simpo", "orpo", "kto")
 """Objectives that learn from preferences (memfit.tasks.preference; docs/preference.md)."""
+RL_TASKS = ("grpo",)
+"""Objectives that learn from rewards on the model's own completions (memfit.tasks.grpo; docs/rl.md)."""
 TASKS = ("causal-lm", "masked-lm", "sequence-classification", "token-classification", "regression",
-         *PREFERENCE_TASKS)
+         *PREFERENCE_TASKS, *RL_TASKS)
 PROBLEM_TYPES = ("auto", "single-label", "multi-label")
 DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "robust")
 """--loss-type of --task dpo (tasks/preference_losses.py implements each; named here so the config needs no torch)."""
+GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+"""--loss-type of --task grpo: how the per-token losses are averaged (TRL's names and semantics; docs/rl.md)."""
+SCALE_REWARDS = ("group", "batch", "none")
 REFERENCE_MODES = ("auto", "adapters-off", "copy", "cached")
 """--reference: where DPO's and KTO's reference log-probabilities come from (techniques/reference_model.py)."""
 
@@ -320,7 +337,7 @@ REFERENCE_MODES = ("auto", "adapters-off", "copy", "cached")
 @dataclass
 class TaskConfig:
     task: str = field(default="causal-lm", metadata=_choices(*TASKS))
-    """What is learned: causal-lm (next token), masked-lm, sequence-classification, token-classification, regression (memfit.tasks; docs/tasks.md), or from preferences: dpo, simpo, orpo, kto (docs/preference.md)."""
+    """What is learned: causal-lm (next token), masked-lm, sequence-classification, token-classification, regression (memfit.tasks; docs/tasks.md), from preferences: dpo, simpo, orpo, kto (docs/preference.md), or from rewards on generated completions: grpo (docs/rl.md)."""
     problem_type: str = field(default="auto", metadata=_choices(*PROBLEM_TYPES))
     """sequence-classification: single-label (one class a sample) or multi-label (each label column 0/1); auto: multi-label when several --label-fields are given."""
     num_labels: int | None = None
@@ -341,9 +358,9 @@ class TaskConfig:
     """--label-table: the column holding each FASTA record's id (the header up to the first space or '|')."""
     # The preference objectives' settings, under TRL's names and with TRL 1.16's defaults (docs/preference.md).
     beta: float = 0.1
-    """dpo, simpo, orpo, kto: the objective's scale (TRL's beta): how far DPO and KTO let the policy move from the reference, SimPO's reward scale, ORPO's weight of the odds-ratio term."""
-    loss_type: str = field(default="sigmoid", metadata=_choices(*DPO_LOSS_TYPES))
-    """dpo: sigmoid (DPO), hinge (SLiC), ipo (IPO, per-token log-ratios) or robust (rDPO, reads --label-smoothing)."""
+    """dpo, simpo, orpo, kto: the objective's scale (TRL's beta): how far DPO and KTO let the policy move from the reference, SimPO's reward scale, ORPO's weight of the odds-ratio term. grpo: the KL coefficient, 0 by default (no reference model)."""
+    loss_type: str = field(default="sigmoid", metadata=_choices(*DPO_LOSS_TYPES, *GRPO_LOSS_TYPES))
+    """dpo: sigmoid (DPO), hinge (SLiC), ipo (IPO, per-token log-ratios) or robust (rDPO, reads --label-smoothing). grpo: grpo, bnpo, dr_grpo or dapo (the default), how the token losses are averaged."""
     label_smoothing: float = 0.0
     """dpo --loss-type robust: the probability that a pair's preference is flipped, below 0.5; simpo: the weight of the flipped-preference term."""
     simpo_gamma: float = 0.5
@@ -355,7 +372,7 @@ class TaskConfig:
     undesirable_weight: float = 1.0
     """kto: weight of each undesirable completion's loss."""
     reference: str = field(default="auto", metadata=_choices(*REFERENCE_MODES))
-    """dpo, kto: the reference model. auto: adapters-off under --lora-r (the model with its adapters disabled, no second copy), else copy (a frozen copy on the device); cached: every item's reference log-probabilities computed in one pass before training and kept beside the token cache."""
+    """dpo, kto, grpo with --beta > 0: the reference model. auto: adapters-off under --lora-r (the model with its adapters disabled, no second copy), else copy (a frozen copy on the device); cached: every item's reference log-probabilities computed in one pass before training and kept beside the token cache."""
     precompute_ref_log_probs: bool = False
     """dpo, kto: TRL's name for --reference cached: compute the reference log-probabilities once, before training."""
     pair_layout: str = field(default="two-rows", metadata=_choices("auto", "two-rows", "shared-prompt"))
@@ -364,8 +381,17 @@ class TaskConfig:
     def problems(self) -> list[str]:
         """What is wrong with these settings, by flag name (TrainConfig.validate reports them)."""
         found = []
-        if self.beta <= 0:
-            found.append(f"--beta must be positive (the scale of the preference objective), got {self.beta}")
+        if self.task in RL_TASKS:
+            if self.beta < 0:
+                found.append(f"--beta must be 0 (no reference model) or positive (the KL coefficient), got {self.beta}")
+            if self.loss_type not in GRPO_LOSS_TYPES:
+                found.append(f"--loss-type {self.loss_type} is not a --task grpo loss; choose one of {', '.join(GRPO_LOSS_TYPES)}")
+        else:
+            if self.beta <= 0:
+                found.append(f"--beta must be positive (the scale of the preference objective), got {self.beta}")
+            if self.loss_type not in DPO_LOSS_TYPES:
+                found.append(f"--loss-type {self.loss_type} is a --task grpo loss; --task {self.task} takes one of"
+                             f" {', '.join(DPO_LOSS_TYPES)}")
         if not 0 <= self.label_smoothing < 0.5:
             found.append(f"--label-smoothing must be at least 0 and below 0.5 (a flip probability), got {self.label_smoothing}")
         for name in ("cpo_alpha", "desirable_weight", "undesirable_weight"):
@@ -387,6 +413,57 @@ class TaskConfig:
         return found
 
 
+@dataclass
+class RLConfig:
+    """--task grpo: generation and the policy-gradient objective, under TRL's GRPOConfig names and defaults."""
+
+    reward_function: str | None = None
+    """grpo: where each completion's reward comes from: FILE.py:NAME (a TRL reward function: completions, prompts and the data's other columns as keyword arguments, one float per completion) or a built-in (answer-match, format, length); several: repeat the flag or separate with commas."""
+    reward_weights: str | None = None
+    """grpo: a weight per --reward-function, comma-separated, in the same order (default: 1 each); the reward is their weighted sum."""
+    num_generations: int = 8
+    """grpo: completions generated per prompt (the group whose rewards are compared)."""
+    max_prompt_length: int | None = None
+    """grpo: keep at most this many prompt tokens (the last ones); default: whole prompts."""
+    max_completion_length: int = 256
+    """grpo: tokens generated per completion at most."""
+    temperature: float = 1.0
+    """grpo: sampling temperature of generation."""
+    top_p: float = 1.0
+    """grpo: nucleus sampling: sample from the smallest set of tokens whose probability reaches this."""
+    generation_batch_size: int | None = None
+    """grpo: completions generated at once (default: the completions of one optimizer step); an out-of-memory while generating halves it and goes on with the same completions."""
+    epsilon: float = 0.2
+    """grpo: lower clipping range of the probability ratio."""
+    epsilon_high: float | None = None
+    """grpo: upper clipping range of the ratio (default: --epsilon; DAPO uses 0.28)."""
+    num_iterations: int = 1
+    """grpo: optimizer steps taken on each batch of completions (mu); above 1, the ratio is to the policy that generated them."""
+    scale_rewards: str = field(default="group", metadata=_choices(*SCALE_REWARDS))
+    """grpo: divide advantages by the reward's standard deviation over the group, the batch, or none (Dr. GRPO)."""
+    mask_truncated_completions: bool = False
+    """grpo: leave completions cut at --max-completion-length out of the loss."""
+    use_vllm: bool = False
+    """grpo: generate with vLLM on the same GPU where it is installed (weights synced after each optimizer step); else transformers' generate, said in the log."""
+
+    def problems(self) -> list[str]:
+        """What is wrong with these settings, by flag name (TrainConfig.validate reports them)."""
+        found = []
+        for name in ("num_generations", "max_completion_length", "num_iterations"):
+            if getattr(self, name) < 1:
+                found.append(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        for name in ("max_prompt_length", "generation_batch_size"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                found.append(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if self.temperature <= 0:
+            found.append(f"--temperature must be positive, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            found.append(f"--top-p must be above 0 and at most 1, got {self.top_p}")
+        if self.epsilon < 0 or (self.epsilon_high is not None and self.epsilon_high < 0):
+            found.append("--epsilon and --epsilon-high must be 0 or more (clipping ranges)")
+        return found
+
+
 SECTIONS: dict[str, type] = {
     "model": ModelConfig,
     "data": DataConfig,
@@ -398,4 +475,5 @@ SECTIONS: dict[str, type] = {
     "distributed": DistributedConfig,
     "evaluation": EvalConfig,
     "task": TaskConfig,
+    "rl": RLConfig,
 }

@@ -45,7 +45,8 @@ SECTION_TITLES = {
     "output": "output directory, checkpoints, preemption, resume and logging",
     "distributed": "several GPUs under torchrun: DDP, FSDP, DeepSpeed",
     "evaluation": "evaluation data and when to evaluate",
-    "task": "what is learned: next token, masked tokens, classification, regression",
+    "task": "what is learned: next token, masked tokens, classification, regression, preferences, rewards",
+    "rl": "--task grpo: rewards, generation and the policy-gradient objective (TRL's names)",
     "compatibility": "other trainers' settings accepted as they are",
 }
 
@@ -406,7 +407,7 @@ def short_help(help: CommandHelp, width: int | None = None) -> str:
         command = f"memfit {help.command.split()[0]}"
         keys = ", ".join(section_keys(help))
         lines += [""] + _paragraphs(
-            f"All {total} flags: {command} --help-all. One section: --help SECTION, SECTION one of {keys}.", width)
+            f"All {total} flags: {command} --help-all; a section: --help SECTION ({keys}).", width)
     return "\n".join(lines)
 
 
