@@ -9,7 +9,8 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 # deepspeed is in the test extras so that its ZeRO equality tests run on CPU too, and the
 # --report-to trackers so that their tests read each tracker's own files back.
-EXTRAS ?= all,dev,deepspeed,tensorboard,wandb,mlflow,lowmem-optim,tasks
+# bench brings TRL: the preference and RL objectives are tested against TRL's own losses and tokens.
+EXTRAS ?= all,dev,deepspeed,tensorboard,wandb,mlflow,lowmem-optim,tasks,bench
 # The demo trains the built-in model in full precision and writes its HTML report: it needs plotly and
 # nothing else optional (`make demo DEMO_EXTRAS=all` installs the rest; `make test` installs what the tests need).
 DEMO_EXTRAS ?= report
