@@ -3,7 +3,8 @@
 Fine-tuning formats need every field of a record, where pretraining reads one text field
 (`sources.py`). Records are yielded lazily in file order; `builtin:chat` names the small
 conversation set shipped with memfit,
-`builtin:preferences` its preference pairs (data/preferences.py).
+`builtin:preferences` its preference pairs (data/preferences.py), `builtin:prompts` its
+arithmetic prompts with answers for --task grpo (data/prompts.py).
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from memfit.data.sources import TextSource, load_hf_split, open_parquet, resolve
 from memfit.errors import UsageError
 
 BUILTIN_PREFIX = "builtin:"
-BUILTIN_DATASETS = {"chat": ("chat", "chat.jsonl"), "preferences": ("chat", "preferences.jsonl")}
+BUILTIN_DATASETS = {"chat": ("chat", "chat.jsonl"), "preferences": ("chat", "preferences.jsonl"),
+                    "prompts": ("chat", "prompts.jsonl")}
 
 
 def builtin_path(name: str) -> Path:
