@@ -424,9 +424,9 @@ class RLConfig:
     num_generations: int = 8
     """grpo: completions generated per prompt (the group whose rewards are compared)."""
     max_prompt_length: int | None = None
-    """grpo: keep at most this many prompt tokens (the last ones); default: whole prompts."""
-    max_completion_length: int = 256
-    """grpo: tokens generated per completion at most."""
+    """grpo: keep at most this many prompt tokens (the last ones, as a left truncation side keeps them); default: whole prompts (TRL 1.16's GRPOConfig has no such setting and never truncates)."""
+    max_completion_length: int = 512
+    """grpo: tokens generated per completion at most (TRL's default, 512); Dr. GRPO's loss divides by it."""
     temperature: float = 1.0
     """grpo: sampling temperature of generation."""
     top_p: float = 1.0
