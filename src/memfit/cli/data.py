@@ -10,7 +10,8 @@ input_ids, labels (-100 where masked) and position_ids. Tokenizes into a tempora
 With a preference task (--task dpo, simpo, orpo, kto) the data is preference pairs or labelled completions
 (memfit.data.preferences): each shown item is its prompt and its completions decoded from their tokens, the
 completions (the scored tokens) marked, then the lengths of each part, the pair-length distribution and what
---seq-len keeps, cuts and drops.
+--seq-len keeps, cuts and drops. With --task grpo the data is prompts (memfit.data.prompts): each shown prompt as
+generation reads it, the columns the reward functions receive, and the prompt lengths.
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ HELP = CommandHelp(
     "data", "memfit data DATASET [--model MODEL] [--FLAG VALUE ...]", SUMMARY, (DataOptions,),
     first=("config", "model", "seq_len", "dataset_format", "chat_template", "train_on", "packing", "truncate"),
     arguments=(("DATASET", "The data, as --dataset takes it: a .txt, .jsonl or .parquet file, hf:NAME, builtin:chat;"
-                           " with --task dpo|simpo|orpo|kto, preference pairs such as builtin:preferences."),),
+                           " with --task dpo|simpo|orpo|kto, preference pairs such as builtin:preferences;"
+                           " with --task grpo, prompts such as builtin:prompts."),),
     first_title="the training flags it reads most (it takes every memfit train flag):",
 )
 
@@ -82,6 +84,8 @@ def inspect_dataset(config: Any, show: int) -> dict[str, Any]:
 
     if config.task.task in PREFERENCE_TASKS:
         return inspect_preference_dataset(config, show)
+    if config.task.task == "grpo":
+        return inspect_prompt_dataset(config, show)
 
     from memfit.data import load_training_data
     from memfit.data.packing import packing_efficiency
@@ -141,6 +145,19 @@ def inspect_preference_dataset(config: Any, show: int) -> dict[str, Any]:
     dataset = load_preference_data(data_cfg, tokenizer, task=config.task.task, max_positions=_model_positions(config),
                                    say=False)
     return preference_report(dataset, tokenizer, show)
+
+
+def inspect_prompt_dataset(config: Any, show: int) -> dict[str, Any]:
+    """`inspect_dataset` of --task grpo's prompts: memfit.data.prompts.prompt_report (the --json object)."""
+    from memfit.data.prompts import load_prompts, prompt_report
+    from memfit.models.loader import load_tokenizer
+
+    name = config.model.tokenizer or config.model.model
+    tokenizer = load_tokenizer("tiny" if name.startswith("preset") else name, config.model.trust_remote_code)
+    limit = config.rl.max_prompt_length
+    items = load_prompts(config.data, tokenizer, max_prompt_length=limit, say=False)
+    label = config.data.dataset or "the data"
+    return prompt_report(items, tokenizer, dataset=label, max_prompt_length=limit, show=show)
 
 
 def _model_positions(config: Any) -> int | None:
@@ -206,6 +223,10 @@ def _sample(sample: dict, tokenizer: Any) -> dict[str, Any]:
 
 
 def render(report: dict[str, Any], color: bool = False) -> str:
+    if report.get("prompts"):
+        from memfit.data.prompts import describe_prompt_data
+
+        return describe_prompt_data(report)
     if report.get("preference"):
         from memfit.data.preferences import describe_preference_data
 

@@ -13,6 +13,7 @@ generation prompt (`add_generation_prompt=True`), and the rendered text tokenize
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -128,3 +129,47 @@ def load_prompts(data_cfg: Any, tokenizer: Any, *, max_prompt_length: int | None
         logger.warning("memfit: %s: %d of %d prompts are longer than --max-prompt-length %d; their first tokens are"
                        " left out (the last ones kept)", source.label, tokenize.truncated, len(items), max_prompt_length)
     return items
+
+
+# -- what `memfit data --task grpo` shows ----------------------------------------------------------------------------
+
+
+def prompt_report(items: list[PromptItem], tokenizer: Any, *, dataset: str, max_prompt_length: int | None = None,
+                  show: int = 3) -> dict[str, Any]:
+    """What `memfit data --task grpo` shows, as a JSON-ready dict: the first `show` prompts as generation reads them
+    (decoded from their tokens, with their ids), the prompt lengths and the columns the reward functions receive."""
+    import numpy as np
+
+    lengths = np.asarray([len(item.prompt_ids) for item in items], dtype=np.int64)
+    columns = sorted({name for item in items for name in item.columns})
+    shown = [{"record": number, "prompt": tokenizer.decode(item.prompt_ids), "prompt_ids": item.prompt_ids,
+              "columns": item.columns} for number, item in enumerate(items[:show], start=1)]
+    return {
+        "prompts": True, "dataset": dataset, "records": len(items),
+        "conversational": any(not isinstance(item.prompt, str) for item in items),
+        "max_prompt_length": max_prompt_length,
+        "prompt_lengths": {"count": len(lengths), "mean": round(float(lengths.mean()), 1),
+                           **{f"p{q}": int(np.percentile(lengths, q, method="higher")) for q in (50, 90, 99)},
+                           "max": int(lengths.max())},
+        "cut": int((lengths >= max_prompt_length).sum()) if max_prompt_length else 0,
+        "reward_columns": columns, "shown": shown,
+    }
+
+
+def describe_prompt_data(report: dict[str, Any]) -> str:
+    """`prompt_report` in words: each shown prompt as the model reads it, its columns, then the lengths."""
+    kind = "conversational, rendered by the chat template with the generation prompt" if report["conversational"] \
+        else "plain text"
+    columns = ", ".join(report["reward_columns"]) or "none"
+    lines = [f"{report['dataset']}: {report['records']:,} prompts for --task grpo ({kind});"
+             f" columns passed to the reward functions: {columns}"]
+    for item in report["shown"]:
+        lines += ["", f"--- prompt {item['record']}: {len(item['prompt_ids'])} tokens, as generation reads them ---",
+                  item["prompt"], "columns: " + json.dumps(item["columns"], ensure_ascii=False, default=str)]
+    length = report["prompt_lengths"]
+    lines += ["", f"prompt lengths (tokens; {length['count']:,} prompts): median {length['p50']:,}, p90 {length['p90']:,},"
+                  f" p99 {length['p99']:,}, max {length['max']:,}, mean {length['mean']:,}"]
+    if report["max_prompt_length"]:
+        lines.append(f"--max-prompt-length {report['max_prompt_length']:,}: {report['cut']:,} prompts reach it (a longer"
+                     " prompt keeps its last tokens)")
+    return "\n".join(lines)

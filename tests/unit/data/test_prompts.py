@@ -83,3 +83,15 @@ def test_a_record_without_a_prompt_names_the_fields_found(tokenizer, tmp_path):
     dataset = write(tmp_path, [{"question": "What is 1 + 1?", "answer": "2"}])
     with pytest.raises(UsageError, match=r"no 'prompt' field \(found: question, answer\)"):
         load_prompts(DataConfig(dataset=dataset), tokenizer, say=False)
+
+
+def test_the_view_shows_prompts_as_generation_reads_them_and_the_reward_columns(tokenizer, tmp_path):
+    from memfit.data.prompts import describe_prompt_data, prompt_report
+
+    items = load_prompts(DataConfig(dataset=write(tmp_path, PLAIN)), tokenizer, max_prompt_length=6, say=False)
+    report = prompt_report(items, tokenizer, dataset="prompts.jsonl", max_prompt_length=6, show=1)
+    assert report["reward_columns"] == ["answer", "level"] and report["cut"] == 2
+    assert report["prompt_lengths"]["max"] == 6 and len(report["shown"]) == 1
+    text = describe_prompt_data(report)
+    assert "columns passed to the reward functions: answer, level" in text
+    assert tokenizer.decode(items[0].prompt_ids) in text and "2 prompts reach it" in text
