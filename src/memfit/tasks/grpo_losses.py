@@ -138,8 +138,11 @@ def grpo_loss(
         beta: coefficient of the per-token KL to the reference.
         epsilon_low, epsilon_high: the ratio is clipped to [1 - epsilon_low, 1 + epsilon_high].
         max_completion_length: dr_grpo's constant length.
-        completions_in_step: completions in the whole optimizer step (all micro-batches).
-        tokens_in_step: completion tokens in the loss over the whole step (all micro-batches).
+        completions_in_step: completions in the whole optimizer step (all micro-batches). Under data parallelism,
+            where the engine averages gradients over ranks, the count of one rank's share: the global count divided by
+            the number of ranks (as TRL divides `num_items_in_batch` by `num_processes`).
+        tokens_in_step: completion tokens in the loss over the whole step (all micro-batches); under data
+            parallelism, likewise the global count divided by the number of ranks.
         entropies: [B, T] per-token entropies, only summed into the stats.
 
     Returns:
