@@ -6,7 +6,7 @@ completions) and returns one float per completion, or None for a completion it d
 conversational prompt are `[{"role": "assistant", "content": text}]` lists; of a plain prompt, strings.
 
 `--reward-function` names them: `PATH.py:NAME` (the user's file, imported by path because they named it) or a
-built-in: answer-match, format, length.
+built-in: answer-match, format, length, overlong (DAPO's soft overlong punishment).
 """
 
 from __future__ import annotations
@@ -106,10 +106,26 @@ def length_penalty(completions, completion_ids=None, **kwargs) -> list[float]:
     return [-len(completion_text(c)) / 1000.0 for c in completions]
 
 
+def overlong_penalty(max_completion_length: int, cache: int | None = None) -> Callable[..., list[float]]:
+    """DAPO's soft overlong punishment, in tokens: 0 up to max - cache, then falling linearly to -1 at the maximum.
+
+    `cache` defaults to a fifth of the maximum (DAPO's 4,096 of 20,480 tokens)."""
+    cache = max(1, max_completion_length // 5) if cache is None else cache
+    free = max_completion_length - cache
+
+    def overlong(completions, completion_ids=None, **kwargs) -> list[float]:
+        if completion_ids is None:
+            raise ValueError("overlong needs completion_ids (the completions' tokens)")
+        return [0.0 if len(ids) <= free else max(-1.0, (free - len(ids)) / cache) for ids in completion_ids]
+
+    return overlong
+
+
 BUILTINS: dict[str, Callable[..., list[float | None]]] = {
     "answer-match": answer_match,
     "format": format_reward,
     "length": length_penalty,
+    "overlong": overlong_penalty(512),  # replaced by the run's --max-completion-length in load_reward_functions
 }
 
 
@@ -139,7 +155,9 @@ def _load_from_file(entry: str) -> RewardFunction:
     return RewardFunction(name=name, weight=1.0, function=function)
 
 
-def _load_one(entry: str) -> RewardFunction:
+def _load_one(entry: str, max_completion_length: int | None) -> RewardFunction:
+    if entry == "overlong" and max_completion_length is not None:
+        return RewardFunction(name=entry, weight=1.0, function=overlong_penalty(max_completion_length))
     if entry in BUILTINS:
         return RewardFunction(name=entry, weight=1.0, function=BUILTINS[entry])
     if ":" in entry and entry.rpartition(":")[0].endswith(".py"):
@@ -161,8 +179,12 @@ def _parse_weights(weights: str, count: int) -> list[float]:
     return values
 
 
-def load_reward_functions(spec: str | None, weights: str | None) -> list[RewardFunction]:
+def load_reward_functions(spec: str | None, weights: str | None, max_completion_length: int | None = None
+                          ) -> list[RewardFunction]:
     """The reward functions `--reward-function` names, with `--reward-weights` (1 each by default).
+
+    `max_completion_length`: the run's --max-completion-length, which the built-in `overlong` penalises against
+    (512, TRL's default, when not given).
 
     Raises:
         UsageError: no function named, a file or function that is not there, a weight count that differs.
@@ -171,7 +193,7 @@ def load_reward_functions(spec: str | None, weights: str | None) -> list[RewardF
     if not entries:
         raise UsageError(f"--task grpo needs --reward-function: FILE.py:NAME (a TRL reward function) or a built-in "
                          f"({', '.join(BUILTINS)})")
-    functions = [_load_one(entry) for entry in entries]
+    functions = [_load_one(entry, max_completion_length) for entry in entries]
     if weights is None:
         return functions
     values = _parse_weights(weights, len(functions))

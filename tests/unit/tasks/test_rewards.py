@@ -91,3 +91,10 @@ def test_a_reward_function_that_raises_is_named(reward_file):
     functions = load_reward_functions(f"{reward_file}:broken", None)
     with pytest.raises(UsageError, match="reward function broken raised KeyError: 'score'"):
         score_completions(functions, ["p"], ["a"], [[1]], {})
+
+
+def test_overlong_is_dapos_soft_punishment_against_the_runs_maximum():
+    (function,) = load_reward_functions("overlong", None, max_completion_length=10)
+    ids = [[1] * n for n in (3, 8, 9, 10, 12)]  # free up to 8 tokens, cache 2
+    scores = score_completions([function], ["p"] * 5, ["x"] * 5, ids, {})
+    assert scores.total.tolist() == pytest.approx([0.0, 0.0, -0.5, -1.0, -1.0])
