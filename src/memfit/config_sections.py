@@ -418,7 +418,7 @@ class RLConfig:
     """--task grpo: generation and the policy-gradient objective, under TRL's GRPOConfig names and defaults."""
 
     reward_function: str | None = None
-    """grpo: where each completion's reward comes from: FILE.py:NAME (a TRL reward function: completions, prompts and the data's other columns as keyword arguments, one float per completion) or a built-in (answer-match, format, length); several: repeat the flag or separate with commas."""
+    """grpo: where each completion's reward comes from: FILE.py:NAME (a TRL reward function: completions, prompts and the data's other columns as keyword arguments, one float per completion) or a built-in (answer-match, format, length, overlong); several: repeat the flag or separate with commas."""
     reward_weights: str | None = None
     """grpo: a weight per --reward-function, comma-separated, in the same order (default: 1 each); the reward is their weighted sum."""
     num_generations: int = 8
