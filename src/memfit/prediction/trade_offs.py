@@ -8,6 +8,7 @@ optimizer trades is a row of memfit.models.optimizer_state, like its bytes.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from memfit.config import TrainConfig
@@ -150,6 +151,32 @@ def small_state_trade(changes: dict[str, Any], config: TrainConfig, est: Estimat
     return f"{line}; optimizer state {est.details['full_bytes']['optimizer_states'] / GIB:.2f} GiB"
 
 
+_KEPT_SECTIONS = ("data", "task", "rl")
+"""What is learned and from which data: settings the plan never changes but the command must carry."""
+_NOT_KEPT = frozenset({"seq_len", "dataset", "cache_dir"})
+
+
+def _kept_settings(config: TrainConfig, changes: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+    """The task's, the RL objective's and the data's settings that differ from memfit's defaults and the plan leaves alone."""
+    kept = {}
+    for section in _KEPT_SECTIONS:
+        for name, value in dataclasses.asdict(getattr(config, section)).items():
+            if name in changes or name in _NOT_KEPT or value == defaults.get(name):
+                continue
+            if config.derived and name in config.derived:
+                continue  # chosen by memfit from another setting: the command's own run derives it again
+            kept[name] = value
+    return kept
+
+
+def _flag(name: str, value: Any) -> list[str]:
+    """`--name value`, or `--name` alone for a switch that is on (nothing for one that is off)."""
+    flag = "--" + name.replace("_", "-")
+    if isinstance(value, bool):
+        return [flag] if value else []
+    return [flag, str(value)]
+
+
 def train_command(config: TrainConfig, changes: dict[str, Any], gpu: GpuSpec | None, budget: int | None,
                   world_size: int = 1) -> str:
     """The `memfit train ...` command line that runs the plan."""
@@ -158,6 +185,8 @@ def train_command(config: TrainConfig, changes: dict[str, Any], gpu: GpuSpec | N
     if config.data.dataset:
         parts += ["--dataset", config.data.dataset]
     defaults = TrainConfig().flat()
+    for name, value in _kept_settings(config, changes, defaults).items():
+        parts += _flag(name, value)
     for name, value in changes.items():
         if name == "seq_len":
             continue
@@ -167,12 +196,7 @@ def train_command(config: TrainConfig, changes: dict[str, Any], gpu: GpuSpec | N
             continue  # the automatic setting does not tile at this length either
         if value is None:
             continue  # the default (activation_offload_blocks: every block and the head offloaded)
-        flag = "--" + name.replace("_", "-")
-        if isinstance(value, bool):
-            if value:
-                parts.append(flag)
-            continue
-        parts += [flag, str(value)]
+        parts += _flag(name, value)
     if world_size > 1:
         return f"torchrun --nproc-per-node {world_size} -m " + " ".join(parts) + " --sharding fsdp"
     return " ".join(parts)
