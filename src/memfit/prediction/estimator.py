@@ -79,7 +79,6 @@ from memfit.prediction.preference_step import (
     micro_batch_rows,
     preference_step,
     reference_copy_bytes,
-    traced_refusal,
 )
 from memfit.prediction.qlora_levers import with_qlora_levers
 from memfit.prediction.run_shape import (
@@ -181,8 +180,6 @@ def _request(config: TrainConfig, method: str, world_size: int, sharding: str, g
     if config.task.task == "causal-lm" and is_encoder(hf_config):
         raise UsageError(f"--model {config.model.model} is an encoder ({hf_config.model_type}) with no causal-LM head:"
                          " give --task masked-lm, sequence-classification, token-classification or regression")
-    if method == "traced" and traced_refusal(config):
-        raise UsageError(traced_refusal(config))
     if config.model.rope_scale is not None:
         from memfit.models.rope import scaled_positions
 

@@ -25,8 +25,7 @@ The layout is two rows a pair: `--pair-layout shared-prompt` (or auto) computes 
 by how much the prompts' lengths decide, which an estimate does not read; two rows is the larger case.
 
 The traced estimate and the tests' measured step run the real task on pairs of --seq-len rows
-(`traced_sample_maker`), the frozen copy made as a training run makes it (`prepare_traced_model`). KTO's step does
-not run on fake tensors (`traced_refusal`). On fake tensors a trained head's chunk backward is counted one
+(`traced_sample_maker`), the frozen copy made as a training run makes it (`prepare_traced_model`). On fake tensors a trained head's chunk backward is counted one
 `[chunk, vocabulary]` tensor short of what the real CPU kernels hold (the causal LM's chunked loss alike), so the
 traced estimate is low where that backward is the peak.
 """
@@ -163,14 +162,6 @@ def preference_step(config: Any, run: Any) -> PreferenceStep | None:
         layout += (f" (--pair-layout {task.pair_layout} shares long prompts: less, by what the prompts' lengths"
                    " decide, which an estimate does not read)")
     return PreferenceStep(task_class.name, choice.mode, note, 1 if kto else 2, 1 if kto else 0, chunk, layout)
-
-
-def traced_refusal(config: Any) -> str:
-    """Why the traced estimate cannot run `config`'s preference step on fake tensors ('' when it can)."""
-    if config.task.task == "kto":
-        return ("--task kto selects each side's metrics by the completions' labels, a shape fake tensors cannot know:"
-                " the traced estimate cannot run its step; use --method analytical")
-    return ""
 
 
 def micro_batch_rows(batch_size: int, step: PreferenceStep | None) -> int:

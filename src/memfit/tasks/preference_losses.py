@@ -240,11 +240,12 @@ def kto_loss(policy_logps: torch.Tensor, reference_logps: torch.Tensor, desirabl
     metrics = {"kl": torch.as_tensor(kl, dtype=torch.float32).detach()}
     rewards = beta * logratios.detach()
     # TRL logs each side only when the batch has examples of it, and the margin only when it has both
+    # (masked sums, not boolean indexing: the traced estimate runs this on fake tensors, whose selections have no shape)
     for side, mask in (("chosen", desirable), ("rejected", ~desirable)):
         if mask.any():
             count = mask.sum()
-            metrics[f"rewards/{side}"] = rewards[mask].nansum() / count
-            metrics[f"logps/{side}"] = policy_logps.detach()[mask].nansum() / count
+            metrics[f"rewards/{side}"] = torch.where(mask, rewards, 0).nansum() / count
+            metrics[f"logps/{side}"] = torch.where(mask, policy_logps.detach(), 0).nansum() / count
     if "rewards/chosen" in metrics and "rewards/rejected" in metrics:
         metrics["rewards/margins"] = metrics["rewards/chosen"] - metrics["rewards/rejected"]
     return PreferenceLoss(losses.nanmean(), losses, metrics)

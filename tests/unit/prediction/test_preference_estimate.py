@@ -19,7 +19,6 @@ import torch
 
 import memfit.train.traced  # noqa: F401  (registers the traced step)
 from memfit.config_loading import load_config
-from memfit.errors import UsageError
 from memfit.prediction import estimator, preference_step
 from memfit.prediction.activations import Precision, architecture_of
 from memfit.prediction.estimator import estimate, resolve_run
@@ -157,7 +156,7 @@ def test_the_no_grad_forward_term_is_the_tracked_peak_of_a_reference_forward(sha
     assert abs(term / peak - 1) <= BAND
 
 
-@pytest.mark.parametrize("mode", ["dpo copy", "dpo adapters-off"])
+@pytest.mark.parametrize("mode", ["dpo copy", "dpo adapters-off", "kto copy"])
 def test_the_traced_estimate_runs_the_real_step_on_pairs(mode):
     """On fake tensors the same step, its pairs and its reference's copy and forward: exact where the reference's
     forward is the peak. (Where a trained head's chunk backward is, fake tensors count one [chunk, vocabulary] tensor
@@ -165,7 +164,3 @@ def test_the_traced_estimate_runs_the_real_step_on_pairs(mode):
     traced = estimate(_config(**MODES[mode][0]), hf_config=tiny_llama_config(**MLP_BOUND), method="traced")
     assert abs(traced.peak_bytes / _measured("mlp-bound", mode) - 1) <= 0.005
 
-
-def test_the_traced_estimate_refuses_kto_and_names_the_analytical_one():
-    with pytest.raises(UsageError, match="--method analytical"):
-        estimate(_config(task="kto"), hf_config=tiny_llama_config(**MLP_BOUND), method="traced")
