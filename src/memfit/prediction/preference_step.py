@@ -164,6 +164,25 @@ def preference_step(config: Any, run: Any) -> PreferenceStep | None:
     return PreferenceStep(task_class.name, choice.mode, note, 1 if kto else 2, 1 if kto else 0, chunk, layout)
 
 
+def reference_lever(config: Any, mode: str, given: Callable[[str], bool]) -> dict[str, Any]:
+    """The plan's other reference for a run whose reference would be a frozen copy: `--reference cached` (its
+    log-probabilities computed once before training: no copy on the device and no reference forward a step), or
+    nothing (another task; LoRA, whose adapters-off reference is already free; a reference the user chose).
+
+    `mode`: 'full', 'lora' or 'qlora'; `given(name)`: whether the user set that setting. The pair layout is not a
+    lever here: what shared-prompt saves depends on the prompts' lengths, which an estimate does not read.
+    """
+    from memfit.tasks import TASK_CLASSES
+    from memfit.techniques.reference_model import choose_reference
+
+    task_class = TASK_CLASSES[config.task.task]
+    if not is_preference(task_class) or mode != "full" or given("reference") or given("precompute_ref_log_probs"):
+        return {}
+    if choose_reference("auto", False, False, task_class.needs_reference).mode != "copy":
+        return {}
+    return {"reference": "cached"}
+
+
 def micro_batch_rows(batch_size: int, step: PreferenceStep | None) -> int:
     """Rows of a micro-batch of `batch_size` samples that the model keeps activations for: the samples themselves,
     or the rows of a preference step's pairs."""
