@@ -106,11 +106,13 @@ def test_engine_check_fails_on_a_2x_normalisation_error(engine, launches):
 
 @pytest.mark.parametrize("engine", list(ENGINES))
 def test_the_cached_reference_holds_the_one_process_numbers(engine, launches):
-    """Computed once before training, from the whole model (before the engine shards or wraps it): the same file."""
+    """Computed once before training, from the whole model (before the engine shards or wraps it), each rank a share
+    of the items once every rank has the data (none waits in a barrier for it): the same file."""
     dirs = launches["dirs"]
     facts, one = _reference_facts(dirs[f"{engine}-cached"]), _reference_facts(dirs["one-cached"])
     assert facts["items"] == one["items"] == 29 and not facts["reused"]
-    assert "computed into" in launches["logs"][f"{engine}-cached"]
+    assert facts["ranks"] == 2 and one["ranks"] == 1
+    assert "computed by 2 ranks, a share each, into" in launches["logs"][f"{engine}-cached"]
     stored, expected = load_file(facts["cache_file"])["logps"], load_file(one["cache_file"])["logps"]
     assert stored.shape == (29, 2) and (stored < 0).all()
     torch.testing.assert_close(stored, expected, atol=1e-5, rtol=0)

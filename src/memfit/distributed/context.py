@@ -44,6 +44,16 @@ class DistContext:
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
         return tensor.item()
 
+    def all_reduce_tensor_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The elementwise sum of `tensor` over the ranks, on the host (moved to the backend's device for the sum)."""
+        if not self.enabled:
+            return tensor
+        import torch.distributed as dist
+
+        moved = tensor.to(_collective_device())
+        dist.all_reduce(moved)
+        return moved.cpu()
+
     def barrier(self) -> None:
         if self.enabled:
             import torch.distributed as dist

@@ -92,6 +92,10 @@ class Task:
         """Units of the loss in one sample (its loss sum is divided by the effective batch's total)."""
         return count_target_tokens(sample["labels"][None])
 
+    def after_data_loaded(self, dist: Any) -> None:
+        """Work on the loaded data that every rank does together, once all have loaded it (`dist`: the run's
+        DistContext; a preference task's shared reference pass). Nothing by default."""
+
     def loss_function(self, default: LossFunction) -> LossFunction:
         """The loss the step runs: `default` is memfit's causal loss (fused or compiled where they run)."""
         return default

@@ -80,6 +80,7 @@ from memfit.techniques.reference_model import (
     choose_reference,
     copy_logprobs,
     frozen_copy,
+    item_share,
     load_cached,
     model_fingerprint,
     precompute_logprobs,
@@ -332,6 +333,24 @@ class _Rows:
         return side_labels(self.labels, self.branches) if self.shared else self.labels
 
 
+@dataclass
+class _PendingReference:
+    """A cached reference's pass left for the ranks to share (PreferenceTask.after_data_loaded)."""
+
+    samples: PreferenceSamples
+    path: Path
+    key: str
+    parts: dict[str, Any]
+    role: str
+    why: str
+    """Why no cache file served (for the log)."""
+
+
+def _ranks_share_the_pass() -> bool:
+    """Whether this process is one of several under torchrun (the cached reference's pass is then shared)."""
+    return torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+
+
 class PreferenceTask(Task):
     """A preference objective (module docstring): the causal LM's own head, a loss over pairs of completions."""
 
@@ -361,6 +380,8 @@ class PreferenceTask(Task):
         self._pad_token_id: int | None = None
         self._copy: torch.nn.Module | None = None
         self.eval_reference_cost: ReferenceCost | None = None
+        self._pending_references: list[_PendingReference] = []
+        """cached: reference passes left for every rank to share once all have loaded the data (after_data_loaded)."""
         self.requested_pair_layout = getattr(config.task, "pair_layout", TWO_ROWS) if config is not None else TWO_ROWS
         self.pair_layout: PairLayout = choose_pair_layout(self.requested_pair_layout, None, True, None)
         """How the pairs are laid out (tasks/pair_layout.py): chosen when the training data is loaded, two rows until
@@ -419,7 +440,8 @@ class PreferenceTask(Task):
             (log.warning if self.pair_layout.fell_back else log.info)("memfit: %s", self.pair_layout.describe())
 
     def _cache_reference(self, samples: PreferenceSamples, cache_dir: Path, role: str, say: bool) -> None:
-        """Set `samples.reference` from the cache file when its key matches, else from one no-grad pass (saved)."""
+        """Set `samples.reference` from the cache file when its key matches, else from one no-grad pass (saved); under
+        torchrun the pass is left for every rank to share (after_data_loaded)."""
         from memfit.techniques.precision import run_precision
 
         if self._model is None:
@@ -434,21 +456,57 @@ class PreferenceTask(Task):
         path = cache_dir / f"reference-logps-{self.name}-{role}.safetensors"
         (values, why), seconds = timed(lambda: load_cached(path, key, parts))
         reused = values is not None and values.shape == (len(samples), 2)
+        if not reused and _ranks_share_the_pass():
+            # Under torchrun rank 0 loads the data while the others wait in a barrier: the pass waits until every
+            # rank has the data (after_data_loaded), where each computes a share, rather than timing the barrier out.
+            self._pending_references.append(_PendingReference(samples, path, key, parts, role, why))
+            return
         if not reused:
-            values, seconds = timed(lambda: precompute_logprobs(
-                model, len(samples), lambda start, end: self._rows_of(samples, start, end), 2,
-                batch_size=self.config.training.batch_size, chunk_size=self._chunk_size(0),
-                autocast=lambda: precision.autocast(device)))
+            values, seconds = timed(lambda: self._reference_pass(samples, 0, len(samples)))
             save_cached(path, values, key, parts)
-        samples.reference = values
         cost = ReferenceCost("cached", self.reference_choice.reason, seconds=seconds, cache_file=str(path),
                              reused=reused, items=len(samples))
+        self._set_reference(samples, values, cost, role, "" if reused else f" ({why})", say)
+
+    def after_data_loaded(self, dist: Any) -> None:
+        """The cached reference's pass over data no cache file held, shared by the ranks: each computes its
+        contiguous share of the items, a sum over the ranks gathers them (exact: the other shares are zeros), and
+        rank 0 writes the file."""
+        pending, self._pending_references = self._pending_references, []
+        for work in pending:
+            items = len(work.samples)
+            start, end = item_share(items, dist.rank, dist.world_size)
+            values = torch.zeros(items, 2, dtype=torch.float32)
+            share, seconds = timed(lambda work=work, start=start, end=end: self._reference_pass(work.samples, start, end))
+            values[start:end] = share
+            values = dist.all_reduce_tensor_sum(values)
+            if dist.is_main:
+                save_cached(work.path, values, work.key, work.parts)
+            cost = ReferenceCost("cached", self.reference_choice.reason, seconds=seconds, cache_file=str(work.path),
+                                 items=items, ranks=dist.world_size)
+            self._set_reference(work.samples, values, cost, work.role, f" ({work.why})", dist.is_main)
+
+    def _reference_pass(self, samples: PreferenceSamples, start: int, end: int) -> torch.Tensor:
+        """`[end - start, 2]` reference log-probabilities of items start..end-1, in one streamed no-grad pass."""
+        from memfit.techniques.precision import run_precision
+
+        model = self._model
+        device = next(model.parameters()).device
+        precision = run_precision(self.config, device)
+        return precompute_logprobs(
+            model, end - start, lambda first, last: self._rows_of(samples, start + first, start + last), 2,
+            batch_size=self.config.training.batch_size, chunk_size=self._chunk_size(0),
+            autocast=lambda: precision.autocast(device))
+
+    def _set_reference(self, samples: PreferenceSamples, values: torch.Tensor, cost: ReferenceCost, role: str,
+                       why: str, say: bool) -> None:
+        samples.reference = values
         if role == "training":
             self.reference_cost = cost
         else:
             self.eval_reference_cost = cost
         if say:
-            log.info("memfit: %s%s", cost.describe(), "" if reused else f" ({why})")
+            log.info("memfit: %s%s", cost.describe(), why)
 
     def _rows_of(self, samples: PreferenceSamples, start: int, end: int):
         batch = collate_preference([samples.tokens(index) for index in range(start, end)], self._pad_token_id)

@@ -108,6 +108,8 @@ class ReferenceCost:
     """cached: the file's key matched, so nothing was computed."""
     items: int = 0
     """cached: items whose log-probabilities the file holds."""
+    ranks: int = 1
+    """cached: processes that shared the pass (each computed a contiguous share of the items)."""
 
     def facts(self) -> dict[str, Any]:
         """The metrics' record of the reference (the report's task row reads `mode` and `cost`)."""
@@ -116,7 +118,7 @@ class ReferenceCost:
             facts["copy_bytes"] = self.copy_bytes
         if self.mode == "cached":
             facts |= {"seconds": round(self.seconds, 3), "cache_file": self.cache_file, "reused": self.reused,
-                      "items": self.items}
+                      "items": self.items, "ranks": self.ranks}
         return facts
 
     def describe_cost(self) -> str:
@@ -126,6 +128,8 @@ class ReferenceCost:
             return "no copy; one no-grad forward per micro-batch with the adapters disabled"
         if self.mode == "cached":
             how = "read back from" if self.reused else "computed into"
+            if self.ranks > 1 and not self.reused:
+                how = f"computed by {self.ranks} ranks, a share each, into"
             return f"{self.seconds:.1f} s before training ({how} {self.cache_file}); nothing per step"
         return "none"
 
@@ -272,6 +276,13 @@ def precompute_logprobs(model: torch.nn.Module, items: int, rows_of: Callable[[i
     finally:
         model.train(was_training)
     return result
+
+
+def item_share(items: int, rank: int, world_size: int) -> tuple[int, int]:
+    """The contiguous items [start, end) rank `rank` of `world_size` computes in a shared reference pass."""
+    share = -(-items // max(1, world_size))
+    start = min(rank * share, items)
+    return start, min(start + share, items)
 
 
 def _item_sums(model: torch.nn.Module, rows: Rows, per_item: int, device: torch.device, chunk_size: int,

@@ -251,6 +251,7 @@ def _load_data(build: _Building):
     eval_source = load_eval_data(config, _data_config(config), loaded, load=task.load_data)  # read like training data
     if dist.is_main:
         dist.barrier()
+    task.after_data_loaded(dist)  # every rank has the data now: work they share (no rank waits in a barrier for it)
     ran = build.attention_ran
     # --packing samples: whole samples share windows, attention restricted to each (or `off` for stateful layers).
     dataset = pack_for_model(dataset, config.data.packing, None, loaded.model, ran, config.data.seq_len,
