@@ -134,8 +134,9 @@ def inspect_dataset(config: Any, show: int) -> dict[str, Any]:
 
 
 def inspect_preference_dataset(config: Any, show: int) -> dict[str, Any]:
-    """`inspect_dataset` of preference data: memfit.data.preferences.preference_report (the --json object)."""
-    from memfit.data.preferences import load_preference_data, preference_report
+    """`inspect_dataset` of preference data: memfit.data.preference_view.preference_report (the --json object)."""
+    from memfit.data.preference_view import preference_report
+    from memfit.data.preferences import load_preference_data
     from memfit.models.loader import load_tokenizer
 
     name = config.model.tokenizer or config.model.model
@@ -228,7 +229,7 @@ def render(report: dict[str, Any], color: bool = False) -> str:
 
         return describe_prompt_data(report)
     if report.get("preference"):
-        from memfit.data.preferences import describe_preference_data
+        from memfit.data.preference_view import describe_preference_data
 
         return describe_preference_data(report, color, (MARK_OPEN, MARK_CLOSE), (COLOR_OPEN, COLOR_CLOSE))
     opened, closed = (COLOR_OPEN, COLOR_CLOSE) if color else (MARK_OPEN, MARK_CLOSE)

@@ -17,6 +17,7 @@ import pytest
 
 from memfit.config_sections import DataConfig
 from memfit.data.formats import FieldNames
+from memfit.data.preference_view import describe_preference_data, preference_report
 from memfit.data.preferences import (
     PREFERENCE_TASKS,
     UNPAIR_BATCH,
@@ -25,10 +26,8 @@ from memfit.data.preferences import (
     PreferencePair,
     UnpairedCompletion,
     apply_preference_policy,
-    describe_preference_data,
     detect_preference_format,
     load_preference_data,
-    preference_report,
     split_implicit_prompt,
     unpair,
 )
