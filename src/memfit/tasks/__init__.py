@@ -18,7 +18,8 @@ from memfit.tasks.heads import (
     TokenClassificationTask,
 )
 from memfit.tasks.metrics import METRIC_LABELS
-from memfit.tasks.preference import PREFERENCE_TASK_CLASSES, PreferenceTask
+from memfit.tasks.preference import PreferenceTask
+from memfit.tasks.preference_objectives import PREFERENCE_TASK_CLASSES
 
 TASK_CLASSES: dict[str, type[Task]] = {
     cls.name: cls

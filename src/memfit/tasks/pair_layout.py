@@ -1,7 +1,7 @@
 """How a preference pair becomes rows: two rows that each carry the prompt, or one row that computes it once.
 
 two-rows: prompt + chosen and prompt + rejected, every pair's first row then every second (TRL's concatenated
-layout; tasks/preference.py `collate_preference`). The prompt runs through the model twice: with a 2k-token prompt
+layout; tasks/preference_samples.py `collate_preference`). The prompt runs through the model twice: with a 2k-token prompt
 and 100-token answers, nine tenths of the step's activations are the same prompt computed twice.
 
 shared-prompt (this module): one row a pair, `prompt + chosen + [prompt's last token] + rejected`, read as a trunk

@@ -33,17 +33,15 @@ micro-batch that an OOM made redo counted once. Evaluation streams the same metr
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
-from memfit.data.preferences import PreferenceDataset, PreferencePair, load_preference_data
+from memfit.data.preferences import PreferenceDataset, load_preference_data
 from memfit.tasks.base import LossFunction, Task
 from memfit.tasks.pair_layout import (
     ADDITIVE_MASK,
@@ -58,17 +56,14 @@ from memfit.tasks.pair_layout import (
     side_labels,
 )
 from memfit.tasks.preference_losses import (
-    DPOSettings,
-    KTOSettings,
-    ORPOSettings,
-    PairLogprobs,
     PreferenceLoss,
-    SimPOSettings,
-    dpo_loss,
-    kto_kl_estimate,
-    kto_loss,
-    orpo_loss,
-    simpo_loss,
+)
+from memfit.tasks.preference_metrics import METRIC_ORDER, PreferenceMetrics  # noqa: F401
+from memfit.tasks.preference_samples import (  # noqa: F401
+    PreferenceSamples,
+    collate_preference,
+    kl_partners,
+    per_sample_values,
 )
 from memfit.techniques.loss import DEFAULT_LOSS_CHUNK_TOKENS, IGNORE_INDEX, unwrap_causal_lm
 from memfit.techniques.reference_model import (
@@ -96,196 +91,14 @@ PREFERENCE_SETTINGS = ("beta", "loss_type", "label_smoothing", "simpo_gamma", "c
                        "undesirable_weight", "reference", "precompute_ref_log_probs")
 """The task section's preference settings (config_sections.TaskConfig), each read by some of the objectives."""
 REFERENCE_SETTINGS = ("reference", "precompute_ref_log_probs")
-METRIC_ORDER = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
-                "logps/rejected", "nll_loss", "log_odds_ratio", "log_odds_chosen", "kl")
-"""TRL's metric names, in the order a metrics line lists them."""
 _BATCH_ROWS = ("input_ids", "labels", "attention_mask", "position_ids")
-
-
-# -- the samples ------------------------------------------------------------------------------------------------------
-
-
-def kl_partners(count: int, batch_size: int) -> np.ndarray:
-    """For each of `count` KTO items, the item whose completion makes its mismatched (KL) row: within each run of
-    `batch_size` items in data order, the previous one, the first taking the run's last (TRL's rotation by one)."""
-    partners = np.arange(count, dtype=np.int64)
-    for start in range(0, count, max(1, batch_size)):
-        end = min(start + max(1, batch_size), count)
-        partners[start:end] = np.roll(np.arange(start, end, dtype=np.int64), 1)
-    return partners
-
-
-class PreferenceSamples(torch.utils.data.Dataset):
-    """The kept preference items as the step's samples: one dict of tensors an item (module docstring).
-
-    A pair: prompt_ids, chosen_ids, rejected_ids; a KTO item: prompt_ids, completion_ids, kl_completion_ids (the
-    mismatched completion, cut to the length as TRL cuts it), desirable. Each has `index` (its place here: what tells
-    a redone micro-batch's metrics apart), `reference_logps` ([chosen, rejected] or [completion, KL]) once the cached
-    reference is set, and `input_ids`: the tokens of both its rows back to back, which the step counts (tokens seen,
-    padding) and nothing reads as a sequence. The rest of the data's attributes (lengths, seq_len, description,
-    data_facts, policy, ...) are the PreferenceDataset's.
-    """
-
-    def __init__(self, items: PreferenceDataset, kl_partner: np.ndarray | None = None):
-        self.items = items
-        self.kl_partner = kl_partner
-        self.reference: torch.Tensor | None = None
-        """`[items, 2]` cached reference log-probabilities, or None (another reference, or none)."""
-
-    def __len__(self) -> int:
-        return len(self.items)
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        index = int(index) + (len(self) if int(index) < 0 else 0)
-        if not 0 <= index < len(self):
-            raise IndexError(f"item {index} is out of range for {len(self)} items")
-        sample = self.tokens(index)
-        if self.reference is not None:
-            sample["reference_logps"] = self.reference[index]
-        return sample
-
-    def tokens(self, index: int) -> dict[str, torch.Tensor]:
-        """Item `index` without any reference: its token tensors, `index` and `input_ids` (class docstring)."""
-        item = self.items[index]
-        prompt = torch.tensor(item.prompt_ids, dtype=torch.long)
-        if isinstance(item, PreferencePair):
-            chosen = torch.tensor(item.chosen_ids, dtype=torch.long)
-            rejected = torch.tensor(item.rejected_ids, dtype=torch.long)
-            return {"input_ids": torch.cat([prompt, chosen, prompt, rejected]), "prompt_ids": prompt,
-                    "chosen_ids": chosen, "rejected_ids": rejected, "index": torch.tensor(index)}
-        completion = torch.tensor(item.completion_ids, dtype=torch.long)
-        mismatched = torch.tensor(self._kl_completion(index, len(item.prompt_ids)), dtype=torch.long)
-        return {"input_ids": torch.cat([prompt, completion, prompt, mismatched]), "prompt_ids": prompt,
-                "completion_ids": completion, "kl_completion_ids": mismatched,
-                "desirable": torch.tensor(bool(item.label)), "index": torch.tensor(index)}
-
-    def _kl_completion(self, index: int, prompt_length: int) -> list[int]:
-        # the partner's whole completion, then cut with this prompt: TRL builds the KL row before it truncates
-        partner = int(self.kl_partner[index]) if self.kl_partner is not None else index
-        whole = self.items.whole(int(self.items.policy.kept[partner]))
-        return whole.completion_ids[: max(1, self.items.seq_len - prompt_length)]
-
-    def fingerprint(self) -> str:
-        """A digest of every token (and label) of every item: the data part of a cached reference's key."""
-        digest = hashlib.sha256(f"{len(self)}".encode())
-        for index in range(len(self)):
-            for name, tensor in self.tokens(index).items():
-                if name not in ("input_ids", "index"):
-                    digest.update(name.encode() + tensor.numpy().astype(np.int64).tobytes())
-        return digest.hexdigest()
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "items" or name.startswith("__"):
-            raise AttributeError(name)
-        return getattr(self.items, name)
-
-
-def collate_preference(samples: Sequence[dict], pad_token_id: int | None) -> dict[str, torch.Tensor]:
-    """Two rows a sample, every sample's first row then every sample's second (module docstring), right-padded to the
-    longest row (input_ids the pad id, 0 without one; labels IGNORE_INDEX; attention_mask 0), labels IGNORE_INDEX on
-    the prompt too; and the per-sample values: pair_index, reference_logps, desirable, nll_weights where present."""
-    if not samples:
-        raise ValueError("collate needs at least one sample")
-    paired = "chosen_ids" in samples[0]
-    sides = ("chosen_ids", "rejected_ids") if paired else ("completion_ids", "kl_completion_ids")
-    rows = [(sample["prompt_ids"], sample[side]) for side in sides for sample in samples]
-    length = max(len(prompt) + len(completion) for prompt, completion in rows)
-    pad = 0 if pad_token_id is None else int(pad_token_id)
-    input_ids = torch.full((len(rows), length), pad, dtype=torch.long)
-    labels = torch.full((len(rows), length), IGNORE_INDEX, dtype=torch.long)
-    attention_mask = torch.zeros((len(rows), length), dtype=torch.long)
-    for row, (prompt, completion) in enumerate(rows):
-        end = len(prompt) + len(completion)
-        input_ids[row, : len(prompt)] = prompt
-        input_ids[row, len(prompt) : end] = completion
-        labels[row, len(prompt) : end] = completion
-        attention_mask[row, :end] = 1
-    return {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask} | per_sample_values(samples)
-
-
-def per_sample_values(samples: Sequence[dict]) -> dict[str, torch.Tensor]:
-    """What a batch carries once a sample, in either layout: pair_index, and reference_logps, desirable, nll_weights
-    where every sample has them."""
-    values = {"pair_index": torch.stack([sample["index"] for sample in samples])}
-    for name, batch_name in (("reference_logps", "reference_logps"), ("desirable", "desirable"),
-                             ("nll_weight", "nll_weights")):
-        if all(name in sample for sample in samples):
-            values[batch_name] = torch.stack([sample[name] for sample in samples])
-    return values
-
-
-# -- the metrics ------------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class _Entry:
-    pairs: torch.Tensor
-    """The micro-batch's pair indices (on the device: read only when the metrics are)."""
-    names: tuple[str, ...]
-    values: torch.Tensor
-    """One value a name: the micro-batch's mean."""
-    weights: torch.Tensor
-    """What each value averaged over (pairs, or for KTO's per-side metrics the examples of that side)."""
-
-
-class PreferenceMetrics:
-    """TRL-named metrics of the micro-batches since the last `result()`, kept on the device until then.
-
-    Each micro-batch's means are weighted by what they average over, so the result is the mean over the pairs of
-    every micro-batch, however the batch was split. A micro-batch whose pairs a later one redoes (an OOM in its
-    backward, after its forward recorded them) counts only in its redo. The evaluation's metric stream too.
-    """
-
-    def __init__(self) -> None:
-        self._entries: list[_Entry] = []
-
-    def add(self, pairs: torch.Tensor, metrics: dict[str, torch.Tensor], weights: dict[str, torch.Tensor | float]
-            ) -> None:
-        names = tuple(name for name in metrics if name != "rewards/margins")  # recomputed from the sides' means
-        device = pairs.device
-        values = torch.stack([metrics[name].detach().float().to(device) for name in names])
-        counts = torch.stack([torch.as_tensor(weights[name], dtype=torch.float32, device=device) for name in names])
-        self._entries.append(_Entry(pairs.detach(), names, values, counts))
-
-    def clear(self) -> None:
-        self._entries = []
-
-    def result(self) -> dict[str, float]:
-        """The weighted means by name, in TRL's order (one read from the device); then empty."""
-        entries, self._entries = self._entries, []
-        if not entries:
-            return {}
-        flat = torch.cat([torch.cat([entry.pairs.float(), entry.values, entry.weights]) for entry in entries]).tolist()
-        sums: dict[str, float] = {}
-        totals: dict[str, float] = {}
-        seen: set[int] = set()
-        offset = len(flat)
-        for entry in reversed(entries):  # the last run of a pair is the one whose gradient counted
-            size = entry.pairs.numel() + 2 * len(entry.names)
-            offset -= size
-            part = flat[offset : offset + size]
-            pairs = {int(value) for value in part[: entry.pairs.numel()]}
-            if pairs & seen:
-                continue
-            seen |= pairs
-            values = part[entry.pairs.numel() : entry.pairs.numel() + len(entry.names)]
-            weights = part[entry.pairs.numel() + len(entry.names) :]
-            for name, value, weight in zip(entry.names, values, weights, strict=True):
-                if weight > 0:
-                    sums[name] = sums.get(name, 0.0) + value * weight
-                    totals[name] = totals.get(name, 0.0) + weight
-        means = {name: sums[name] / totals[name] for name in sums}
-        if "rewards/chosen" in means and "rewards/rejected" in means:
-            means["rewards/margins"] = means["rewards/chosen"] - means["rewards/rejected"]
-        return {name: means[name] for name in METRIC_ORDER if name in means} | {
-            name: value for name, value in means.items() if name not in METRIC_ORDER}
 
 
 # -- the tasks --------------------------------------------------------------------------------------------------------
 
 
 @dataclass
-class _Rows:
+class ScoredRows:
     """A collated micro-batch as the loss function receives it, in either pair layout (tasks/pair_layout.py)."""
 
     input_ids: torch.Tensor
@@ -554,14 +367,14 @@ class PreferenceTask(Task):
         return total
 
     def _rows(self, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None,
-              chunk_size: int, position_ids: torch.Tensor | None, inputs: dict[str, Any]) -> _Rows:
+              chunk_size: int, position_ids: torch.Tensor | None, inputs: dict[str, Any]) -> ScoredRows:
         """The micro-batch's rows; a shared-prompt batch's branches and positions are taken out of `inputs`."""
         branches, positions = layout_inputs(inputs)
         if branches is None:
-            return _Rows(input_ids, labels, attention_mask, chunk_size, position_ids)
-        return _Rows(input_ids, labels, None, chunk_size, positions, branches, self.pair_layout.mask)
+            return ScoredRows(input_ids, labels, attention_mask, chunk_size, position_ids)
+        return ScoredRows(input_ids, labels, None, chunk_size, positions, branches, self.pair_layout.mask)
 
-    def objective(self, model: torch.nn.Module, rows: _Rows, **inputs: torch.Tensor
+    def objective(self, model: torch.nn.Module, rows: ScoredRows, **inputs: torch.Tensor
                   ) -> tuple[torch.Tensor, PreferenceLoss, dict[str, Any]]:
         """(the summed loss, the objective's PreferenceLoss, each metric's weight) of one micro-batch."""
         raise NotImplementedError
@@ -588,7 +401,7 @@ class PreferenceTask(Task):
         configured = self.config.memory.loss_chunk_size if self.config is not None else None
         return given if given > 0 else (configured or DEFAULT_LOSS_CHUNK_TOKENS)
 
-    def policy_logprobs(self, model: torch.nn.Module, rows: _Rows, labels: torch.Tensor | None = None,
+    def policy_logprobs(self, model: torch.nn.Module, rows: ScoredRows, labels: torch.Tensor | None = None,
                         per_token: bool = False):
         """`model`'s log-probabilities of `labels` (default: the answers), in the two-row layout's order whatever the
         rows' layout: `[2 x pairs]`, every chosen row then every rejected row (shared-prompt rows always carry the
@@ -601,7 +414,7 @@ class PreferenceTask(Task):
                                    position_ids=rows.position_ids, per_token=True)
         return as_two_rows(scored.per_token, labels, rows.branches)
 
-    def reference_sums(self, model: torch.nn.Module, rows: _Rows, cached: torch.Tensor | None) -> torch.Tensor:
+    def reference_sums(self, model: torch.nn.Module, rows: ScoredRows, cached: torch.Tensor | None) -> torch.Tensor:
         """`[2 x pairs]` reference log-probabilities of the batch's answers, in the two-row order (no gradient)."""
         if cached is not None:  # [samples, 2] -> every sample's first row, then every second
             return cached.t().reshape(-1).float()
@@ -652,109 +465,3 @@ class PreferenceTask(Task):
         if facts.get("samples_truncated"):
             cost.append(f"{facts['samples_truncated']:,} cut to {facts.get('seq_len')} tokens")
         return text + ("; " + ", ".join(cost) if cost else "")
-
-
-class DPOTask(PreferenceTask):
-    """DPO (--loss-type sigmoid, hinge, ipo or robust) against the reference, on summed log-probabilities."""
-
-    name = "dpo"
-    settings_read = ("beta", "loss_type", "label_smoothing", *REFERENCE_SETTINGS)
-
-    def refusals(self, config: Any) -> list[str]:
-        found = super().refusals(config)
-        task = config.task
-        try:
-            DPOSettings(task.loss_type, task.beta, task.label_smoothing)
-        except ValueError as error:
-            found.append(f"--task dpo: {error} (--loss-type, --beta, --label-smoothing)")
-        return found
-
-    def objective(self, model, rows, *, reference_logps=None, **_):
-        task = self.config.task
-        policy = PairLogprobs.from_rows(self.policy_logprobs(model, rows))
-        reference = self.reference_sums(model, rows, reference_logps)
-        reference_pairs = PairLogprobs(reference[: rows.pairs], reference[rows.pairs :], policy.chosen_tokens,
-                                       policy.rejected_tokens)
-        result = dpo_loss(policy, reference_pairs, DPOSettings(task.loss_type, task.beta, task.label_smoothing))
-        return result.losses.sum(), result, dict.fromkeys(result.metrics, rows.pairs)
-
-
-class SimPOTask(PreferenceTask):
-    """SimPO: average log-probabilities against a margin, no reference; plus cpo_alpha x the chosen NLL."""
-
-    name = "simpo"
-    needs_reference = False
-    settings_read = ("beta", "label_smoothing", "simpo_gamma", "cpo_alpha")
-
-    def nll_targets(self, sample: dict) -> int:
-        return len(sample["chosen_ids"]) if self.config is not None and self.config.task.cpo_alpha else 0
-
-    def objective(self, model, rows, *, nll_weights=None, **_):
-        task = self.config.task
-        policy = PairLogprobs.from_rows(self.policy_logprobs(model, rows))
-        result = simpo_loss(policy, SimPOSettings(task.beta, task.simpo_gamma, task.label_smoothing, task.cpo_alpha))
-        total = result.losses.sum()
-        if task.cpo_alpha and nll_weights is not None:
-            total = total - task.cpo_alpha * (policy.chosen * nll_weights).sum()
-        return total, result, dict.fromkeys(result.metrics, rows.pairs)
-
-
-class ORPOTask(PreferenceTask):
-    """ORPO: the NLL of the chosen rows (prompt included, as TRL) plus beta x the odds-ratio term; no reference."""
-
-    name = "orpo"
-    needs_reference = False
-
-    def nll_targets(self, sample: dict) -> int:
-        return len(sample["prompt_ids"]) + len(sample["chosen_ids"]) - 1  # every real token but the first is predicted
-
-    def objective(self, model, rows, *, nll_weights=None, **_):
-        # one forward scores every real token (the NLL's) and, restricted, the completions' (the odds ratio's)
-        whole = self.policy_logprobs(model, rows, labels=rows.every_token_labels(), per_token=True)
-        completions = PairLogprobs.from_rows(whole.restricted_to(rows.answer_labels))
-        chosen_rows = slice(0, rows.pairs)
-        result = orpo_loss(completions, whole.sums[chosen_rows], whole.token_counts[chosen_rows],
-                           ORPOSettings(self.config.task.beta))
-        weights = nll_weights if nll_weights is not None else rows.pairs / whole.token_counts[chosen_rows].sum()
-        total = result.losses.sum() - (whole.sums[chosen_rows] * weights).sum()
-        return total, result, dict.fromkeys(result.metrics, rows.pairs)
-
-
-class KTOTask(PreferenceTask):
-    """KTO: each completion's log-ratio against the reference point z (its KL estimate), weighted by its label."""
-
-    name = "kto"
-    unit = "completions"
-    eval_metrics = ("rewards/margins", "kl")  # no accuracy: a completion is not compared with another (TRL's)
-    settings_read = ("beta", "desirable_weight", "undesirable_weight", *REFERENCE_SETTINGS)
-
-    def refusals(self, config: Any) -> list[str]:
-        found = super().refusals(config)
-        if config.training.batch_size < 2:
-            found.append("--task kto estimates its KL term from the other completions of a micro-batch, so it needs"
-                         " --batch-size 2 or more (as TRL)")
-        return found
-
-    def objective(self, model, rows, *, desirable, reference_logps=None, **_):
-        task = self.config.task
-        count = rows.pairs
-        matched = _Rows(rows.input_ids[:count], rows.labels[:count],
-                        None if rows.attention_mask is None else rows.attention_mask[:count], rows.chunk_size)
-        mismatched = _Rows(rows.input_ids[count:], rows.labels[count:],
-                           None if rows.attention_mask is None else rows.attention_mask[count:], rows.chunk_size)
-        policy = self.policy_logprobs(model, matched).sums
-        with torch.no_grad():  # z is a detached baseline: its rows need no graph (TRL's no_grad too)
-            policy_mismatched = self.policy_logprobs(model, mismatched).sums
-        reference = self.reference_sums(model, rows, reference_logps)
-        z = kto_kl_estimate(policy_mismatched, reference[count:])
-        result = kto_loss(policy, reference[:count], desirable, z,
-                          KTOSettings(task.beta, task.desirable_weight, task.undesirable_weight))
-        chosen = desirable.to(torch.float32).sum()
-        weights: dict[str, Any] = {"kl": count}
-        for name in result.metrics:
-            if name != "kl":
-                weights[name] = chosen if name.endswith("/chosen") else count - chosen
-        return result.losses.sum(), result, weights
-
-
-PREFERENCE_TASK_CLASSES: tuple[type[PreferenceTask], ...] = (DPOTask, SimPOTask, ORPOTask, KTOTask)
