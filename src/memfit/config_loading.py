@@ -76,6 +76,8 @@ ALIASES: dict[str, str] = {
     "neat_packing": "packing",  # LLaMA-Factory: packing without attention across samples
     "label_field": "label_fields",
     "task_type": "task",  # DNALLM
+    "context_parallel_size": "context_parallel",  # Axolotl
+    "cp_size": "context_parallel",  # accelerate's ParallelismConfig
 }
 
 # Boolean switches of AI-OS (--amp, --use-8bit-optimizer) and the Hugging Face Trainer (bf16, fp16) -> a memfit value.

@@ -17,10 +17,22 @@ import torch
 class DistContext:
     rank: int = 0
     world_size: int = 1
+    context_parallel: int = 1
+    """Ranks one sequence is split over (memfit.distributed.context_parallel); they read the same samples."""
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def data_rank(self) -> int:
+        """This rank's place among the data-parallel groups: which samples it reads."""
+        return self.rank // self.context_parallel
+
+    @property
+    def data_world_size(self) -> int:
+        """Data-parallel groups: the world over the context-parallel size."""
+        return self.world_size // self.context_parallel
 
     @property
     def enabled(self) -> bool:

@@ -97,8 +97,20 @@ def causal_lm_loss_sum(
     logits = outputs.logits
     # Shift the labels, not the logits: slicing off the last position would copy all of
     # [batch, seq, vocab] (and its gradient); the padded last target is ignored instead.
-    targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+    targets = next_token_targets(labels, input_ids.size(1))
     return token_loss(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), _no_postprocessing)
+
+
+def next_token_targets(labels: torch.Tensor, length: int) -> torch.Tensor:
+    """Each position's target, [batch, length]: labels[t + 1] for position t.
+
+    Labels one position longer than the input are a context-parallel shard's
+    (memfit.distributed.sequence_shards): they already hold the target of the shard's last
+    position, the first token of the next shard. Otherwise the last position has none.
+    """
+    if labels.size(1) == length + 1:
+        return labels[:, 1:]
+    return F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
 
 
 def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor, postprocess: Callable) -> torch.Tensor:
@@ -138,7 +150,7 @@ def chunked_causal_lm_loss_sum(
     # Shift the labels, not the hidden states (as the plain loss does): the flattened
     # hidden states stay a view, and the last position of each row is simply ignored.
     hidden = hidden.reshape(-1, hidden.size(-1))
-    targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).reshape(-1)
+    targets = next_token_targets(labels, input_ids.size(1)).reshape(-1)
 
     postprocess = logit_postprocessing(lm.config)
     total = empty_logits.float().sum()  # exactly 0; keeps the wrappers' backward hooks in the graph

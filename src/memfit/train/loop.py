@@ -238,7 +238,8 @@ def _take_steps(session: TrainingSession, start: _StartPoint, parts: _RunParts) 
 def _count_step(session: TrainingSession, start: _StartPoint, runner: StepRunner, result: StepResult,
                 seconds: float) -> FinishedStep:
     """Count a completed step into the run's state and this launch's losses; the step as the observers see it."""
-    state, world_size = start.state, session.dist.world_size
+    # Data-parallel groups: the ranks of a context group share their samples, and their losses sum to the samples'.
+    state, world_size = start.state, session.dist.data_world_size
     state.step += 1
     state.tokens_seen += result.input_tokens * world_size
     state.micro_batch_size = runner.micro_batch_size
@@ -250,7 +251,7 @@ def _count_step(session: TrainingSession, start: _StartPoint, runner: StepRunner
 
 def _step_line(session: TrainingSession, done: FinishedStep) -> dict[str, Any]:
     """The fields of a step's metrics line that the step itself gives; the observers add theirs after them."""
-    result, world_size = done.result, session.dist.world_size
+    result, world_size = done.result, session.dist.data_world_size
     return {
         "step": done.step,
         "loss": done.loss,

@@ -104,7 +104,7 @@ class TrainingSession:
 
     @property
     def effective_batch_size(self) -> int:
-        return self.config.effective_batch_for(self.dist.world_size)
+        return self.config.effective_batch_for(self.dist.data_world_size)
 
     @property
     def output_dir(self) -> Path:
@@ -181,7 +181,7 @@ def _build_session(config: TrainConfig) -> TrainingSession:
         loaded=build.loaded, dataset=dataset, schedule=schedule, engine=build.engine,
         optimizer=chosen.optimizer, optimizer_name=chosen.name,
         scheduler=build_scheduler(chosen.optimizer, config.optimizer, total_steps),
-        total_steps=total_steps, accumulation_steps=config.accumulation_for(build.dist.world_size),
+        total_steps=total_steps, accumulation_steps=config.accumulation_for(build.dist.data_world_size),
         run=run, loss_function=build.task.loss_function(build_loss_function(run, model)),
         applied=applied, fallbacks=build.fallbacks, eval_dataset=eval_dataset, task=build.task,
     )
@@ -193,7 +193,8 @@ def _choose_device_and_engine(config: TrainConfig) -> _Building:
         configure_cuda_allocator()
     device = training_device()
     dist = init_distributed(device)
-    config.validate(world_size=dist.world_size)
+    _start_context_parallel(config, dist, device)
+    config.validate(world_size=dist.data_world_size)
     check_trackers(config.output)  # --report-to / --tensorboard: a missing package stops the run before it writes
     task = build_task(config)  # reads the training table's labels (they size the head); may set packing off
     # Defaults memfit chose from the other settings; the loop logs each entry once.
@@ -207,6 +208,19 @@ def _choose_device_and_engine(config: TrainConfig) -> _Building:
     asked = resolve(config, None, device.type, bf16_supported=supports_bf16(device), world_size=dist.world_size)
     engine = choose_engine(config, dist, device, precision, fallbacks, asked)
     return _Building(config, device, dist, task, fallbacks, precision, attention, engine, asked)
+
+
+def _start_context_parallel(config: TrainConfig, dist: DistContext, device: torch.device) -> None:
+    """--context-parallel N: refuse what cannot run, then build the ("dp", "cp") mesh (distributed/context_parallel.py)."""
+    from memfit.distributed import context_parallel
+
+    distributed = config.distributed
+    context_parallel.check(distributed.context_parallel, distributed.context_parallel_mode, dist.world_size, device.type)
+    chosen = context_parallel.start(dist, distributed.context_parallel, device.type)
+    if chosen is not None:
+        config.derived["context_parallel"] = chosen.implementation
+        if dist.is_main:
+            log.info("memfit: context parallel: %s", chosen.implementation)
 
 
 def _load_model(build: _Building) -> None:
@@ -227,6 +241,11 @@ def _load_model(build: _Building) -> None:
 
         log.info("memfit: %s", stage_on_host(loaded.model, device, staged))
     task.prepare_model(loaded.model, loaded.tokenizer)
+    if build.dist.context_parallel > 1:  # every rank attends the whole row on its share of the heads
+        from memfit.distributed.context_parallel import use_ulysses_attention
+
+        build.attention = AttentionChoice(build.attention.requested, use_ulysses_attention(loaded.model),
+                                          "--context-parallel: Ulysses attention over the context group")
     ran = attention_that_ran(loaded.model)
     if ran != build.attention.implementation:
         build.fallbacks["attention"] = (f"{build.attention.implementation} requested, {ran} ran (the model does not"
@@ -239,7 +258,7 @@ def _load_data(build: _Building):
     config, dist, loaded, task = build.config, build.dist, build.loaded, build.task
     if not dist.is_main:
         dist.barrier()  # rank 0 tokenizes into the shared cache first; the others then read it
-    effective_batch = config.effective_batch_for(dist.world_size)
+    effective_batch = config.effective_batch_for(dist.data_world_size)
     # Data too short for one effective batch is refused before its token cache is written.
     dataset = task.load_data(
         _data_config(config), loaded.tokenizer, max_positions=loaded.max_positions, min_samples=effective_batch,
@@ -260,7 +279,7 @@ def _load_data(build: _Building):
         ran = attention_that_ran(loaded.model)
         build.attention = AttentionChoice(build.attention.requested, ran, "packed samples: FlexAttention's document mask")
     dataset, eval_dataset = split_for_evaluation(config, dataset, eval_source, loaded.model, ran, effective_batch)
-    schedule = build_schedule(dataset, effective_batch, config.training.seed, dist.rank, dist.world_size,
+    schedule = build_schedule(dataset, effective_batch, config.training.seed, dist.data_rank, dist.data_world_size,
                               config.data.group_by_length)  # --group-by-length: steps of similar lengths
     total_steps = (
         schedule.steps_for_epochs(config.training.epochs) if config.training.epochs is not None

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from memfit.data.prefetch import BatchPrefetcher
+from memfit.distributed import context_parallel
 from memfit.errors import DoesNotFitError
 from memfit.memory.cap import is_out_of_memory
 from memfit.tasks import Task
@@ -107,7 +108,10 @@ class StepRunner:
         self.task = task or Task()
         self.loss_fn = loss_fn  # the loss recipe (techniques/loss_recipe.py), the task's own where it has one
         # The next micro-batch is collated (and on CUDA copied on a side stream) while this one computes.
-        self.prefetcher = BatchPrefetcher(lambda samples: self.task.collate(samples, pad_token_id), device,
+        self.context_parallel = context_parallel.active()  # --context-parallel: this rank trains its shard of every row
+        collate = self.task.collate if self.context_parallel is None else context_parallel.sharded_collate(
+            self.task.collate, self.context_parallel)
+        self.prefetcher = BatchPrefetcher(lambda samples: collate(samples, pad_token_id), device,
                                           drop_full_attention_mask=True)
         self._upcoming: list[dict] | None = None
         self.trainable = [p for p in model.parameters() if p.requires_grad]
@@ -163,7 +167,10 @@ class StepRunner:
         events: list[dict] = []
         target_tokens = sum(self.task.count(sample) for sample in samples)  # samples, for sequence tasks
         input_tokens = sum(int(sample["input_ids"].numel()) for sample in samples)
-        normalizer = max(self.engine.loss_normalizer(target_tokens), 1.0)
+        normalizer = self.engine.loss_normalizer(target_tokens)
+        if self.context_parallel is not None:  # every rank of a context group counted the same samples
+            normalizer *= context_parallel.loss_normalizer_share(self.context_parallel.size)
+        normalizer = max(normalizer, 1.0)
 
         pending = deque(Piece(samples[i : i + self.micro_batch_size]) for i in range(0, len(samples), self.micro_batch_size))
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)

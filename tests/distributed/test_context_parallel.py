@@ -1,0 +1,72 @@
+"""--context-parallel 2 under torchrun (gloo) trains as one process on the whole sequence, and the checks can fail.
+
+Every run trains with plain SGD (no momentum, no clipping, constant rate), so the final weights
+are the initial ones minus the summed gradients: comparing them compares the gradients. The
+one-process references and the context-parallel runs each share one launch; the faulty twins
+(labels shifted after the split, the token count per rank) must differ.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+from pathlib import Path
+
+import pytest
+from torchrun_helpers import assert_same_weights, final_weights, run_many
+
+from fault_injection import SGD_FLAGS
+from memfit.train.metrics import read_metrics
+
+pytestmark = pytest.mark.distributed
+
+FAULTS = "context_parallel_faults"
+
+
+@pytest.fixture(scope="module")
+def chat_file(tmp_path_factory) -> Path:
+    """Short conversations of the bundled chat set (loss on the answers only): packed several to a row."""
+    lines = (importlib.resources.files("memfit.data") / "chat" / "chat.jsonl").read_text().splitlines()
+    path = tmp_path_factory.mktemp("chat") / "short.jsonl"
+    path.write_text("\n".join([line for line in lines if len(line) < 260][:16]) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def cp_runs(llama_dir, text_file, chat_file, tmp_path_factory) -> dict[str, Path]:
+    """{name: output directory}: one-process references, then the 2-rank runs, in one launch each."""
+    root = tmp_path_factory.mktemp("context-parallel")
+    base = ["--model", str(llama_dir), "--seq-len", "48", "--max-steps", "3", "--batch-size", "2", "--no-report",
+            "--loss-chunk-size", "0", *SGD_FLAGS, "--lr", "0.5"]
+    plain = [*base, "--dataset", str(text_file), "--packing", "off", "--track-memory"]
+    packed = [*base, "--dataset", str(chat_file), "--chat-template", "chatml", "--packing", "samples",
+              "--seq-len", "256", "--gradient-checkpointing", "full"]
+    chunked = [*plain[:-1], "--loss-chunk-size", "16"]
+    references = {"plain": plain, "packed": packed, "chunked": chunked}
+    cp = ["--context-parallel", "2"]
+    split = {**{name: [*args, *cp] for name, args in references.items()},
+             "edge-fault": [*plain, *cp], "count-fault": [*plain, *cp]}
+    faults = {"edge-fault": f"{FAULTS}:labels_shifted_after_split", "count-fault": f"{FAULTS}:per_rank_token_count"}
+    run_many([{"name": f"one-{name}", "args": [*args, "--output-dir", str(root / f"one-{name}")]}
+              for name, args in references.items()], root / "one", nproc=1)
+    run_many([{"name": f"cp-{name}", "args": [*args, "--output-dir", str(root / f"cp-{name}")],
+               "fault": faults.get(name)} for name, args in split.items()], root / "cp", nproc=2)
+    return {path.name: path for path in root.iterdir() if (path / "final").is_dir()}
+
+
+@pytest.mark.parametrize("name", ["plain", "packed", "chunked"])
+def test_two_context_ranks_train_as_one_process_on_the_whole_sequence(name, cp_runs):
+    assert_same_weights(final_weights(cp_runs[f"one-{name}"]), final_weights(cp_runs[f"cp-{name}"]))
+    one, cp = (read_metrics(cp_runs[f"{kind}-{name}"] / "metrics.jsonl") for kind in ("one", "cp"))
+    steps = [r for r in one if "loss" in r and "event" not in r], [r for r in cp if "loss" in r and "event" not in r]
+    assert [r["loss"] for r in steps[1]] == pytest.approx([r["loss"] for r in steps[0]], abs=1e-4)
+
+
+@pytest.mark.parametrize("fault", ["edge-fault", "count-fault"])
+def test_the_check_fails_on_a_shard_edge_or_token_count_fault(fault, cp_runs):
+    with pytest.raises(AssertionError):
+        assert_same_weights(final_weights(cp_runs["one-plain"]), final_weights(cp_runs[f"cp-{fault}"]))
+
+
+def test_the_run_says_which_implementation_ran(cp_runs):
+    start = read_metrics(cp_runs["cp-plain"] / "metrics.jsonl")[0]
+    assert "ulysses (memfit's all-to-all over gloo) across 2 ranks" in str(start)
