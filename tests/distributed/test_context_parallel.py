@@ -53,6 +53,17 @@ def cp_runs(llama_dir, text_file, chat_file, tmp_path_factory) -> dict[str, Path
     return {path.name: path for path in root.iterdir() if (path / "final").is_dir()}
 
 
+@pytest.fixture(scope="module")
+def fsdp_2x2(llama_dir, text_file, tmp_path_factory) -> Path:
+    """4 ranks as 2 data x 2 context groups under --sharding fsdp: the one-process reference's 2 samples a step."""
+    out = tmp_path_factory.mktemp("context-parallel-fsdp") / "cp-fsdp"
+    args = ["--model", str(llama_dir), "--seq-len", "48", "--max-steps", "3", "--batch-size", "1", "--no-report",
+            "--loss-chunk-size", "0", *SGD_FLAGS, "--lr", "0.5", "--dataset", str(text_file), "--packing", "off",
+            "--track-memory", "--context-parallel", "2", "--sharding", "fsdp", "--output-dir", str(out)]
+    run_many([{"name": "cp-fsdp", "args": args}], out.parent, nproc=4)
+    return out
+
+
 @pytest.mark.parametrize("name", ["plain", "packed", "chunked"])
 def test_two_context_ranks_train_as_one_process_on_the_whole_sequence(name, cp_runs):
     assert_same_weights(final_weights(cp_runs[f"one-{name}"]), final_weights(cp_runs[f"cp-{name}"]))
@@ -70,3 +81,20 @@ def test_the_check_fails_on_a_shard_edge_or_token_count_fault(fault, cp_runs):
 def test_the_run_says_which_implementation_ran(cp_runs):
     start = read_metrics(cp_runs["cp-plain"] / "metrics.jsonl")[0]
     assert "ulysses (memfit's all-to-all over gloo) across 2 ranks" in str(start)
+
+
+def test_fsdp2_over_two_data_and_two_context_ranks_trains_as_one_process(fsdp_2x2, cp_runs):
+    assert_same_weights(final_weights(cp_runs["one-plain"]), final_weights(fsdp_2x2))
+    summary = read_metrics(fsdp_2x2 / "metrics.jsonl")[-1]
+    assert summary["world_size"] == 4 and summary["effective_batch_size"] == 2
+
+
+def _activation_bytes(output_dir: Path) -> int:
+    """The tracked activation bytes (saved activations, their gradients, recomputed ones, logits) at the peak."""
+    breakdown = read_metrics(output_dir / "metrics.jsonl")[-1]["tracked_breakdown"]
+    return sum(breakdown[name] for name in ("activations", "recomputed_activations", "activation_gradients", "logits"))
+
+
+def test_each_context_rank_holds_about_half_the_activations(cp_runs):
+    one, split = _activation_bytes(cp_runs["one-plain"]), _activation_bytes(cp_runs["cp-plain"])
+    assert split <= 0.55 * one, (split, one)

@@ -102,12 +102,11 @@ def ulysses_attention(module, query, key, value, attention_mask, dropout: float 
         groups = heads // key.size(1)
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     query, key, value = (SequenceToHeads.apply(t, group, size) for t in (query, key, value))
-    if key.size(1) != query.size(1):
-        groups = query.size(1) // key.size(1)
-        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     mask = whole_row_mask(gather_positions(position_ids, group, size))
+    # Grouped-query attention in the kernel: repeated keys and values would be saved for backward at the query heads.
     output = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout,
-                                            is_causal=mask is None, scale=scaling)
+                                            is_causal=mask is None, scale=scaling,
+                                            enable_gqa=key.size(1) != query.size(1))
     output = HeadsToSequence.apply(output, group, size)
     return output.transpose(1, 2).contiguous(), None
 
