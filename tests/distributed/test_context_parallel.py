@@ -37,7 +37,7 @@ def cp_runs(llama_dir, text_file, chat_file, tmp_path_factory) -> dict[str, Path
     root = tmp_path_factory.mktemp("context-parallel")
     base = ["--model", str(llama_dir), "--seq-len", "48", "--max-steps", "3", "--batch-size", "2", "--no-report",
             "--loss-chunk-size", "0", *SGD_FLAGS, "--lr", "0.5"]
-    plain = [*base, "--dataset", str(text_file), "--packing", "off", "--track-memory"]
+    plain = [*base, "--dataset", str(text_file), "--packing", "off", "--eval-fraction", "0.05", "--track-memory"]
     packed = [*base, "--dataset", str(chat_file), "--chat-template", "chatml", "--packing", "samples",
               "--seq-len", "256", "--gradient-checkpointing", "full"]
     chunked = [*plain[:-1], "--loss-chunk-size", "16"]
@@ -59,7 +59,7 @@ def fsdp_2x2(llama_dir, text_file, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("context-parallel-fsdp") / "cp-fsdp"
     args = ["--model", str(llama_dir), "--seq-len", "48", "--max-steps", "3", "--batch-size", "1", "--no-report",
             "--loss-chunk-size", "0", *SGD_FLAGS, "--lr", "0.5", "--dataset", str(text_file), "--packing", "off",
-            "--track-memory", "--context-parallel", "2", "--sharding", "fsdp", "--output-dir", str(out)]
+            "--eval-fraction", "0.05", "--context-parallel", "2", "--sharding", "fsdp", "--output-dir", str(out)]
     run_many([{"name": "cp-fsdp", "args": args}], out.parent, nproc=4)
     return out
 
@@ -70,6 +70,8 @@ def test_two_context_ranks_train_as_one_process_on_the_whole_sequence(name, cp_r
     one, cp = (read_metrics(cp_runs[f"{kind}-{name}"] / "metrics.jsonl") for kind in ("one", "cp"))
     steps = [r for r in one if "loss" in r and "event" not in r], [r for r in cp if "loss" in r and "event" not in r]
     assert [r["loss"] for r in steps[1]] == pytest.approx([r["loss"] for r in steps[0]], abs=1e-4)
+    evaluations = [[r["eval_loss"] for r in lines if r.get("event") == "eval"] for lines in (one, cp)]
+    assert evaluations[1] == pytest.approx(evaluations[0], abs=1e-5) and len(evaluations[0]) == (name == "plain")
 
 
 @pytest.mark.parametrize("fault", ["edge-fault", "count-fault"])

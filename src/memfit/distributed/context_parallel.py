@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from memfit.distributed.context import DistContext
 from memfit.errors import UsageError
+from memfit.techniques.context_parallel import context_parallel_refusals
 
 log = logging.getLogger("memfit")
 
@@ -54,32 +55,10 @@ def active() -> ContextParallel | None:
     return _ACTIVE[-1] if _ACTIVE else None
 
 
-def refusals(size: int, mode: str, world_size: int, device_type: str, heads: int | None = None,
-             kv_heads: int | None = None) -> list[str]:
-    """What stops --context-parallel SIZE here, each as one line (empty: it runs)."""
-    if size <= 1:
-        return []
-    found = []
-    if world_size <= 1:
-        found.append(f"--context-parallel {size} splits each sequence over ranks: launch with torchrun"
-                     f" --nproc_per_node {size} (or a multiple), or drop it")
-    elif world_size % size:
-        found.append(f"--context-parallel {size} must divide the number of ranks ({world_size}): pick a divisor")
-    if mode == "ring":
-        found.append("--context-parallel-mode ring (PyTorch's ring attention) is not wired in memfit"
-                     + (" and needs CUDA" if device_type != "cuda" else "") + ": use --context-parallel-mode ulysses")
-    if heads is not None and heads % size:
-        found.append(f"--context-parallel {size} (Ulysses) needs the attention heads ({heads}) divisible by it:"
-                     " pick a divisor of the head count")
-    if kv_heads is not None and heads is not None and kv_heads % size and heads % size == 0:
-        log.info("memfit: %d key-value heads do not divide by %d: each is repeated for its query heads", kv_heads, size)
-    return found
-
-
-def check(size: int, mode: str, world_size: int, device_type: str, heads: int | None = None,
-          kv_heads: int | None = None) -> None:
-    """Raise one UsageError with every refusal (see `refusals`)."""
-    found = refusals(size, mode, world_size, device_type, heads, kv_heads)
+def check(size: int, mode: str, world_size: int, device_type: str, engine: str = "", task: str = "causal-lm") -> None:
+    """Raise one UsageError with every refusal the config and the launcher show (the model's heads are checked
+    when the run is resolved on its config: memfit.techniques.context_parallel)."""
+    found = context_parallel_refusals(size, mode, world_size, device_type, engine=engine, task=task)
     if found:
         raise UsageError("; ".join(found))
 
@@ -128,3 +107,15 @@ def sharded_collate(collate, chosen: ContextParallel):
         return shard_batch(collate(samples, pad_token_id), chosen.rank, chosen.size)
 
     return collate_shard
+
+
+def sum_over_context_group(total):
+    """`total` (a tensor of this rank's shard) summed over its context group: the whole rows' sum (evaluation)."""
+    chosen = active()
+    if chosen is None:
+        return total
+    import torch.distributed as tdist
+
+    summed = total.clone()
+    tdist.all_reduce(summed, group=chosen.group)
+    return summed

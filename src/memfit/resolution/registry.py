@@ -18,6 +18,7 @@ from memfit.techniques import (
     attention,
     auto_checkpointing,
     compile,
+    context_parallel,
     efficient_lora,
     expert_dequant_groups,
     expert_streaming,
@@ -60,6 +61,7 @@ BUILT_IN: tuple[Technique, ...] = (
     optimizer_offload.TECHNIQUE,
     loss.TECHNIQUE,
     offload.TECHNIQUE,
+    context_parallel.TECHNIQUE,  # each rank's shard of every row (distributed/context_parallel.py)
 )
 
 _registered: list[Technique] = []

@@ -309,6 +309,9 @@ class Evaluator:
                 events.append(self._recover(failure, start, end, pending))
         finally:
             self.model.train(was_training)
+        from memfit.distributed.context_parallel import sum_over_context_group
+
+        total = sum_over_context_group(total)  # --context-parallel: each rank summed its shard of every row
         loss = float(total.item()) / max(target_tokens, 1)
         samples = int(getattr(self.samples, "num_samples", count))  # packed rows hold several
         result = EvalResult(step, loss, target_tokens, samples, self.batch_size, time.perf_counter() - started, events,
