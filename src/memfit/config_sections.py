@@ -269,7 +269,7 @@ class DistributedConfig:
     context_parallel: int = 1
     """Under torchrun: split every sequence into N contiguous shards, one per rank of a context group (world size = data-parallel x N); each rank holds 1/N of every sequence's activations (docs/distributed.md). Axolotl's context_parallel_size."""
     context_parallel_mode: str = field(default="auto", metadata=_choices(*CONTEXT_PARALLEL_MODES))
-    """How attention sees the whole sequence under --context-parallel: ulysses (all-to-all of heads: DeepSpeed's Ulysses where it runs, else memfit's over torch.distributed), ring (PyTorch's context parallel, CUDA), auto (ulysses when the heads divide by N, else ring)."""
+    """How attention sees the whole sequence under --context-parallel: ulysses (all-to-all of heads, memfit's over torch.distributed; the heads must divide by N), auto (ulysses); ring (PyTorch's ring attention) is refused: not wired yet."""
 
     def problems(self) -> list[str]:
         """What is wrong with these settings, by flag name (TrainConfig.validate reports them)."""

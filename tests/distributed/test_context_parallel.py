@@ -71,7 +71,7 @@ def test_two_context_ranks_train_as_one_process_on_the_whole_sequence(name, cp_r
     steps = [r for r in one if "loss" in r and "event" not in r], [r for r in cp if "loss" in r and "event" not in r]
     assert [r["loss"] for r in steps[1]] == pytest.approx([r["loss"] for r in steps[0]], abs=1e-4)
     evaluations = [[r["eval_loss"] for r in lines if r.get("event") == "eval"] for lines in (one, cp)]
-    assert evaluations[1] == pytest.approx(evaluations[0], abs=1e-5) and len(evaluations[0]) == (name == "plain")
+    assert evaluations[1] == pytest.approx(evaluations[0], abs=1e-5) and len(evaluations[0]) == (name != "packed")
 
 
 @pytest.mark.parametrize("fault", ["edge-fault", "count-fault"])

@@ -16,9 +16,13 @@ whole world already do. So the engines are unchanged: DDP and DeepSpeed sum over
 FSDP2 shards over dp x cp flattened (the whole world, as torchtitan does), because every rank
 holds the same weights and needs the same summed gradient whatever its shard.
 
-Which implementation runs: memfit's all-to-all over torch.distributed (gloo or NCCL) is the one
-this module wires. DeepSpeed's UlyssesSPAttentionHF and PyTorch's ring attention
-(mode ring, CUDA only) are not wired: mode ring is refused, with the reason.
+Which implementation runs: memfit's all-to-all over torch.distributed (gloo or NCCL), everywhere.
+DeepSpeed's UlyssesSPAttentionHF runs on CPU gloo too and gives the same attention on plain
+rows (tests/distributed/test_ulysses_parity.py), but with an SDPA core it does not keep packed
+samples apart (only flash-attention's variable-length kernel reads the gathered positions), and
+it fixes the batch and head shapes at registration; memfit's builds the document mask of the
+whole row from the gathered positions. PyTorch's ring attention (mode ring) is not wired:
+refused, with the reason.
 """
 
 from __future__ import annotations
