@@ -18,13 +18,14 @@ from memfit.tasks.heads import (
     TokenClassificationTask,
 )
 from memfit.tasks.metrics import METRIC_LABELS
+from memfit.tasks.grpo import GRPOTask
 from memfit.tasks.preference import PreferenceTask
 from memfit.tasks.preference_objectives import PREFERENCE_TASK_CLASSES
 
 TASK_CLASSES: dict[str, type[Task]] = {
     cls.name: cls
     for cls in (Task, MaskedLMTask, SequenceClassificationTask, TokenClassificationTask, RegressionTask,
-                *PREFERENCE_TASK_CLASSES)
+                *PREFERENCE_TASK_CLASSES, GRPOTask)
 }
 
 __all__ = ["TASK_CLASSES", "Task", "build_task", "describe_task", "task_class"]
@@ -48,7 +49,7 @@ def build_task(config: Any) -> Task:
             # encoder must not see two samples in one row. What "auto" means for a table, not a fallback: the
             # task's facts (the report's task row) say so; --packing samples/wrapped on a table is refused.
             config.data.packing = "off"
-    if isinstance(task, PreferenceTask) and config.data.packing == "auto":
+    if isinstance(task, PreferenceTask | GRPOTask) and config.data.packing == "auto":
         # A pair is two rows that share their prompt and are scored together: never packed with other samples.
         # What "auto" means for preference data (the task's facts say so); samples/wrapped are refused above.
         config.data.packing = "off"

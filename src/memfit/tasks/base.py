@@ -92,6 +92,15 @@ class Task:
         """Units of the loss in one sample (its loss sum is divided by the effective batch's total)."""
         return count_target_tokens(sample["labels"][None])
 
+    prepares_on_policy = False
+    """The task's `prepare` reads the model as it is at the step (online RL's rollout): the loop prepares each
+    step's samples right before the step, never during the step before (where other tasks overlap it)."""
+
+    def items_per_step(self, effective_batch: int) -> int:
+        """Data items the schedule gives an optimizer step whose effective batch is `effective_batch` samples (the
+        same, but for a task whose `prepare` makes several samples of an item: online RL's completions)."""
+        return effective_batch
+
     def after_data_loaded(self, dist: Any) -> None:
         """Work on the loaded data that every rank does together, once all have loaded it (`dist`: the run's
         DistContext; a preference task's shared reference pass). Nothing by default."""

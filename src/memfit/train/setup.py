@@ -259,7 +259,7 @@ def _load_data(build: _Building):
     config, dist, loaded, task = build.config, build.dist, build.loaded, build.task
     if not dist.is_main:
         dist.barrier()  # rank 0 tokenizes into the shared cache first; the others then read it
-    effective_batch = config.effective_batch_for(dist.data_world_size)
+    effective_batch = task.items_per_step(config.effective_batch_for(dist.data_world_size))
     # Data too short for one effective batch is refused before its token cache is written.
     dataset = task.load_data(
         _data_config(config), loaded.tokenizer, max_positions=loaded.max_positions, min_samples=effective_batch,

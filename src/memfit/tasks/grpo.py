@@ -1,0 +1,378 @@
+"""Online RL as a task: GRPO and its variants (DAPO, Dr. GRPO, BNPO) under TRL's names and semantics.
+
+A training item is a prompt (memfit.data.prompts). A step's prompts come from the schedule (`items_per_step`:
+the step's completions / --num-generations), and right before the step (`prepares_on_policy`: the loop asks for
+them then, never during the step before) `prepare` runs the rollout: G completions a prompt, sampled by
+memfit.tasks.rollout with each completion seeded by itself, scored by the reward functions (memfit.tasks.rewards),
+turned into group advantages; then, with the weights that generated them, the completions' per-token
+log-probabilities under the reference (--beta > 0) and under the generating policy (--num-iterations > 1). Each
+completion becomes one sample of the step (prompt + completion, its advantage and those log-probabilities), so the
+StepRunner micro-batches them by --batch-size, an out-of-memory error splits a micro-batch and keeps the update, and
+accumulation over completions is exact: `count` is 1 a completion and the loss of a micro-batch is its share of the
+step's loss (memfit.tasks.grpo_losses) times the step's completions, which the step divides back out.
+
+The loss runs the policy's per-token log-probabilities a chunk of logits at a time
+(techniques/sequence_logprobs.py: never `[completions, length, vocabulary]`). The reference is the model with its
+LoRA adapters off under --lora-r (no second copy), else a frozen copy (techniques/reference_model.py).
+
+With --num-iterations N the rollout of a step is trained on for N optimizer steps (TRL's mu): steps k*N to k*N+N-1
+share the completions generated at step k*N, their old log-probabilities taken before the first of those updates.
+The rollout is a function of (--seed, step, prompt, generation), so a run resumed at a step that starts a rollout
+generates the same completions; one resumed inside a rollout of N > 1 generates it again from the resumed weights
+(said in the log).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from memfit.tasks.base import LossFunction, Task
+from memfit.tasks.grpo_losses import group_advantages, grpo_loss
+from memfit.tasks.rewards import load_reward_functions, score_completions
+from memfit.tasks.rollout import Sampling, completion_seed, sample_completions
+from memfit.techniques.loss import IGNORE_INDEX
+from memfit.techniques.reference_model import ReferenceCost, choose_reference, frozen_copy
+from memfit.techniques.reference_model import _peft_model as peft_model_of
+from memfit.techniques.sequence_logprobs import sequence_logprobs
+
+log = logging.getLogger("memfit")
+
+_BATCH_ROWS = ("input_ids", "labels", "attention_mask", "position_ids")
+BUILTIN_PROMPTS = "builtin:prompts"
+"""The data of `memfit train --task grpo` without --dataset: arithmetic questions with their answers."""
+SAMPLES_KEPT = 4
+"""Completions of each logged step written to completions.jsonl (with their prompts and rewards) for the report."""
+
+
+class PromptSamples(torch.utils.data.Dataset):
+    """The prompts as the schedule's items: one dict a prompt (its tokens and its place)."""
+
+    def __init__(self, items: list, max_completion_length: int, dataset: str):
+        self.items = items
+        self.seq_len = max(len(item.prompt_ids) for item in items) + max_completion_length
+        self.lengths = [len(item.prompt_ids) + max_completion_length for item in items]
+        self.description = (f"{len(items)} prompts from {dataset} (up to {self.seq_len - max_completion_length}"
+                            f" tokens) + completions of up to {max_completion_length} tokens")
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        item = self.items[int(index)]
+        return {"input_ids": torch.tensor(item.prompt_ids, dtype=torch.long), "index": int(index)}
+
+    def data_facts(self) -> dict[str, Any]:
+        return {"prompts": len(self.items), "seq_len": self.seq_len}
+
+
+class GRPOTask(Task):
+    """GRPO (and DAPO, Dr. GRPO, BNPO by --loss-type) on the model's own completions, scored by reward functions."""
+
+    name = "grpo"
+    unit = "completions"
+    eval_metrics = ()
+    prepares_on_policy = True
+
+    def __init__(self, config: Any = None):
+        super().__init__(config)
+        rl = config.rl
+        spec = rl.reward_function
+        if spec is None and config.data.dataset in (None, BUILTIN_PROMPTS):
+            # the bundled prompts carry their answers: the built-in that checks them is the reward (said in the log)
+            spec = "answer-match"
+            log.info("memfit: --reward-function not given: answer-match scores %s (each completion's final answer"
+                     " against the data's answer column)", BUILTIN_PROMPTS)
+        self.functions = load_reward_functions(spec, rl.reward_weights, rl.max_completion_length)
+        self.beta = float(config.task.beta)
+        self.reference_choice = choose_reference(
+            config.task.reference if config.task.reference != "cached" else "auto", False, config.lora.lora_r > 0,
+            self.beta > 0)
+        self.reference_cost = ReferenceCost(self.reference_choice.mode, self.reference_choice.reason)
+        self._model: torch.nn.Module | None = None
+        self._copy: torch.nn.Module | None = None
+        self._tokenizer: Any = None
+        self._prompts: PromptSamples | None = None
+        self._rollout: tuple[int, list[dict]] | None = None
+        self._metrics: dict[str, float] = {}
+        self._stats: dict[str, float] = {}
+        self.output_dir = Path(config.output.output_dir) if getattr(config, "output", None) else None
+
+    # -- refusals and the data ------------------------------------------------------------------------------------
+
+    def refusals(self, config: Any) -> list[str]:
+        found = []
+        rl, t = config.rl, config.training
+        per_step = t.batch_size * t.gradient_accumulation_steps
+        if per_step % rl.num_generations:
+            found.append(f"--batch-size x --gradient-accumulation-steps ({per_step}) counts completions and must be a"
+                         f" multiple of --num-generations ({rl.num_generations}): a prompt's completions are compared"
+                         " within one step")
+        if config.data.packing in ("samples", "wrapped"):
+            found.append(f"--packing {config.data.packing}: each completion is a row of its own under --task grpo;"
+                         " use --packing off")
+        if config.task.reference == "cached" or config.task.precompute_ref_log_probs:
+            found.append("--reference cached computes log-probabilities of fixed data before training; --task grpo"
+                         " scores completions generated during training: use --reference auto")
+        if t.auto_batch_size:
+            found.append("--auto-batch-size probes with causal-LM windows; give --task grpo a --batch-size")
+        if config.evaluation.eval_dataset or config.evaluation.eval_fraction:
+            found.append("--task grpo has no held-out evaluation; the reward curve is its measure: drop --eval-*")
+        return found
+
+    def items_per_step(self, effective_batch: int) -> int:
+        """Prompts per optimizer step: the step's completions over --num-generations."""
+        return max(1, effective_batch // self.config.rl.num_generations)
+
+    def prepare_model(self, model: torch.nn.Module, tokenizer: Any) -> None:
+        self._model, self._tokenizer = model, tokenizer
+        if self.reference_choice.mode == "copy":
+            self._copy, self.reference_cost.copy_bytes = frozen_copy(model)
+        if self.beta > 0:
+            log.info("memfit: %s", self.reference_cost.describe())
+        if self.config.rl.use_vllm:
+            log.warning("memfit: --use-vllm: vLLM is not wired into memfit's rollout; transformers' forward with a"
+                        " key-value cache generates instead")
+
+    def load_data(self, data_config: Any, tokenizer: Any, *, role: str = "training", say: bool = True, **_: Any
+                  ) -> PromptSamples:
+        from memfit.data.prompts import load_prompts
+
+        if data_config.dataset is None:
+            data_config = dataclasses.replace(data_config, dataset=BUILTIN_PROMPTS)
+        items = load_prompts(data_config, tokenizer, max_prompt_length=self.config.rl.max_prompt_length, say=say)
+        self._prompts = PromptSamples(items, self.config.rl.max_completion_length, str(data_config.dataset))
+        return self._prompts
+
+    # -- the rollout -----------------------------------------------------------------------------------------------
+
+    def prepare(self, samples: list[dict], indices: Sequence[int], step: int) -> list[dict]:
+        """The completions the step trains on (module docstring): the rollout of its prompts, or the one it shares."""
+        mu = self.config.rl.num_iterations
+        first = step - step % mu
+        if self._rollout is not None and self._rollout[0] == first:
+            return self._rollout[1]
+        if first != step:
+            log.warning("memfit: step %d trains on the rollout of step %d (--num-iterations %d), which this launch did"
+                        " not generate: generated again from the current weights", step + 1, first + 1, mu)
+        completions = self._generate([int(s["index"]) for s in samples], first)
+        self._rollout = (first, completions)
+        return completions
+
+    def _generate(self, prompt_indices: list[int], step: int) -> list[dict]:
+        rl, model = self.config.rl, self._model
+        group = rl.num_generations
+        items = [self._prompts.items[i] for i in prompt_indices]
+        prompts = [item.prompt_ids for item in items for _ in range(group)]
+        seeds = [completion_seed(self.config.training.seed, step, index, g) for index in prompt_indices
+                 for g in range(group)]
+        rollout = sample_completions(model, prompts, seeds, self._sampling(),
+                                     rl.generation_batch_size or len(prompts))
+        self._rollout_events = rollout.events
+        texts = [self._tokenizer.decode(ids, skip_special_tokens=True) for ids in rollout.completions]
+        conversational = not isinstance(items[0].prompt, str)
+        shown = [[{"role": "assistant", "content": text}] if conversational else text for text in texts]
+        columns = {name: [item.columns.get(name) for item in items] for name in items[0].columns}
+        scores = score_completions(self.functions, [item.prompt for item in items for _ in range(group)], shown,
+                                  rollout.completions, columns)
+        advantages, reward_stats = group_advantages(scores.total, group, rl.scale_rewards)
+        samples = [self._sample(prompt, completion, cut, float(advantage))
+                   for prompt, completion, cut, advantage in zip(prompts, rollout.completions, rollout.truncated,
+                                                                 advantages.tolist(), strict=True)]
+        self._attach_logprobs(samples)
+        self._rollout_metrics(scores, reward_stats, rollout, samples)
+        self._keep_samples(step, items, group, texts, scores.total)
+        return samples
+
+    def _sampling(self) -> Sampling:
+        tokenizer, rl = self._tokenizer, self.config.rl
+        eos = getattr(tokenizer, "eos_token_id", None)
+        eos_ids = tuple(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        for token in ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>"):
+            token_id = tokenizer.convert_tokens_to_ids(token) if hasattr(tokenizer, "convert_tokens_to_ids") else None
+            if isinstance(token_id, int) and token_id != getattr(tokenizer, "unk_token_id", None) and token_id >= 0:
+                eos_ids += (token_id,)
+        pad = getattr(tokenizer, "pad_token_id", None)
+        return Sampling(rl.max_completion_length, rl.temperature, rl.top_p, tuple(dict.fromkeys(eos_ids)),
+                        int(pad if pad is not None else (eos_ids[0] if eos_ids else 0)))
+
+    def _sample(self, prompt: list[int], completion: list[int], truncated: bool, advantage: float) -> dict:
+        ids = torch.tensor(prompt + completion, dtype=torch.long)
+        labels = torch.full_like(ids, IGNORE_INDEX)
+        labels[len(prompt):] = ids[len(prompt):]
+        if truncated and self.config.rl.mask_truncated_completions:
+            labels[:] = IGNORE_INDEX
+        return {"input_ids": ids, "labels": labels, "advantage": torch.tensor(advantage, dtype=torch.float32),
+                "truncated": truncated}
+
+    def _attach_logprobs(self, samples: list[dict]) -> None:
+        """Per-token log-probabilities the step reads but never trains: the reference's, the generating policy's."""
+        needs_old = self.config.rl.num_iterations > 1
+        if self.beta <= 0 and not needs_old:
+            return
+        batch = self.collate(samples, self._tokenizer.pad_token_id)
+        device = next(self._model.parameters()).device
+        ids, labels, mask = (batch[k].to(device) for k in ("input_ids", "labels", "attention_mask"))
+        chunk = self._chunk_size(0)
+        with torch.no_grad():
+            if needs_old:
+                old = sequence_logprobs(self._model, ids, labels, mask, chunk_size=chunk, per_token=True).per_token
+                for row, sample in enumerate(samples):
+                    sample["old_logps"] = old[row, : len(sample["input_ids"])].float().cpu()
+            if self.beta > 0:
+                reference = self._reference_per_token(ids, labels, mask, chunk)
+                for row, sample in enumerate(samples):
+                    sample["ref_logps"] = reference[row, : len(sample["input_ids"])].float().cpu()
+
+    def _reference_per_token(self, ids: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor, chunk: int
+                             ) -> torch.Tensor:
+        if self.reference_choice.mode == "adapters-off":
+            with peft_model_of(self._model).disable_adapter():
+                return sequence_logprobs(self._model, ids, labels, mask, chunk_size=chunk, per_token=True).per_token
+        return sequence_logprobs(self._copy, ids, labels, mask, chunk_size=chunk, per_token=True).per_token
+
+    # -- the batch and the loss ------------------------------------------------------------------------------------
+
+    def collate(self, samples: Sequence[dict], pad_token_id: int | None) -> dict[str, torch.Tensor]:
+        """Completions right-padded to the longest of the micro-batch; their advantages and log-probabilities."""
+        length = max(len(s["input_ids"]) for s in samples)
+        pad = 0 if pad_token_id is None else int(pad_token_id)
+        rows = len(samples)
+        batch = {"input_ids": torch.full((rows, length), pad, dtype=torch.long),
+                 "labels": torch.full((rows, length), IGNORE_INDEX, dtype=torch.long),
+                 "attention_mask": torch.zeros((rows, length), dtype=torch.long),
+                 "advantages": torch.stack([s["advantage"] for s in samples])}
+        for name, batch_name in (("old_logps", "old_per_token_logps"), ("ref_logps", "ref_per_token_logps")):
+            if all(name in s for s in samples):
+                batch[batch_name] = torch.zeros((rows, length), dtype=torch.float32)
+        for row, sample in enumerate(samples):
+            n = len(sample["input_ids"])
+            batch["input_ids"][row, :n] = sample["input_ids"]
+            batch["labels"][row, :n] = sample["labels"]
+            batch["attention_mask"][row, :n] = 1
+            for name, batch_name in (("old_logps", "old_per_token_logps"), ("ref_logps", "ref_per_token_logps")):
+                if batch_name in batch:
+                    batch[batch_name][row, :n] = sample[name]
+        return batch
+
+    def count(self, sample: dict) -> int:
+        return 1
+
+    def loss_function(self, default: LossFunction) -> LossFunction:
+        return self.loss_sum
+
+    def loss_inputs(self, batch: dict) -> dict[str, Any]:
+        return {name: value for name, value in batch.items() if name not in _BATCH_ROWS}
+
+    def loss_sum(self, model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor,
+                 attention_mask: torch.Tensor | None = None, chunk_size: int = 0, *, advantages: torch.Tensor,
+                 old_per_token_logps: torch.Tensor | None = None, ref_per_token_logps: torch.Tensor | None = None,
+                 position_ids: torch.Tensor | None = None, **_: Any) -> torch.Tensor:
+        """The micro-batch's share of the step's GRPO loss, times the step's completions (the step divides by them)."""
+        completions, tokens = self._step_counts
+        scored = sequence_logprobs(model, input_ids, labels, attention_mask, chunk_size=self._chunk_size(chunk_size),
+                                   per_token=True)
+        # per_token[t] is the log-probability of the token at t + 1 (labels are shifted inside): the same shift for
+        # the mask and the stored log-probabilities, which were computed the same way
+        mask = torch.nn.functional.pad(labels[:, 1:] != IGNORE_INDEX, (0, 1), value=False).float()
+        rl = self.config.rl
+        loss, stats = grpo_loss(
+            scored.per_token, mask, advantages.to(scored.per_token.device),
+            old_per_token_logps=None if old_per_token_logps is None else old_per_token_logps.to(mask.device),
+            ref_per_token_logps=None if ref_per_token_logps is None else ref_per_token_logps.to(mask.device),
+            loss_type=self.config.task.loss_type, beta=self.beta, epsilon_low=rl.epsilon,
+            epsilon_high=rl.epsilon if rl.epsilon_high is None else rl.epsilon_high,
+            max_completion_length=rl.max_completion_length, completions_in_step=completions, tokens_in_step=tokens)
+        for name, value in stats.items():
+            self._stats[name] = self._stats.get(name, 0.0) + float(value)
+        return loss * completions
+
+    @property
+    def _step_counts(self) -> tuple[int, int]:
+        """(completions, scored completion tokens) of the step being trained."""
+        samples = self._rollout[1] if self._rollout else []
+        tokens = sum(int((s["labels"] != IGNORE_INDEX).sum()) for s in samples)
+        return max(1, len(samples)), max(1, tokens)
+
+    def _chunk_size(self, chunk_size: int) -> int:
+        from memfit.techniques.loss import DEFAULT_LOSS_CHUNK_TOKENS
+
+        return chunk_size or self.config.memory.loss_chunk_size or DEFAULT_LOSS_CHUNK_TOKENS
+
+    # -- what the run says -----------------------------------------------------------------------------------------
+
+    def _rollout_metrics(self, scores: Any, reward_stats: dict, rollout: Any, samples: list[dict]) -> None:
+        lengths = torch.tensor([len(c) for c in rollout.completions], dtype=torch.float32)
+        metrics = {"reward": float(reward_stats["reward"]), "reward_std": float(reward_stats["reward_std"]),
+                   "frac_reward_zero_std": float(reward_stats.get("frac_reward_zero_std", 0.0)),
+                   "completions/mean_length": float(lengths.mean()), "completions/min_length": float(lengths.min()),
+                   "completions/max_length": float(lengths.max()),
+                   "completions/clipped_ratio": sum(rollout.truncated) / max(1, len(rollout.truncated)),
+                   "generation_batch": rollout.generation_batch}
+        for name, values in scores.per_function.items():
+            metrics[f"rewards/{name}/mean"] = float(torch.nanmean(values))
+            metrics[f"rewards/{name}/std"] = float(_nanstd(values))
+        self._metrics = metrics
+
+    def step_metrics(self) -> dict[str, Any]:
+        """The rollout's metrics and the loss's (kl, clip_ratio/*, per token of the step), under TRL's names."""
+        metrics, self._metrics = self._metrics, {}
+        stats, self._stats = self._stats, {}
+        tokens = stats.pop("tokens", 0.0)
+        for name, value in stats.items():
+            if name != "kl" or self.beta > 0:
+                metrics[name] = value / tokens if tokens else 0.0
+        return metrics
+
+    @classmethod
+    def step_scores(cls, record: dict[str, Any]) -> list[str]:
+        scores = []
+        if "reward" in record:
+            scores.append(f"reward {record['reward']:.3f} ± {record.get('reward_std', 0.0):.3f}")
+        if "completions/mean_length" in record:
+            scores.append(f"length {record['completions/mean_length']:.0f}")
+        return scores
+
+    def _keep_samples(self, step: int, items: list, group: int, texts: list[str], rewards: torch.Tensor) -> None:
+        """A few completions of the step, with their prompts and rewards, in <output-dir>/completions.jsonl."""
+        if self.output_dir is None or not _is_main_process():
+            return
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.output_dir / "completions.jsonl", "a", encoding="utf-8") as file:
+            for number in range(min(SAMPLES_KEPT, len(texts))):
+                prompt = items[number // group].prompt
+                file.write(json.dumps({"step": step + 1, "prompt": prompt if isinstance(prompt, str) else prompt[-1]
+                                       .get("content"), "completion": texts[number],
+                                       "reward": None if math.isnan(float(rewards[number])) else float(rewards[number])})
+                           + "\n")
+
+    def facts(self) -> dict[str, Any]:
+        rl = self.config.rl
+        return super().facts() | {
+            "name": self.name, "loss_type": self.config.task.loss_type, "beta": self.beta,
+            "num_generations": rl.num_generations, "max_completion_length": rl.max_completion_length,
+            "num_iterations": rl.num_iterations, "rewards": [f"{f.name} x{f.weight:g}" for f in self.functions],
+            "generation": "transformers forward with a key-value cache, each completion seeded by itself",
+            "reference": self.reference_cost.facts()}
+
+    def describe(self) -> str:
+        return (f"grpo ({self.config.task.loss_type}; {self.config.rl.num_generations} completions a prompt; rewards "
+                + ", ".join(f.name for f in self.functions) + f"; {self.reference_cost.describe()})")
+
+
+def _nanstd(values: torch.Tensor) -> torch.Tensor:
+    kept = values[~torch.isnan(values)]
+    return kept.std() if kept.numel() > 1 else torch.zeros(())
+
+
+def _is_main_process() -> bool:
+    return not (torch.distributed.is_available() and torch.distributed.is_initialized()) or \
+        torch.distributed.get_rank() == 0
+
