@@ -12,7 +12,7 @@ import importlib.resources
 from pathlib import Path
 
 import pytest
-from torchrun_helpers import assert_same_weights, final_weights, run_many
+from torchrun_helpers import assert_same_weights, checkpoint_copy, final_weights, run_many
 
 from fault_injection import SGD_FLAGS
 from memfit.train.metrics import read_metrics
@@ -41,15 +41,19 @@ def cp_runs(llama_dir, text_file, chat_file, tmp_path_factory) -> dict[str, Path
     packed = [*base, "--dataset", str(chat_file), "--chat-template", "chatml", "--packing", "samples",
               "--seq-len", "256", "--gradient-checkpointing", "full"]
     chunked = [*plain[:-1], "--loss-chunk-size", "16"]
-    references = {"plain": plain, "packed": packed, "chunked": chunked}
+    longer = ["--max-steps", "4", "--save-every", "2"]
+    references = {"plain": plain, "packed": packed, "chunked": chunked, "long": [*plain, *longer]}
     cp = ["--context-parallel", "2"]
     split = {**{name: [*args, *cp] for name, args in references.items()},
-             "edge-fault": [*plain, *cp], "count-fault": [*plain, *cp]}
+             "edge-fault": [*plain, *cp], "count-fault": [*plain, *cp],
+             "resumed": [*plain, *longer, *cp, "--resume", "auto"]}  # the one-process step-2 checkpoint
     faults = {"edge-fault": f"{FAULTS}:labels_shifted_after_split", "count-fault": f"{FAULTS}:per_rank_token_count"}
     run_many([{"name": f"one-{name}", "args": [*args, "--output-dir", str(root / f"one-{name}")]}
               for name, args in references.items()], root / "one", nproc=1)
-    run_many([{"name": f"cp-{name}", "args": [*args, "--output-dir", str(root / f"cp-{name}")],
-               "fault": faults.get(name)} for name, args in split.items()], root / "cp", nproc=2)
+    checkpoint_copy(root / "one-long", root / "cp-resumed", 4)
+    logs = run_many([{"name": f"cp-{name}", "args": [*args, "--output-dir", str(root / f"cp-{name}")],
+                      "fault": faults.get(name)} for name, args in split.items()], root / "cp", nproc=2)
+    assert "resumed from" in logs["cp-resumed"], logs["cp-resumed"][-2000:]
     return {path.name: path for path in root.iterdir() if (path / "final").is_dir()}
 
 
@@ -100,3 +104,9 @@ def _activation_bytes(output_dir: Path) -> int:
 def test_each_context_rank_holds_about_half_the_activations(cp_runs):
     one, split = _activation_bytes(cp_runs["one-plain"]), _activation_bytes(cp_runs["cp-plain"])
     assert split <= 0.55 * one, (split, one)
+
+
+def test_a_one_process_checkpoint_resumes_on_two_context_ranks(cp_runs):
+    """Weights and optimizer state do not depend on the split: the step-2 checkpoint of one process, resumed under
+    --context-parallel 2, ends on the uninterrupted run's weights."""
+    assert_same_weights(final_weights(cp_runs["one-long"]), final_weights(cp_runs["cp-resumed"]))
