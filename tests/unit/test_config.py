@@ -130,3 +130,12 @@ def test_optimizer_in_backward_switches_default_clipping_off():
     assert load_config(overrides={"max_grad_norm": "0.5"}).replace(optimizer_in_backward=True).optimizer.max_grad_norm == 0.5
     assert load_config().optimizer.max_grad_norm == 1.0
 
+
+
+def test_reward_function_given_several_times_is_one_setting():
+    """--reward-function may be repeated: its values are joined with commas; another flag given twice is not."""
+    config, _ = parse_command_line(["--task", "grpo", "--reward-function", "answer-match", "--lr", "1e-4",
+                                    "--reward-function", "format", "--lr", "2e-4"])
+    assert config.rl.reward_function == "answer-match,format"
+    assert config.optimizer.lr == 2e-4
+    assert parse_command_line(["--task", "grpo", "--reward-function", "length"])[0].rl.reward_function == "length"

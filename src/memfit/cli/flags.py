@@ -98,7 +98,28 @@ def split_argv(argv: list[str], extras: dict) -> tuple[list[tuple[str, Any]], li
             continue
         settings.append((key, argv[i]))
         i += 1
-    return settings, problems
+    return _join_repeated(settings), problems
+
+
+REPEATABLE = ("reward_function",)
+"""Flags that may be given several times: their values are joined with commas into the one setting."""
+
+
+def _join_repeated(settings: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    """Each REPEATABLE flag's values as one setting at its first place (`--reward-function a --reward-function b`
+    is `--reward-function a,b`); any other flag given twice keeps both (the last one wins later, as before)."""
+    joined: list[tuple[str, Any]] = []
+    first_at: dict[str, int] = {}
+    for key, value in settings:
+        name = canonical_name(key)
+        if name in REPEATABLE and name in first_at and isinstance(value, str):
+            place = first_at[name]
+            joined[place] = (joined[place][0], f"{joined[place][1]},{value}")
+            continue
+        if name in REPEATABLE:
+            first_at[name] = len(joined)
+        joined.append((key, value))
+    return joined
 
 
 def accepted_flags(extras: list[type] | None = None, train_flags: bool = True) -> list[str]:
