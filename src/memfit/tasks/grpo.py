@@ -315,7 +315,9 @@ class GRPOTask(Task):
                    "completions/mean_length": float(lengths.mean()), "completions/min_length": float(lengths.min()),
                    "completions/max_length": float(lengths.max()),
                    "completions/clipped_ratio": sum(rollout.truncated) / max(1, len(rollout.truncated)),
-                   "generation_batch": rollout.generation_batch}
+                   "generation_batch": rollout.generation_batch,
+                   # each out-of-memory error generation recovered from (halving its batch, the same completions)
+                   "generation_oom_halvings": len(rollout.events)}
         for name, values in scores.per_function.items():
             metrics[f"rewards/{name}/mean"] = float(torch.nanmean(values))
             metrics[f"rewards/{name}/std"] = float(_nanstd(values))
@@ -359,7 +361,9 @@ class GRPOTask(Task):
             "name": self.name, "loss_type": self.config.task.loss_type, "beta": self.beta,
             "num_generations": rl.num_generations, "max_completion_length": rl.max_completion_length,
             "num_iterations": rl.num_iterations, "rewards": [f"{f.name} x{f.weight:g}" for f in self.functions],
-            "generation": "transformers forward with a key-value cache, each completion seeded by itself",
+            "generation": "transformers forward with a key-value cache, each completion seeded by itself"
+                          + (" (--use-vllm asked: vLLM is not wired into memfit's rollout)" if rl.use_vllm else ""),
+            "generation_batch": rl.generation_batch_size or "all of the step's completions",
             "reference": self.reference_cost.facts()}
 
     def describe(self) -> str:
