@@ -24,11 +24,12 @@ generates the same completions; one resumed inside a rollout of N > 1 generates 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -234,7 +235,7 @@ class GRPOTask(Task):
     def _reference_per_token(self, ids: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor, chunk: int
                              ) -> torch.Tensor:
         if self.reference_choice.mode == "adapters-off":
-            with peft_model_of(self._model).disable_adapter():
+            with _adapters_off(self._model):
                 return sequence_logprobs(self._model, ids, labels, mask, chunk_size=chunk, per_token=True).per_token
         return sequence_logprobs(self._copy, ids, labels, mask, chunk_size=chunk, per_token=True).per_token
 
@@ -369,6 +370,32 @@ class GRPOTask(Task):
     def describe(self) -> str:
         return (f"grpo ({self.config.task.loss_type}; {self.config.rl.num_generations} completions a prompt; rewards "
                 + ", ".join(f.name for f in self.functions) + f"; {self.reference_cost.describe()})")
+
+
+@contextlib.contextmanager
+def _adapters_off(model: torch.nn.Module) -> Iterator[None]:
+    """The model with its LoRA adapters off. The task holds the model as loaded, whose layers LoRA changed in place
+    (the PEFT wrapper around it is the engine's), so the adapter layers are switched off one by one."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    try:
+        wrapper = peft_model_of(model)
+    except ValueError:
+        wrapper = None
+    if wrapper is not None:
+        with wrapper.disable_adapter():
+            yield
+        return
+    layers = [module for module in model.modules() if isinstance(module, BaseTunerLayer)]
+    if not layers:
+        raise RuntimeError("the adapters-off reference found no LoRA layers in the model")
+    for layer in layers:
+        layer.enable_adapters(False)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.enable_adapters(True)
 
 
 def _nanstd(values: torch.Tensor) -> torch.Tensor:
