@@ -1,6 +1,6 @@
 """memfit's Ulysses attention (all-to-all over gloo) against DeepSpeed's UlyssesSPAttentionHF and whole-row SDPA.
 
-Two ranks, 4 query and 2 key-value heads, 16 positions: each rank's output shard and its queries'
+Two ranks, 4 query and 2 key-value heads (and 1, fewer than the ranks), 16 positions: each rank's output shard and its queries'
 gradient (under a loss weighted per position, so a misplaced shard changes it) must equal the
 whole-row attention's. Reversing the shard order by hand made memfit's output differ by 2.6 (in forward's
 exchange) and its query gradient by 3.1 (in backward's).
@@ -35,8 +35,9 @@ pytestmark = [pytest.mark.distributed,
               pytest.mark.skipif(not deepspeed_available(), reason="the worker starts the ranks through DeepSpeed")]
 
 
-def test_memfit_ulysses_equals_whole_row_attention(parity):
-    assert parity["memfit"]["output"] <= 1e-6 and parity["memfit"]["query_grad"] <= 1e-6, parity
+@pytest.mark.parametrize("case", ["memfit", "memfit-one-kv-head"])
+def test_memfit_ulysses_equals_whole_row_attention(case, parity):
+    assert parity[case]["output"] <= 1e-6 and parity[case]["query_grad"] <= 1e-6, parity
 
 
 def test_deepspeed_ulysses_equals_whole_row_attention_on_gloo(parity):

@@ -58,6 +58,13 @@ def main() -> None:
     found: dict = {}
     compare("memfit", lambda t, p: ulysses_attention(module, *t, None, position_ids=p)[0], inputs, reference,
             rank, size, found)
+    # One key-value head for 2 ranks: repeated per query head before the exchange.
+    single = [inputs[0].detach().clone().requires_grad_(True), inputs[1][:, :1].detach().clone(),
+              inputs[2][:, :1].detach().clone()]
+    single_out = whole_rows(*single)
+    (single_out * reference[2]).sum().backward()
+    compare("memfit-one-kv-head", lambda t, p: ulysses_attention(module, *t, None, position_ids=p)[0], single,
+            (single_out.detach(), single[0].grad, reference[2]), rank, size, found)
     try:
         from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
