@@ -10,6 +10,7 @@ from pathlib import Path
 from fault_injection import SGD_NO_CLIPPING
 from memfit.config_loading import load_config
 from memfit.train.loop import train
+from memfit_cli import run_memfit
 
 REWARDS = """
 def mean_token(completions, completion_ids=None, **kwargs):
@@ -33,3 +34,13 @@ def test_lora_with_beta_uses_the_adapters_off_reference(llama_dir, tmp_path, cap
     assert reference["mode"] == "adapters-off" and not reference.get("copy_bytes")
     kl = [line["kl"] for line in lines if line.get("event") is None and "step" in line]
     assert len(kl) == 2 and kl[0] == 0.0 and kl[1] > 0.0
+
+
+def test_the_report_shows_the_reward_curve_and_sampled_completions(llama_dir, tmp_path):
+    out = tmp_path / "run"
+    result = run_memfit("train", "--task", "grpo", "--model", llama_dir, "--chat-template", "chatml",
+                        "--num-generations", "2", "--max-completion-length", "4", "--batch-size", "2",
+                        "--max-steps", "2", "--output-dir", out, "--report", "true")
+    assert result.returncode == 0, result.stderr
+    page = (out / "report.html").read_text()
+    assert "Sampled completions" in page and '"text":"reward"' in page.replace(" ", "")

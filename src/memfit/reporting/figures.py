@@ -109,6 +109,7 @@ def memory_series(run: RunData) -> list[tuple[str, list[int], list[float], bool]
 def _panels(run: RunData) -> list[tuple[str, str]]:
     panels = [
         ("loss", "loss"),
+        ("reward", "reward"),  # online RL (--task grpo): the mean reward of each step's completions
         ("lr", "learning rate"),
         ("grad_norm", "gradient norm"),
         ("tokens_per_second", "tokens/s"),

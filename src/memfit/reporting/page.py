@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import html
+import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -264,6 +265,22 @@ def _fallbacks_html(run: RunData) -> str:
     return "".join(parts)
 
 
+COMPLETIONS_SHOWN = 6
+"""Sampled completions an online-RL run's page shows (the last ones written to completions.jsonl)."""
+
+
+def _completions_html(run: RunData) -> str:
+    """A few of the completions an online-RL run (--task grpo) sampled, with their prompts and rewards."""
+    source = Path(run.source)
+    path = (source if source.is_dir() else source.parent) / "completions.jsonl"
+    if not path.is_file():
+        return ""
+    shown = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    rows = [[item.get("step"), item.get("prompt"), item.get("completion"), item.get("reward")]
+            for item in shown[-COMPLETIONS_SHOWN:]]
+    return "<h2>Sampled completions</h2>" + _table(["step", "prompt", "completion", "reward"], rows, numeric=(0, 3))
+
+
 def _events_html(run: RunData) -> str:
     rows = [(event.get("step"), "out of memory, recovered", figures.event_label(event)) for event in run.oom_events]
     rows += [(r["step"], "resumed", f"from {r['from']}") for r in run.resumes]
@@ -398,6 +415,7 @@ def render_report(run: RunData) -> str:
         )
         body.append(f'<h2>Over the steps</h2><div class="sub">Hover for values, drag to zoom{_e(marks)}.</div>')
         body.append(_chart(figures.curves_figure(run), "curves"))
+    body.append(_completions_html(run))
     body.append(_events_html(run))
     body.append(_memory_html(run))
     return _with_size(_page(title, f"{run.source}", "".join(body)))
