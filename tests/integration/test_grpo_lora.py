@@ -42,5 +42,6 @@ def test_the_report_shows_the_reward_curve_and_sampled_completions(llama_dir, tm
                         "--num-generations", "2", "--max-completion-length", "4", "--batch-size", "2",
                         "--max-steps", "2", "--output-dir", out, "--report", "true")
     assert result.returncode == 0, result.stderr
+    assert "memfit: generation: transformers' forward with a key-value cache" in result.stderr
     page = (out / "report.html").read_text()
     assert "Sampled completions" in page and '"text":"reward"' in page.replace(" ", "")

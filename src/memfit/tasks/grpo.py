@@ -138,6 +138,9 @@ class GRPOTask(Task):
             self._copy, self.reference_cost.copy_bytes = frozen_copy(model)
         if self.beta > 0:
             log.info("memfit: %s", self.reference_cost.describe())
+        rl = self.config.rl
+        log.info("memfit: generation: transformers' forward with a key-value cache, each completion seeded by itself;"
+                 " %s at once (halved on out of memory)", rl.generation_batch_size or "all of a step's completions")
         if self.config.rl.use_vllm:
             log.warning("memfit: --use-vllm: vLLM is not wired into memfit's rollout; transformers' forward with a"
                         " key-value cache generates instead")
