@@ -1,0 +1,65 @@
+"""--task grpo --num-iterations 2 resumed: from a checkpoint on a rollout boundary the run generates the same
+completions and reaches the uninterrupted run's weights (a 2x gradient breaks that); from a checkpoint inside a
+rollout the rollout is generated again from the checkpoint's weights, and the log says so."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+from test_grpo_learning import REWARDS, load_final, sampled
+
+from fault_injection import SGD_NO_CLIPPING, assert_same_weights, final_weights, scaled_gradients
+from memfit.config_loading import load_config
+from memfit.train.loop import train
+
+
+@pytest.fixture(scope="module")
+def reward_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("rewards") / "rewards.py"
+    path.write_text(REWARDS)
+    return path
+
+
+def config(model_dir, rewards, out, **extra):
+    values = dict(model=str(model_dir), task="grpo", chat_template="chatml", reward_function=f"{rewards}:token_value",
+                  num_generations=2, num_iterations=2, max_completion_length=6, batch_size=4, max_steps=4,
+                  output_dir=str(out), lr=0.5, report=False, cache_dir=str(Path(out) / "cache"), **SGD_NO_CLIPPING)
+    return load_config(overrides=values | extra)
+
+
+@pytest.fixture(scope="module")
+def straight(llama_dir, reward_file, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("grpo_mu") / "straight"
+    train(config(llama_dir, reward_file, out))
+    return out
+
+
+def test_resumed_on_a_rollout_boundary_gives_the_same_completions_and_weights(llama_dir, reward_file, straight,
+                                                                               tmp_path):
+    out = tmp_path / "resumed"
+    train(config(llama_dir, reward_file, out, max_steps=2, save_every=2))
+    resumed = train(config(llama_dir, reward_file, out, resume="auto"))
+    assert resumed.steps == 4 and len(resumed.losses) == 2
+    assert_same_weights(load_final(straight), final_weights(resumed))
+    after = [step for step in (3, 4) if sampled(straight, step)]
+    assert after and all(sampled(out, step) == sampled(straight, step) for step in after)
+
+
+def test_the_boundary_resume_check_fails_on_a_2x_gradient(llama_dir, reward_file, straight, tmp_path):
+    out = tmp_path / "doubled"
+    train(config(llama_dir, reward_file, out, max_steps=2, save_every=2))
+    with scaled_gradients(2.0):
+        resumed = train(config(llama_dir, reward_file, out, resume="auto"))
+    with pytest.raises(AssertionError):
+        assert_same_weights(load_final(straight), final_weights(resumed))
+
+
+def test_resumed_inside_a_rollout_says_it_generates_it_again(llama_dir, reward_file, tmp_path, caplog):
+    out = tmp_path / "inside"
+    train(config(llama_dir, reward_file, out, max_steps=3, save_every=1))
+    with caplog.at_level(logging.WARNING):
+        resumed = train(config(llama_dir, reward_file, out, resume="auto"))
+    assert resumed.steps == 4 and len(resumed.losses) == 1
+    assert "trains on the rollout of step 3" in caplog.text and "generated again" in caplog.text
