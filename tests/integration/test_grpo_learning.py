@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from fault_injection import SGD_NO_CLIPPING, assert_same_weights, final_weights, scaled_gradients
 from memfit.config_loading import load_config
@@ -83,3 +84,27 @@ def test_a_reward_the_model_can_raise_rises(reward_file, tmp_path):
     rewards = [step["reward"] for step in step_lines(out)]
     assert len(rewards) == 12
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.1, rewards  # about 0.45 -> 0.65 on the dev machine
+
+
+def test_ooms_in_generation_and_training_leave_the_completions_and_weights(llama_dir, reward_file, straight, tmp_path,
+                                                                           monkeypatch):
+    """Every forward of more than one row runs out of memory: generation halves its batch down to one completion at a
+    time and the training pass splits its micro-batches down to one completion; neither changes a thing."""
+    from transformers import LlamaForCausalLM
+
+    forward, raised = LlamaForCausalLM.forward, {"n": 0}
+
+    def one_row_at_a_time(self, input_ids=None, **kwargs):
+        if input_ids is not None and input_ids.shape[0] > 1:
+            raised["n"] += 1
+            raise torch.OutOfMemoryError("injected: CUDA out of memory")
+        return forward(self, input_ids=input_ids, **kwargs)
+
+    monkeypatch.setattr(LlamaForCausalLM, "forward", one_row_at_a_time)
+    out = tmp_path / "oom"
+    result = train(sgd_config(llama_dir, reward_file, out))
+    assert raised["n"] >= 2
+    steps = step_lines(out)
+    assert steps[0]["generation_batch"] == 1 and steps[0].get("generation_oom_halvings", 0) >= 1
+    assert_same_weights(load_final(straight), final_weights(result))
+    assert [sampled(out, step) for step in (1, 2, 3)] == [sampled(straight, step) for step in (1, 2, 3)]
