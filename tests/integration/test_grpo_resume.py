@@ -1,6 +1,7 @@
 """--task grpo --num-iterations 2 resumed: from a checkpoint on a rollout boundary the run generates the same
 completions and reaches the uninterrupted run's weights (a 2x gradient breaks that); from a checkpoint inside a
-rollout the rollout is generated again from the checkpoint's weights, and the log says so."""
+rollout the rollout is generated again from the checkpoint's weights, and the log says so. A run killed with
+SIGKILL in step 3 resumes to the same completions and weights."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ from pathlib import Path
 
 import pytest
 from test_grpo_learning import REWARDS, load_final, sampled
+from test_preference_resume import HOLD, _killed_in_step, _losses_after_last_start, _weights
 
-from fault_injection import SGD_NO_CLIPPING, assert_same_weights, final_weights, scaled_gradients
+from fault_injection import SGD_FLAGS, SGD_NO_CLIPPING, assert_same_weights, final_weights, scaled_gradients
 from memfit.config_loading import load_config
 from memfit.train.loop import train
 
@@ -63,3 +65,24 @@ def test_resumed_inside_a_rollout_says_it_generates_it_again(llama_dir, reward_f
         resumed = train(config(llama_dir, reward_file, out, resume="auto"))
     assert resumed.steps == 4 and len(resumed.losses) == 1
     assert "trains on the rollout of step 3" in caplog.text and "generated again" in caplog.text
+
+
+def _grpo_command(model: Path, rewards: Path, out: Path, *extra: str) -> list[str]:
+    return ["train", "--task", "grpo", "--model", str(model), "--chat-template", "chatml", "--reward-function",
+            f"{rewards}:token_value", "--num-generations", "2", "--max-completion-length", "6", "--batch-size", "4",
+            "--max-steps", "3", "--no-report", *SGD_FLAGS, "--lr", "0.5", "--output-dir", str(out), *extra]
+
+
+def test_a_run_killed_in_step_3_resumes_to_the_same_completions_and_weights(llama_dir, reward_file, warm_memfit,
+                                                                            tmp_path):
+    """SIGKILL while step 3 is in its optimizer step (step 2 saved), as tests/integration/test_preference_resume.py."""
+    straight, killed, hold = tmp_path / "straight", tmp_path / "killed", tmp_path / "hold"
+    hold.mkdir()
+    (hold / "sitecustomize.py").write_text(HOLD)
+    assert warm_memfit.run(*_grpo_command(llama_dir, reward_file, straight)).returncode == 0
+    _killed_in_step(warm_memfit, _grpo_command(llama_dir, reward_file, killed, "--save-every", "1"), killed, 3, hold)
+    resumed = warm_memfit.run(*_grpo_command(llama_dir, reward_file, killed, "--save-every", "1", "--resume", "auto"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert sorted(_losses_after_last_start(killed)) == [3]
+    assert_same_weights(_weights(straight), _weights(killed))
+    assert sampled(straight, 3) and sampled(killed, 3)[-len(sampled(straight, 3)):] == sampled(straight, 3)
