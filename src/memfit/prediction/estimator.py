@@ -81,6 +81,7 @@ from memfit.prediction.preference_step import (
     reference_copy_bytes,
 )
 from memfit.prediction.qlora_levers import with_qlora_levers
+from memfit.prediction.rl_step import generation_phase, is_rl, rl_training_config, with_generation_phase
 from memfit.prediction.run_shape import (
     RunShape,
     apply_sharding,
@@ -132,10 +133,14 @@ def estimate(
         UsageError: unknown method, sharding, GPU or model.
     """
     config = config.with_seq_len()  # not given: DEFAULT_SEQ_LEN
+    if is_rl(config):  # a row is a prompt and its completion; the task's log-probabilities are chunked
+        config = rl_training_config(config)
     request = _request(config, method, world_size, sharding, gpu, budget_bytes, hf_config)
     run = resolve_run(config, request.hf_config, request.gpu)
     inventory, parts, loaded_parameters = _state(request, run)
     moment, per_layer, notes = _step_moment(request, run, inventory, parts, loaded_parameters)
+    if is_rl(config):
+        moment = _with_rl_generation(request, run, moment, loaded_parameters, notes)
     loading = load_peak(config, request.hf_config, world_size, loaded_parameters, parts, inventory, run.lora_r,
                         run.quantize, run.weight_bytes)
     moment = _with_load_and_device(moment, notes, loading, run)
@@ -232,6 +237,19 @@ def _step_moment(request: _Request, run: RunShape, inventory: ParameterInventory
         moment["activations"] += packed_mask
         notes["packed_mask_bytes"] = packed_mask
     return moment, per_layer, notes
+
+
+def _with_rl_generation(request: _Request, run: RunShape, moment: dict[str, float], loaded_parameters: int,
+                        notes: dict[str, Any]) -> dict[str, float]:
+    """An RL step's peak: its training pass with the reference's copy, or generation's cache (prediction/rl_step.py)."""
+    config = request.config
+    copy = loaded_parameters if config.task.beta > 0 and run.lora_r == 0 else 0  # LoRA: adapters off, no copy
+    moment = dict(moment)
+    moment["parameters"] += copy
+    completions = config.training.batch_size * config.training.gradient_accumulation_steps
+    phase = generation_phase(config, architecture_for(request.hf_config), precision_of(run).compute,
+                             config.data.seq_len, completions)
+    return with_generation_phase(moment, {}, phase, copy, notes)
 
 
 def _with_load_and_device(moment: dict[str, float], notes: dict[str, Any], loading: LoadPeak,
