@@ -69,3 +69,15 @@ def test_traffic_grows_with_n():
     # (N-1)/N of seq/N x hidden x 2 bytes, 8 per layer
     assert sizes[1] == 32 * 8 * 0.5 * 32768 * 4096 * 2
     assert all_to_all_seconds(LLAMA_8B, 65536, 16) > all_to_all_seconds(LLAMA_8B, 65536, 8)
+
+
+def test_benchmark_plan_script_rows_for_the_preset():
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
+    from plan_context_parallel import rows_for
+
+    rows = rows_for("llama-3.1-8b", 8, "h100", 256 * GIB)
+    assert [row[0] for row in rows] == ["8 x 1", "4 x 2", "2 x 4", "1 x 8"]
+    lengths = [int(row[1].replace(",", "")) for row in rows]
+    assert lengths == sorted(lengths) and lengths[-1] > 7 * lengths[0]
