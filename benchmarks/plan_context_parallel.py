@@ -22,7 +22,7 @@ from memfit.gpus import get_gpu  # noqa: E402
 from memfit.models.presets import resolve_model_config  # noqa: E402
 from memfit.prediction.context_parallel import (  # noqa: E402
     GIB,
-    ModelShape,
+    decoder_parameters,
     plan_context_parallel,
     shape_from_hf_config,
 )
@@ -38,20 +38,11 @@ def _bytes(text: str) -> float:
     raise SystemExit(f"--host-memory: give a size such as 512GiB, got {text}")
 
 
-def parameters_of(shape: ModelShape, tied: bool) -> int:
-    """Parameters of a Llama-style decoder from its shape (embedding, blocks, final norm, head)."""
-    head_dim = shape.hidden // shape.heads
-    attention = 2 * shape.hidden * shape.hidden + 2 * shape.hidden * shape.kv_heads * head_dim
-    block = attention + 3 * shape.hidden * shape.intermediate + 2 * shape.hidden
-    embeddings = shape.vocab * shape.hidden * (1 if tied else 2)
-    return shape.layers * block + embeddings + shape.hidden
-
-
 def rows_for(model: str, gpus: int, gpu: str, host_memory: float) -> list[list[str]]:
     """The best plan of each context-parallel size as table rows."""
     hf_config = resolve_model_config(model)
     shape = shape_from_hf_config(hf_config, 0)
-    shape = shape_from_hf_config(hf_config, parameters_of(shape, bool(getattr(hf_config, "tie_word_embeddings", False))))
+    shape = shape_from_hf_config(hf_config, decoder_parameters(shape, bool(getattr(hf_config, "tie_word_embeddings", False))))
     device = 0.95 * get_gpu(gpu).memory_bytes
     plans = plan_context_parallel(shape, gpus, device, 0.75 * host_memory)
     best: dict[int, object] = {}

@@ -61,6 +61,10 @@ def run(argv: list[str]) -> int:
         sys.stdout.write(json.dumps(result.to_dict()) + "\n")
         return 0
     print(render(result))
+    if config.distributed.context_parallel > 1:  # the split's own per-rank figure (full fine-tune, one sequence)
+        from memfit.prediction.context_parallel import estimate_from_config
+
+        print("context parallelism " + estimate_from_config(config, max(options.world_size, 1)).summary())
     return 0
 
 

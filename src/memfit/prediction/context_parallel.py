@@ -236,3 +236,32 @@ def shape_from_hf_config(hf_config, parameters: int) -> ModelShape:
     return ModelShape(hf_config.num_hidden_layers, hf_config.hidden_size, heads,
                       getattr(hf_config, "num_key_value_heads", None) or heads,
                       hf_config.intermediate_size, hf_config.vocab_size, parameters)
+
+
+def decoder_parameters(shape: ModelShape, tied: bool) -> int:
+    """Parameters of a Llama-style decoder from its shape (embedding, blocks, final norm, head)."""
+    attention = 2 * shape.hidden * shape.hidden + 2 * shape.hidden * shape.kv_heads * shape.head_dim
+    block = attention + 3 * shape.hidden * shape.intermediate + 2 * shape.hidden
+    return shape.layers * block + shape.vocab * shape.hidden * (1 if tied else 2) + shape.hidden
+
+
+def levers_of(config) -> Levers:
+    """The long-context levers a TrainConfig turns on, as the per-rank estimate counts them."""
+    memory = config.memory
+    return Levers(checkpointing=memory.gradient_checkpointing != "off",
+                  offload_checkpoints=bool(memory.activation_offload),
+                  mlp_tiles=max(1, memory.tiled_mlp or 1),
+                  loss_chunk=memory.loss_chunk_size or 0)
+
+
+def estimate_from_config(config, world_size: int) -> PerRankEstimate:
+    """The per-rank estimate of a config's --context-parallel split (a full fine-tune, batch of one sequence)."""
+    from memfit.models.presets import resolve_model_config
+
+    hf_config = resolve_model_config(config.model.model, config.model.trust_remote_code)
+    shape = shape_from_hf_config(hf_config, 0)
+    tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+    shape = shape_from_hf_config(hf_config, decoder_parameters(shape, tied))
+    distributed = config.distributed
+    return per_rank_estimate(shape, config.data.seq_len_or_default, distributed.context_parallel, world_size, levers_of(config),
+                             mode=distributed.context_parallel_mode)

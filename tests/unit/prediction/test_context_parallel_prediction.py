@@ -81,3 +81,14 @@ def test_benchmark_plan_script_rows_for_the_preset():
     assert [row[0] for row in rows] == ["8 x 1", "4 x 2", "2 x 4", "1 x 8"]
     lengths = [int(row[1].replace(",", "")) for row in rows]
     assert lengths == sorted(lengths) and lengths[-1] > 7 * lengths[0]
+
+
+def test_memfit_estimate_says_the_per_rank_figure_and_the_split(capsys):
+    from memfit.cli.estimate import run
+
+    assert run(["--model", "llama-3.1-8b", "--seq-len", "65536", "--context-parallel", "8", "--world-size", "8",
+                "--gradient-checkpointing", "full"]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    expected = per_rank_estimate(LLAMA_8B, 65536, 8, 8, Levers()).peak_bytes / GIB
+    assert f"per rank: {expected:.2f} GiB" in line
+    assert "1 data-parallel x 8 context-parallel (Ulysses), 8192 of 65536 tokens per rank" in line
