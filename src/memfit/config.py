@@ -238,6 +238,10 @@ class TrainConfig:
             raise UsageError("; ".join(problems))
 
 
+def _DEFAULT_VALUES() -> dict[str, Any]:
+    return {name: f.default for name, (_, f) in field_index().items() if f.default is not dataclasses.MISSING}
+
+
 _PREFERENCE_ONLY = ("label_smoothing", "simpo_gamma", "cpo_alpha", "desirable_weight", "undesirable_weight",
                     "pair_layout")
 _OBJECTIVE_SHARED = ("beta", "loss_type", "reference", "precompute_ref_log_probs")
@@ -245,7 +249,10 @@ _OBJECTIVE_SHARED = ("beta", "loss_type", "reference", "precompute_ref_log_probs
 
 def _objective_setting_problems(config: TrainConfig) -> list[str]:
     """Settings the user gave that the chosen --task never reads: one line naming the tasks that do."""
-    given = config.user_set or frozenset()
+    # Given, and not at its default: a stored run's config lists every setting as given (a checkpoint, a plan).
+    defaults = _DEFAULT_VALUES()
+    given = {name for name in (config.user_set or frozenset())
+             if name in defaults and config.flat().get(name) != defaults[name]}
     task = config.task.task
     unread = []
     if task not in PREFERENCE_TASKS + RL_TASKS:

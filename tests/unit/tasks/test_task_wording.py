@@ -50,7 +50,7 @@ SUMMARY = {"event": "summary", "steps": 10, "first_loss": 1.1, "final_loss": 0.5
 
 @pytest.mark.parametrize("name", sorted(RECORDS))
 def test_each_task_words_its_eval_line_and_summary(name):
-    assert set(RECORDS) == set(TASK_CLASSES)
+    assert set(RECORDS) == set(TASK_CLASSES) - {"grpo"}  # online RL has no held-out evaluation (refused)
     over, measures, never = EXPECTED[name]
     record = RECORDS[name]
     status = task_class(name).eval_status(record)
