@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from memfit.tasks.base import Task
+from memfit.tasks.grpo import GRPOTask
 from memfit.tasks.heads import (
     MaskedLMTask,
     RegressionTask,
@@ -18,7 +19,6 @@ from memfit.tasks.heads import (
     TokenClassificationTask,
 )
 from memfit.tasks.metrics import METRIC_LABELS
-from memfit.tasks.grpo import GRPOTask
 from memfit.tasks.preference import PreferenceTask
 from memfit.tasks.preference_objectives import PREFERENCE_TASK_CLASSES
 
