@@ -151,9 +151,21 @@ def adapters_off_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, label
 
 def frozen_copy(model: torch.nn.Module) -> tuple[torch.nn.Module, int]:
     """A frozen copy of `model` where it lies (eval mode, no gradients) and its bytes (weights and buffers)."""
-    reference = copy.deepcopy(model).requires_grad_(False).eval()
+    reference = copy.deepcopy(model, _shared_fake_modes(model)).requires_grad_(False).eval()
     tensors = [*reference.parameters(), *reference.buffers()]
     return reference, sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _shared_fake_modes(model: torch.nn.Module) -> dict[int, Any]:
+    """A deepcopy memo that keeps the fake-tensor mode of a traced model's tensors shared, not copied.
+
+    A fake tensor (the traced estimate) carries its `FakeTensorMode` in its `__dict__`, which `Tensor.__deepcopy__`
+    deep-copies along with it. Copying the mode copies its tensor converter's weak-reference tables, and freeing
+    those copies corrupts the heap (a crash at a later garbage collection). The copy's tensors belong to the same
+    trace, so they keep the same mode. Real tensors have none: the memo is empty.
+    """
+    modes = (getattr(tensor, "fake_mode", None) for tensor in [*model.parameters(), *model.buffers()])
+    return {id(mode): mode for mode in modes if mode is not None}
 
 
 def copy_logprobs(reference: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor,

@@ -291,3 +291,31 @@ def test_three_sgd_steps_of_memfit_dpo_reach_trls_weights(llama_dir, tmp_path):
     assert largest_update({name: start[name] for name in trl_weights}, trl_weights) > 1e-2  # far beyond the tolerance
     for name, tensor in trl_weights.items():
         torch.testing.assert_close(memfit_weights[name], tensor, rtol=0, atol=1e-5, msg=name)
+
+
+def test_the_frozen_copy_of_a_traced_model_shares_its_fake_mode_and_survives_garbage_collection():
+    """The traced estimate copies a fake model: each copied tensor keeps the trace's mode. Deep-copying the mode
+    corrupted the heap (a crash at a later collection), so the check runs in a child process as well."""
+    import subprocess
+    import sys
+
+    script = (
+        "import gc, torch\n"
+        "from torch._subclasses.fake_tensor import FakeTensorMode\n"
+        "from memfit.techniques.reference_model import frozen_copy\n"
+        "from tiny_llama import tiny_llama_config\n"
+        "from transformers import AutoModelForCausalLM\n"
+        "config = tiny_llama_config(hidden=64, layers=2, vocab=256, intermediate=512)\n"
+        "for _ in range(6):\n"
+        "    with FakeTensorMode(allow_non_fake_inputs=True) as mode:\n"
+        "        model = AutoModelForCausalLM.from_config(config)\n"
+        "        copy, copy_bytes = frozen_copy(model)\n"
+        "    assert all(t.fake_mode is mode for t in copy.parameters()), 'the copy made a mode of its own'\n"
+        "    assert copy is not model and copy_bytes > 0\n"
+        "    del model, copy\n"
+        "    gc.collect()\n"
+        "print('survived')\n"
+    )
+    tests_dir = str(Path(__file__).resolve().parents[2])
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tests_dir, timeout=300)
+    assert done.returncode == 0 and "survived" in done.stdout, (done.returncode, done.stderr[-2000:])
