@@ -3,44 +3,21 @@ weights, a 2x gradient error is caught by that comparison, and a reward the mode
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
+from grpo_fixtures import (
+    load_final,
+    reward_file_fixture,  # noqa: F401 (the reward_file fixture)
+    sampled,
+    sgd_config,
+    step_lines,
+)
 
-from fault_injection import SGD_NO_CLIPPING, assert_same_weights, final_weights, scaled_gradients
+from fault_injection import assert_same_weights, final_weights, scaled_gradients
 from memfit.config_loading import load_config
 from memfit.train.loop import train
-
-REWARDS = """
-def token_value(completions, completion_ids=None, **kwargs):
-    return [sum(token % 10 for token in ids) / (10 * max(1, len(ids))) for ids in completion_ids]
-"""
-
-
-def step_lines(run_dir: Path) -> list[dict]:
-    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [line for line in lines if line.get("event") is None and "step" in line]
-
-
-def sampled(run_dir: Path, step: int) -> list[dict]:
-    lines = [json.loads(line) for line in (run_dir / "completions.jsonl").read_text().splitlines()]
-    return [line for line in lines if line["step"] == step]
-
-
-@pytest.fixture(scope="module")
-def reward_file(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("rewards") / "rewards.py"
-    path.write_text(REWARDS)
-    return path
-
-
-def sgd_config(model_dir, rewards, out, **extra):
-    values = dict(model=str(model_dir), task="grpo", chat_template="chatml", reward_function=f"{rewards}:token_value",
-                  num_generations=2, max_completion_length=6, batch_size=4, max_steps=3, output_dir=str(out), lr=0.5,
-                  report=False, cache_dir=str(Path(out) / "cache"), **SGD_NO_CLIPPING)
-    return load_config(overrides=values | extra)
 
 
 @pytest.fixture(scope="module")
@@ -66,12 +43,6 @@ def test_the_resume_check_fails_on_a_2x_gradient(llama_dir, reward_file, straigh
         resumed = train(sgd_config(llama_dir, reward_file, out, resume="auto"))
     with pytest.raises(AssertionError):
         assert_same_weights(load_final(straight), final_weights(resumed))
-
-
-def load_final(run_dir: Path):
-    from safetensors.torch import load_file
-
-    return load_file(str(run_dir / "final" / "model.safetensors"))
 
 
 def test_a_reward_the_model_can_raise_rises(reward_file, tmp_path):

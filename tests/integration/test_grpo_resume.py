@@ -9,26 +9,20 @@ import logging
 from pathlib import Path
 
 import pytest
-from test_grpo_learning import REWARDS, load_final, sampled
+from grpo_fixtures import (
+    load_final,
+    reward_file_fixture,  # noqa: F401 (the reward_file fixture)
+    sampled,
+    sgd_config,
+)
 from test_preference_resume import HOLD, _killed_in_step, _losses_after_last_start, _weights
 
-from fault_injection import SGD_FLAGS, SGD_NO_CLIPPING, assert_same_weights, final_weights, scaled_gradients
-from memfit.config_loading import load_config
+from fault_injection import SGD_FLAGS, assert_same_weights, final_weights, scaled_gradients
 from memfit.train.loop import train
 
 
-@pytest.fixture(scope="module")
-def reward_file(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("rewards") / "rewards.py"
-    path.write_text(REWARDS)
-    return path
-
-
 def config(model_dir, rewards, out, **extra):
-    values = dict(model=str(model_dir), task="grpo", chat_template="chatml", reward_function=f"{rewards}:token_value",
-                  num_generations=2, num_iterations=2, max_completion_length=6, batch_size=4, max_steps=4,
-                  output_dir=str(out), lr=0.5, report=False, cache_dir=str(Path(out) / "cache"), **SGD_NO_CLIPPING)
-    return load_config(overrides=values | extra)
+    return sgd_config(model_dir, rewards, out, **{"num_iterations": 2, "max_steps": 4} | extra)
 
 
 @pytest.fixture(scope="module")

@@ -35,10 +35,10 @@ from typing import Any
 
 import torch
 
-from memfit.tasks.base import LossFunction, Task
 from memfit.tasks.grpo_losses import group_advantages, grpo_loss
 from memfit.tasks.rewards import load_reward_functions, score_completions
 from memfit.tasks.rollout import Sampling, completion_seed, sample_completions
+from memfit.tasks.sample_loss_task import SampleLossTask
 from memfit.techniques.loss import IGNORE_INDEX
 from memfit.techniques.reference_model import ReferenceCost, choose_reference, frozen_copy
 from memfit.techniques.reference_model import _peft_model as peft_model_of
@@ -46,7 +46,6 @@ from memfit.techniques.sequence_logprobs import sequence_logprobs
 
 log = logging.getLogger("memfit")
 
-_BATCH_ROWS = ("input_ids", "labels", "attention_mask", "position_ids")
 BUILTIN_PROMPTS = "builtin:prompts"
 """The data of `memfit train --task grpo` without --dataset: arithmetic questions with their answers."""
 SAMPLES_KEPT = 4
@@ -74,7 +73,7 @@ class PromptSamples(torch.utils.data.Dataset):
         return {"prompts": len(self.items), "seq_len": self.seq_len}
 
 
-class GRPOTask(Task):
+class GRPOTask(SampleLossTask):
     """GRPO (and DAPO, Dr. GRPO, BNPO by --loss-type) on the model's own completions, scored by reward functions."""
 
     name = "grpo"
@@ -102,6 +101,8 @@ class GRPOTask(Task):
         self._tokenizer: Any = None
         self._prompts: PromptSamples | None = None
         self._rollout: tuple[int, list[dict]] | None = None
+        self._step_counts: tuple[int, int] = (1, 1)
+        """(completions, scored completion tokens) of the rollout being trained, counted when it is built."""
         self._metrics: dict[str, float] = {}
         self._stats: dict[str, float] = {}
         self.output_dir = Path(config.output.output_dir) if getattr(config, "output", None) else None
@@ -168,6 +169,8 @@ class GRPOTask(Task):
                         " not generate: generated again from the current weights", step + 1, first + 1, mu)
         completions = self._generate([int(s["index"]) for s in samples], first)
         self._rollout = (first, completions)
+        tokens = sum(int((s["labels"] != IGNORE_INDEX).sum()) for s in completions)
+        self._step_counts = (max(1, len(completions)), max(1, tokens))
         return completions
 
     def _generate(self, prompt_indices: list[int], step: int) -> list[dict]:
@@ -266,15 +269,6 @@ class GRPOTask(Task):
                     batch[batch_name][row, :n] = sample[name]
         return batch
 
-    def count(self, sample: dict) -> int:
-        return 1
-
-    def loss_function(self, default: LossFunction) -> LossFunction:
-        return self.loss_sum
-
-    def loss_inputs(self, batch: dict) -> dict[str, Any]:
-        return {name: value for name, value in batch.items() if name not in _BATCH_ROWS}
-
     def loss_sum(self, model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor,
                  attention_mask: torch.Tensor | None = None, chunk_size: int = 0, *, advantages: torch.Tensor,
                  old_per_token_logps: torch.Tensor | None = None, ref_per_token_logps: torch.Tensor | None = None,
@@ -297,13 +291,6 @@ class GRPOTask(Task):
         for name, value in stats.items():
             self._stats[name] = self._stats.get(name, 0.0) + float(value)
         return loss * completions
-
-    @property
-    def _step_counts(self) -> tuple[int, int]:
-        """(completions, scored completion tokens) of the step being trained."""
-        samples = self._rollout[1] if self._rollout else []
-        tokens = sum(int((s["labels"] != IGNORE_INDEX).sum()) for s in samples)
-        return max(1, len(samples)), max(1, tokens)
 
     def _chunk_size(self, chunk_size: int) -> int:
         from memfit.techniques.loss import DEFAULT_LOSS_CHUNK_TOKENS
