@@ -61,10 +61,10 @@ def run(argv: list[str]) -> int:
         sys.stdout.write(json.dumps(result.to_dict()) + "\n")
         return 0
     print(render(result))
-    if config.distributed.context_parallel > 1:  # the split's own per-rank figure (full fine-tune, one sequence)
-        from memfit.prediction.context_parallel import estimate_from_config
+    if "context_parallel" in result.details:  # --context-parallel N: the figures are one rank's of the split
+        from memfit.prediction.context_parallel import describe_split
 
-        print("context parallelism " + estimate_from_config(config, max(options.world_size, 1)).summary())
+        print(describe_split(result.details))
     return 0
 
 

@@ -255,7 +255,8 @@ def levers_of(config) -> Levers:
 
 
 def estimate_from_config(config, world_size: int) -> PerRankEstimate:
-    """The per-rank estimate of a config's --context-parallel split (a full fine-tune, batch of one sequence)."""
+    """The closed form's per-rank figure of a config's --context-parallel split (a full fine-tune in bf16 with AdamW,
+    batch of one sequence); `memfit estimate` itself reads the estimator's (`context_split`)."""
     from memfit.models.presets import resolve_model_config
 
     hf_config = resolve_model_config(config.model.model, config.model.trust_remote_code)
@@ -265,3 +266,139 @@ def estimate_from_config(config, world_size: int) -> PerRankEstimate:
     distributed = config.distributed
     return per_rank_estimate(shape, config.data.seq_len_or_default, distributed.context_parallel, world_size, levers_of(config),
                              mode=distributed.context_parallel_mode)
+
+
+# ---------------------------------------------------------------------------
+# The estimator's share: one rank of the split as the estimator prices it
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ContextSplit:
+    """A --context-parallel run as one rank sees it: the whole sequence, the ranks and this rank's tokens."""
+
+    size: int
+    """Ranks one sequence is split over (N)."""
+    seq_len: int
+    """Whole sequence length (tokens per sample)."""
+    world_size: int
+    """Ranks in all (data-parallel x N)."""
+
+    @property
+    def tokens_per_rank(self) -> int:
+        """Tokens of each row one rank holds outside attention: the row padded to a multiple of N, over N."""
+        return -(-self.seq_len // self.size)
+
+    @property
+    def data_parallel(self) -> int:
+        """Context groups (world size / N)."""
+        return self.world_size // self.size
+
+
+def context_split(config, world_size: int):
+    """(the config one rank's step is estimated as, the world size, the split) for a --context-parallel run; the
+    config itself, the world size and None for any other.
+
+    Outside attention a rank holds seq/N tokens of every row; inside it, the whole row on heads/N, which is as many
+    q, k, v and output elements as seq/N tokens on every head: so the step is the whole model's step at seq/N
+    tokens (`all_to_all_buffer_bytes` adds what the exchange itself holds). A world size of 1 is read as one
+    context group (N ranks); another must divide by N.
+    """
+    size = config.distributed.context_parallel
+    if size <= 1:
+        return config, world_size, None
+    if world_size == 1:
+        world_size = size
+    if world_size % size:
+        raise UsageError(f"--context-parallel {size} must divide --world-size {world_size}: pick a divisor")
+    split = ContextSplit(size, config.data.seq_len, world_size)
+    return config.replace(seq_len=split.tokens_per_rank), world_size, split
+
+
+def all_to_all_buffer_bytes(split: ContextSplit, hf_config, attention_bytes: int, batch: int, layers_kept: int) -> float:
+    """What Ulysses' exchange holds on top of the step at seq/N tokens, in bytes.
+
+    Each all-to-all copies its input into N send pieces and receives N pieces before joining them:
+    two more tensors of the exchanged one's size, live while one of q, k, v or the output (or their
+    gradients) crosses. Key-value heads that do not divide by N are repeated per query head before
+    the exchange: K and V are then kept at the query heads' width by every layer that saves them
+    (`layers_kept`: every layer without checkpointing, the recomputed one with it).
+    """
+    heads = hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    tokens = batch * split.tokens_per_rank
+    q_width = heads * head_dim
+    exchange = 2 * tokens * q_width * attention_bytes
+    repeated = kv_heads % split.size != 0 and kv_heads != heads
+    widened = 2 * tokens * (heads - kv_heads) * head_dim * attention_bytes * layers_kept if repeated else 0
+    return float(exchange + widened)
+
+
+def split_details(split: ContextSplit, buffers: float) -> dict:
+    """What an estimate says of its split (its details' `context_parallel`)."""
+    return {"context_parallel": {"size": split.size, "data_parallel": split.data_parallel,
+                                 "seq_len": split.seq_len, "tokens_per_rank": split.tokens_per_rank,
+                                 "all_to_all_buffer_bytes": int(buffers)}}
+
+
+def describe_split(details: dict) -> str:
+    """One line for people: the split and this rank's tokens."""
+    split = details["context_parallel"]
+    return (f"context parallelism (Ulysses): {split['data_parallel']} data-parallel x {split['size']} context-parallel,"
+            f" {split['tokens_per_rank']} of {split['seq_len']} tokens per rank; every figure above is one rank's"
+            f" (all-to-all buffers {split['all_to_all_buffer_bytes'] / GIB:.3f} GiB)")
+
+
+# ---------------------------------------------------------------------------
+# The speed model's share: Ulysses' all-to-all traffic over the named GPU's link
+# ---------------------------------------------------------------------------
+
+PEER_LINK_GBPS = {"h100-80gb": NVLINK4_GBPS, "h200": NVLINK4_GBPS, "a100-80gb": 300.0, "a100-40gb": 300.0}
+"""GPU-to-GPU bandwidth one way, GB/s, of the presets whose boards join GPUs by NVLink (A100 SXM: NVLink 3, 600 GB/s
+both ways, NVIDIA A100 data sheet). Every other preset's GPUs exchange over PCIe (`GpuSpec.host_link_gbps`)."""
+CPU_LINK_GBPS = 16.0
+"""What the speed model assumes without a GPU preset (the host link's default in speed_model.py)."""
+
+
+def peer_link(gpu, size: int) -> tuple[str, float]:
+    """(name, GB/s one way) of the link a context group of `size` ranks exchanges over on `gpu` (None: CPU)."""
+    if size > GPUS_PER_NODE:
+        return "InfiniBand NDR", INFINIBAND_NDR_GBPS
+    if gpu is None:
+        return "host memory (gloo)", CPU_LINK_GBPS
+    if gpu.name in PEER_LINK_GBPS:
+        return "NVLink", PEER_LINK_GBPS[gpu.name]
+    return "PCIe", gpu.host_link_gbps
+
+
+def ulysses_bytes_per_step(hf_config, seq_len: int, size: int, rows: int, element_bytes: int,
+                           recomputed: bool) -> float:
+    """Bytes one rank sends per optimizer step over Ulysses' all-to-alls.
+
+    Per layer and pass, q, k, v and the output of this rank's seq/N tokens are exchanged ((N-1)/N of each leaves
+    the rank); forward and backward (their gradients) each do it once, and checkpointing's recomputed forward once
+    more. K and V move at the key-value width, or at the query width where the key-value heads do not divide by N
+    (repeated per query head first). `rows`: sequences per optimizer step on this rank (micro-batch x accumulation).
+    """
+    if size <= 1:
+        return 0.0
+    heads = hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    kv_width = (kv_heads if kv_heads % size == 0 else heads) * head_dim
+    per_pass = (2 * heads * head_dim + 2 * kv_width) * -(-seq_len // size) * element_bytes * (size - 1) / size
+    passes = 3 if recomputed else 2
+    return float(hf_config.num_hidden_layers * passes * per_pass * rows)
+
+
+def ulysses_seconds(changes: dict, config, hf_config, gpu, compute: str) -> float:
+    """Seconds one optimizer step spends in Ulysses' all-to-alls, in full (an upper bound: nothing overlaps them)."""
+    size = changes.get("context_parallel", config.distributed.context_parallel)
+    if size <= 1:
+        return 0.0
+    rows = changes.get("batch_size", config.training.batch_size) * changes.get("gradient_accumulation_steps", 1)
+    recomputed = changes.get("gradient_checkpointing", config.memory.gradient_checkpointing) == "full"
+    moved = ulysses_bytes_per_step(hf_config, changes.get("seq_len", config.data.seq_len_or_default), size, rows,
+                                   4 if compute == "fp32" else 2, recomputed)
+    return moved / (peer_link(gpu, size)[1] * 1e9)

@@ -53,6 +53,7 @@ from memfit.prediction.activations import (
     norm_module_bytes_per_token,
 )
 from memfit.prediction.chunked_head import chunked_loss_head_bytes
+from memfit.prediction.context_parallel import all_to_all_buffer_bytes, context_split, split_details
 from memfit.prediction.encoder_tiles import tiled_layer_per_token
 from memfit.prediction.encoders import (
     architecture_for,
@@ -82,6 +83,7 @@ from memfit.prediction.preference_step import (
 )
 from memfit.prediction.qlora_levers import with_qlora_levers
 from memfit.prediction.rl_step import generation_phase, is_rl, rl_training_config, with_generation_phase
+from memfit.prediction.rl_step import scoring_bytes as rl_scoring_bytes
 from memfit.prediction.run_shape import (
     RunShape,
     apply_sharding,
@@ -133,12 +135,20 @@ def estimate(
         UsageError: unknown method, sharding, GPU or model.
     """
     config = config.with_seq_len()  # not given: DEFAULT_SEQ_LEN
+    config, world_size, split = context_split(config, world_size)  # --context-parallel N: one rank at seq/N tokens
     if is_rl(config):  # a row is a prompt and its completion; the task's log-probabilities are chunked
         config = rl_training_config(config)
     request = _request(config, method, world_size, sharding, gpu, budget_bytes, hf_config)
     run = resolve_run(config, request.hf_config, request.gpu)
     inventory, parts, loaded_parameters = _state(request, run)
     moment, per_layer, notes = _step_moment(request, run, inventory, parts, loaded_parameters)
+    if split is not None:  # what Ulysses' all-to-all holds beside the step at seq/N tokens
+        buffers = all_to_all_buffer_bytes(split, request.hf_config, precision_of(run).attention or precision_of(run).compute,
+                                          config.training.batch_size, 1 if run.checkpointing != "off" else
+                                          architecture_for(request.hf_config).layers)
+        if notes.get("peak_phase") in ("forward", "backward"):  # live while attention runs, not at the optimizer's
+            moment["activations"] += buffers
+        notes.update(split_details(split, buffers))
     if is_rl(config):
         moment = _with_rl_generation(request, run, moment, loaded_parameters, notes)
     loading = load_peak(config, request.hf_config, world_size, loaded_parameters, parts, inventory, run.lora_r,
@@ -247,9 +257,10 @@ def _with_rl_generation(request: _Request, run: RunShape, moment: dict[str, floa
     moment = dict(moment)
     moment["parameters"] += copy
     completions = config.training.batch_size * config.training.gradient_accumulation_steps
-    phase = generation_phase(config, architecture_for(request.hf_config), precision_of(run).compute,
-                             config.data.seq_len, completions)
-    return with_generation_phase(moment, {}, phase, copy, notes)
+    arch, precision = architecture_for(request.hf_config), precision_of(run)
+    phase = generation_phase(config, arch, precision, config.data.seq_len, completions)
+    scoring = rl_scoring_bytes(config, arch, precision, config.data.seq_len, completions, run.loss_chunk_size)
+    return with_generation_phase(moment, {}, phase, copy, notes, scoring)
 
 
 def _with_load_and_device(moment: dict[str, float], notes: dict[str, Any], loading: LoadPeak,

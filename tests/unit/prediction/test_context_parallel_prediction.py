@@ -83,12 +83,40 @@ def test_benchmark_plan_script_rows_for_the_preset():
     assert lengths == sorted(lengths) and lengths[-1] > 7 * lengths[0]
 
 
-def test_memfit_estimate_says_the_per_rank_figure_and_the_split(capsys):
+def test_memfit_estimate_says_the_split_and_gives_one_rank_of_it(capsys):
     from memfit.cli.estimate import run
 
     assert run(["--model", "llama-3.1-8b", "--seq-len", "65536", "--context-parallel", "8", "--world-size", "8",
-                "--gradient-checkpointing", "full"]) == 0
+                "--gradient-checkpointing", "full", "--sharding", "fsdp"]) == 0
     line = capsys.readouterr().out.strip().splitlines()[-1]
-    expected = per_rank_estimate(LLAMA_8B, 65536, 8, 8, Levers()).peak_bytes / GIB
-    assert f"per rank: {expected:.2f} GiB" in line
-    assert "1 data-parallel x 8 context-parallel (Ulysses), 8192 of 65536 tokens per rank" in line
+    assert "1 data-parallel x 8 context-parallel, 8192 of 65536 tokens per rank" in line
+
+
+@pytest.mark.parametrize("checkpointing, seq_len", [("full", 262144), ("off", 65536)])
+def test_the_estimator_prices_one_rank_as_the_step_at_seq_over_n_plus_the_exchange(checkpointing, seq_len):
+    from memfit import load_config
+    from memfit.prediction.estimator import estimate
+
+    def estimated(seq_len, context_parallel):
+        config = load_config(overrides={"model": "llama-3.1-8b", "seq_len": seq_len, "batch_size": 1,
+                                        "gradient_checkpointing": checkpointing,
+                                        "context_parallel": context_parallel})
+        return estimate(config, world_size=8, sharding="fsdp", gpu="h100")
+
+    split, whole_on_one = estimated(seq_len, 8), estimated(seq_len // 8, 1)
+    assert split.details["peak_phase"] == "backward"
+    buffers = split.details["context_parallel"]["all_to_all_buffer_bytes"]
+    # q and its exchanged copy, bf16 (8 key-value heads divide by 8: nothing repeated)
+    assert buffers == 2 * (seq_len // 8) * 4096 * 2
+    assert split.breakdown["activations"] == whole_on_one.breakdown["activations"] + buffers
+    assert split.peak_bytes == pytest.approx(whole_on_one.peak_bytes + buffers * 1.05, rel=1e-6)  # + allocator slack
+    assert split.peak_bytes < estimated(seq_len, 1).peak_bytes / 2
+
+
+def test_a_world_size_that_does_not_divide_is_refused():
+    from memfit import load_config
+    from memfit.prediction.estimator import estimate
+
+    config = load_config(overrides={"model": "llama-3.1-8b", "seq_len": 4096, "context_parallel": 4})
+    with pytest.raises(UsageError, match="must divide --world-size 6"):
+        estimate(config, world_size=6)
