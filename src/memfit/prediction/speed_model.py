@@ -13,6 +13,7 @@ from typing import Any
 
 from memfit.config import SMALL_STATE_OPTIMIZERS, TrainConfig
 from memfit.gpus import GpuSpec
+from memfit.prediction.context_parallel import ulysses_seconds
 from memfit.prediction.estimate_result import Estimate
 from memfit.resolution.registry import speed_terms
 from memfit.resolution.resolve import resolve
@@ -174,6 +175,8 @@ def estimated_step_seconds(changes: dict[str, Any], config: TrainConfig, est: Es
     transfers, in full at the host link's rate, an upper bound since their copies overlap
     compute; a registered technique's own cost) is its TECHNIQUE's speed terms, read from the
     run `changes` resolve to (`timed_run`, `memfit.resolution.registry.speed_terms`).
+    Under --context-parallel N each rank computes 1/N of the step and adds Ulysses' all-to-all
+    traffic at its link's rate (`memfit.prediction.context_parallel.ulysses_seconds`).
 
     `device` is "cpu" or "cuda"; by default "cpu" without a GPU preset (a plan with only a
     memory budget runs where memory is the host's), "cuda" with one.
@@ -187,6 +190,9 @@ def estimated_step_seconds(changes: dict[str, Any], config: TrainConfig, est: Es
     tflops = gpu.peak_tflops if gpu is not None else NOMINAL_TFLOPS
     rate = tflops * 1e12 * UTILISATION
     compute_seconds = _compute_seconds(changes, config, est, hf_config, device, compute, rate)
+    context = changes.get("context_parallel", config.distributed.context_parallel)
+    if context > 1:  # each rank computes 1/N of every row, then waits for Ulysses' all-to-alls over the GPUs' link
+        compute_seconds = compute_seconds / context + ulysses_seconds(changes, config, hf_config, gpu, compute)
     seconds = _with_host_transfers(compute_seconds, changes, config, est, gpu, hf_config, device, compute, rate)
     if calibrate and gpu is None and device == "cpu":  # measured here: the CPU that plans is the one that trains
         from memfit.prediction.calibration import correction
