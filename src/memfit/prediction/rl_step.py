@@ -1,12 +1,15 @@
 """What a `--task grpo` step holds: generation's key-value cache beside the training pass over the completions.
 
-A step has two phases, and its peak is the larger (memfit.tasks.grpo runs them one after the other):
+A step has up to three phases, and its peak is the largest (memfit.tasks.grpo runs them one after the other):
 
 - **Generation**: the weights and the optimizer state (both live across the whole run; gradients are released
   after each optimizer step), a frozen reference copy when --beta > 0 without LoRA, and for the completions generated
   at once (--generation-batch-size, default every completion of the step) the key-value cache of their prompt and
   completion tokens, completions x tokens x layers x 2 (K and V) x KV heads x head size x the compute dtype's bytes,
-  plus one position's logits a completion (fp32, and its softmax).
+  plus one position's logits a completion and the sampler's buffers; or, where larger, the prompt's first forward
+  (its logits at every prompt position: transformers' forward keeps them all).
+- **Scoring** (--beta > 0 or --num-iterations > 1): one no-grad forward over every completion of the step at once,
+  its log-probabilities a chunk at a time, beside the weights, the optimizer state and the reference.
 - **Training**: memfit's causal-LM step over --batch-size completions of prompt + completion tokens, its
   log-probabilities a chunk of logits at a time (the estimator's chunked loss), plus the reference copy.
 
@@ -19,8 +22,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-GENERATION_LOGIT_COPIES = 3
-"""One position's logits a completion as the sampler holds them: the model's output, its fp32 copy and its softmax."""
+GENERATION_DRAW_BYTES = 20
+"""Bytes a vocabulary entry a completion the sampler holds while it draws (memfit.tasks.rollout's `_draw`): the fp32
+softmax and two fp64 cumulative sums (tracked on CPU: exactly 20)."""
 
 
 def is_rl(config: Any) -> bool:
@@ -44,46 +48,99 @@ def rl_row_length(config: Any, prompt_tokens: int) -> int:
 
 @dataclass(frozen=True)
 class GenerationPhase:
-    """The generation phase's bytes, by what holds them."""
+    """The generation phase's bytes beside the weights and the optimizer state, by what holds them."""
 
     completions: int
     """Completions generated at once."""
     row_tokens: int
+    """Tokens of a completion's row (prompt + completion)."""
     kv_cache_bytes: int
+    """The cache at its largest: every token of a row but the last drawn (never fed back)."""
     logits_bytes: int
+    """What the largest moment holds beside the cache: the prompt's first forward (its logits at every prompt
+    position, or a block's working set) or a late decoding step (the cache's growing copy of one layer, or one
+    position's logits and the sampler's buffers), whichever is larger."""
+    prompt_moment_bytes: int = 0
+    """The prompt's first forward: its cache, and the larger of a block's working set and its logits + the draw."""
 
     @property
     def working_bytes(self) -> int:
-        return self.kv_cache_bytes + self.logits_bytes
+        return max(self.kv_cache_bytes + self.logits_bytes, self.prompt_moment_bytes)
 
 
-def generation_phase(config: Any, arch: Any, compute_bytes: int, row_tokens: int, completions_in_step: int
+def generation_phase(config: Any, arch: Any, precision: Any, row_tokens: int, completions_in_step: int
                      ) -> GenerationPhase:
-    """The cache and the logits of the completions generated at once (module docstring)."""
+    """The cache and the logits of the completions generated at once (module docstring).
+
+    transformers' forward returns the logits of every position it is given: the prompt's first forward makes
+    [completions, prompt, vocabulary] in the compute dtype. The cache grows a token at a time by concatenation, so
+    one layer's keys (or values) are held twice for a moment.
+    """
+    compute, residual = _bytes_of(precision)
     at_once = min(int(config.rl.generation_batch_size or completions_in_step), completions_in_step)
-    kv = at_once * row_tokens * arch.layers * 2 * arch.kv_heads * arch.head_dim * compute_bytes
-    logits = at_once * arch.vocab * 4 * GENERATION_LOGIT_COPIES
-    return GenerationPhase(at_once, row_tokens, int(kv), int(logits))
+    prompt = max(1, row_tokens - int(config.rl.max_completion_length))
+    per_token_layer = arch.layers * 2 * arch.kv_heads * arch.head_dim * compute
+    cached = row_tokens - 1
+    kv = at_once * cached * per_token_layer
+    upcast = 4 if compute != 4 else 0  # the sampler's fp32 copy of one position's 16-bit logits
+    draw = at_once * arch.vocab * (GENERATION_DRAW_BYTES + upcast)
+    growing = at_once * cached * arch.kv_heads * arch.head_dim * compute
+    late = max(growing, at_once * arch.vocab * compute + draw)
+    tokens = at_once * prompt
+    block = (3 * compute * arch.intermediate + 4 * residual * arch.hidden + 2 * compute * arch.head_dim) * tokens
+    head = tokens * (arch.vocab * compute + arch.hidden * residual) + draw
+    prompt_moment = tokens * per_token_layer + max(block, head)
+    return GenerationPhase(at_once, row_tokens, int(kv), int(late), int(prompt_moment))
+
+
+def _bytes_of(precision: Any) -> tuple[int, int]:
+    """(compute, residual) bytes an element: a Precision, or one width for both."""
+    if isinstance(precision, int):
+        return precision, precision
+    return int(precision.compute), int(precision.residual)
+
+
+def scoring_bytes(config: Any, arch: Any, precision: Any, row_tokens: int, completions_in_step: int,
+                  loss_chunk_tokens: int) -> float:
+    """The no-grad forward over every completion of the step at once that scores them before training: the
+    reference's log-probabilities (--beta > 0) and the generating policy's (--num-iterations > 1); 0 without."""
+    from memfit.prediction.preference_step import PreferenceStep, no_grad_forward_bytes
+
+    if config.task.beta <= 0 and config.rl.num_iterations <= 1:
+        return 0.0
+    step = PreferenceStep("grpo", "copy", "", 1, 0, loss_chunk_tokens)
+    return no_grad_forward_bytes(step, arch, precision, completions_in_step * row_tokens)
 
 
 def with_generation_phase(moment: dict[str, float], parts: dict[str, Any], phase: GenerationPhase,
-                          reference_bytes: float, notes: dict[str, Any]) -> dict[str, float]:
-    """The step's peak moment: the training pass's (`moment`) or generation's, whichever holds more; both in `notes`.
+                          reference_bytes: float, notes: dict[str, Any], scoring: float = 0.0) -> dict[str, float]:
+    """The step's peak moment: the training pass's (`moment`), generation's or the scoring forward's, whichever
+    holds the most; each in `notes`.
 
-    Generation holds the parameters, the optimizer state and the reference as the training moment counts them
-    (already divided over ranks), no gradients, and its cache (counted as activations) and logits.
+    Generation and scoring hold the parameters (the reference's copy among them), and the optimizer state as the
+    training moment counts them (already divided over ranks), no gradients; generation its cache (counted as
+    activations) and logits, scoring its forward's working set.
     """
     generation = {key: 0.0 for key in moment}
     generation["parameters"] = moment.get("parameters", 0.0)
     generation["optimizer_states"] = moment.get("optimizer_states", 0.0)
-    generation["activations"] = float(phase.kv_cache_bytes)
-    generation["logits"] = float(phase.logits_bytes)
-    training_total, generation_total = sum(moment.values()), sum(generation.values())
+    scored = dict(generation)
+    scored["activations"] = float(scoring)
+    if phase.prompt_moment_bytes > phase.kv_cache_bytes + phase.logits_bytes:
+        generation["activations"] = float(phase.prompt_moment_bytes)
+    else:
+        generation["activations"] = float(phase.kv_cache_bytes)
+        generation["logits"] = float(phase.logits_bytes)
+    totals = {"training": sum(moment.values()), "generation": sum(generation.values()),
+              "scoring": sum(scored.values()) if scoring else 0.0}
+    peak = max(totals, key=totals.get)
     notes["rl_step"] = {
-        "generation_bytes": int(generation_total), "training_bytes": int(training_total),
+        "generation_bytes": int(totals["generation"]), "training_bytes": int(totals["training"]),
+        "scoring_bytes": int(totals["scoring"]),
         "kv_cache_bytes": phase.kv_cache_bytes, "generation_logits_bytes": phase.logits_bytes,
+        "prompt_forward_bytes": phase.prompt_moment_bytes,
         "completions_generated_at_once": phase.completions, "row_tokens": phase.row_tokens,
         "reference_copy_bytes": int(reference_bytes),
-        "peak_phase": "generation" if generation_total > training_total else "training",
+        "peak_phase": peak,
     }
-    return generation if generation_total > training_total else moment
+    return {"training": moment, "generation": generation, "scoring": scored}[peak]
