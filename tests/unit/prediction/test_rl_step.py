@@ -208,3 +208,27 @@ def test_the_peak_is_the_larger_phase_and_both_are_said():
     assert many.peak_bytes == long["generation_bytes"] > long["training_bytes"]
     halved = estimate(_long_config(generation_batch_size=32)).details["rl_step"]
     assert halved["kv_cache_bytes"] * 2 == long["kv_cache_bytes"]
+
+
+@pytest.mark.parametrize(("rows", "prompt", "new", "vocab"), [(4, 4, 40, 256), (16, 16, 4, 512)],
+                         ids=["cache-bound", "prompt-logits-bound"])
+def test_the_generation_terms_are_the_tracked_peak_of_a_rollout(rows, prompt, new, vocab):
+    """Generation alone: long completions (the whole cache at the end is the peak) and short ones after a long
+    prompt (the prompt's logits are): the phase's bytes beside the weights are within 10 % of the tracked peak."""
+    from memfit.tasks.rollout import Sampling, sample_completions
+
+    model = tiny_llama(seed=0, vocab=vocab)
+    tracker = MemoryTracker(torch.device("cpu"))
+    tracker.attach(model)
+    with tracker:
+        weights = tracker.current_bytes
+        sample_completions(model, [list(range(3, 3 + prompt))] * rows, list(range(rows)),
+                           Sampling(new, eos_token_ids=(), pad_token_id=0), rows)
+        held = tracker.end_step().peak_bytes - weights
+    tracker.detach()
+    config = load_config(overrides={"model": "tiny", "task": "grpo", "max_completion_length": new})
+    phase = generation_phase(config, architecture_of(tiny_llama_config(vocab=vocab)), Precision(4, 4),
+                             prompt + new, completions_in_step=rows)
+    print(f"generation {rows} x ({prompt} + {new}): tracked {held} B, estimated {phase.working_bytes} B"
+          f" ({phase.working_bytes / held - 1:+.2%})")
+    assert abs(phase.working_bytes / held - 1) <= BAND
