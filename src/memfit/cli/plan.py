@@ -24,8 +24,8 @@ class PlanOptions:
     """Print one JSON object on stdout and nothing else."""
     world_size: int = 1
     """Devices to plan for; above 1 the state is sharded (FSDP / ZeRO-3)."""
-    maximize: str | None = field(default=None, metadata={"choices": ("seq-len", "batch-size")})
-    """seq-len: the longest context that fits (micro-batch 1 unless --batch-size is given); batch-size: the largest micro-batch at --seq-len. Default: the fastest setup at --seq-len."""
+    maximize: str | None = field(default=None, metadata={"choices": ("seq-len", "batch-size", "completion-length")})
+    """seq-len: the longest context that fits (micro-batch 1 unless --batch-size is given); batch-size: the largest micro-batch at --seq-len; completion-length (--task grpo): the longest --max-completion-length that fits. Default: the fastest setup at --seq-len."""
     host_memory: int | None = field(default=None, metadata={"size": True})
     """Host memory of the training machine, for offloaded activations and optimizer state (e.g. 64GiB); default: this machine's."""
 
@@ -71,6 +71,8 @@ def run(argv: list[str]) -> int:
 
 
 def _describe(changes: dict) -> str:
+    from memfit.prediction.rl_plan import describe_generation
+
     mode = "full" if not changes.get("lora_r") else ("QLoRA" if changes.get("quantize") == "4bit" else "LoRA")
     parts = [
         mode + (" (bf16 weights)" if mode == "full" and changes.get("dtype") == "bf16" else ""),
@@ -93,6 +95,7 @@ def _describe(changes: dict) -> str:
         parts.append(f"tiled MLP x{changes['tiled_mlp']}")
     if changes.get("rope_scale"):
         parts.append(f"RoPE scale x{changes['rope_scale']:g}")
+    parts.append(describe_generation(changes))  # --task grpo: the completions' length and the generation batch
     return ", ".join(p for p in parts if p)
 
 
@@ -104,7 +107,8 @@ def render(result) -> str:
     rows += [(_describe(a["plan"]), a["estimated_peak_bytes"], a["relative_speed"], a.get("rank_note", ""))
              for a in result.alternatives]
     noted = any(note for *_, note in rows)
-    goal = {"seq-len": "the longest context", "batch-size": "the largest micro-batch"}.get(
+    goal = {"seq-len": "the longest context", "batch-size": "the largest micro-batch",
+            "completion-length": "the longest completion"}.get(
         result.maximize, "the best setup" if noted else "the fastest setup")
     order = ", fastest first except where a plan says why it ranks higher" if noted else ""
     lines = [f"{goal} that fits in {format_bytes(result.budget_bytes)} on {result.device} (keeping 5% free){order}:",

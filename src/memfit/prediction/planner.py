@@ -31,6 +31,14 @@ from memfit.prediction.candidates import modes_of, technique_grid, user_set
 from memfit.prediction.estimator import estimate
 from memfit.prediction.expert_streaming import prefer_resident
 from memfit.prediction.plan_result import Candidate, PlanResult, plan_to_overrides  # noqa: F401  (plan_to_overrides: re-exported with plan)
+from memfit.prediction.rl_plan import (
+    COMPLETION_LENGTH,
+    check_maximize,
+    completion_length_order,
+    longest_completion,
+    plans_generation,
+    with_generation_batch,
+)
 from memfit.prediction.speed_model import estimated_step_seconds
 from memfit.prediction.trade_offs import trade_offs, train_command
 from memfit.prediction.trial_order import shapes_first
@@ -54,6 +62,8 @@ class _Search:
 
     def candidate(self, changes: dict[str, Any], micro: int, accumulation: int, seq_len: int) -> Candidate:
         """`changes` estimated at this shape; offloaded checkpoints offload the fewest blocks that fit."""
+        if plans_generation(self, changes):  # an RL run: the generation batch that fits beside them (rl_plan.py)
+            return with_generation_batch(self, changes, micro, accumulation, seq_len)
         user_blocks = user_set(self.config, "activation_offload_blocks")
         if "activation_offload_blocks" in changes:
             return self._candidate(changes, micro, accumulation, seq_len)
@@ -250,8 +260,7 @@ def plan(
     config = config.with_seq_len()  # not given: DEFAULT_SEQ_LEN
     if allow not in ALLOW:
         raise UsageError(f"--allow must be one of {', '.join(ALLOW)}, got {allow!r}")
-    if maximize not in MAXIMIZE:
-        raise UsageError(f"--maximize must be seq-len or batch-size, got {maximize!r}")
+    check_maximize(config, maximize)  # seq-len, batch-size, or completion-length for --task grpo (rl_plan.py)
     gpu_spec, budget = _device_and_budget(config, gpu, budget_bytes)
     if hf_config is None:
         hf_config = resolve_model_config(config.model.model, config.model.trust_remote_code)
@@ -310,6 +319,8 @@ def _search_modes(search: _Search, allow: str, maximize: str | None, effective: 
     for mode in modes_of(allow):
         if maximize == "seq-len":
             found, fitting = _longest_of_mode(search, mode, trained_positions, searched)
+        elif maximize == COMPLETION_LENGTH:
+            found, fitting = longest_completion(search, mode, effective, trained_positions)
         elif maximize == "batch-size":
             fitting = _largest_batch(search, mode)
             found = fitting or [search.candidate(technique_grid(mode, config, search.gpu, config.data.seq_len, 1)[-1],
@@ -349,6 +360,8 @@ def _ordered(chosen: list[Candidate], maximize: str | None, config: TrainConfig,
         chosen.sort(key=lambda c: (-c.changes.get("seq_len", config.data.seq_len), -c.tokens_per_second))
     elif maximize == "batch-size":
         chosen.sort(key=lambda c: (-c.changes["batch_size"], -c.tokens_per_second))
+    elif maximize == COMPLETION_LENGTH:
+        chosen.sort(key=completion_length_order)
     else:
         chosen = rank(chosen, budget)
     return chosen
