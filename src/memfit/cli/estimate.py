@@ -128,7 +128,8 @@ def render(result) -> str:
         lines.append(f"  grpo step, {rl['row_tokens']} tokens a completion: generation {format_bytes(rl['generation_bytes'])}"
                      f" (key-value cache {format_bytes(rl['kv_cache_bytes'])} for {rl['completions_generated_at_once']}"
                      f" completions at once), training {format_bytes(rl['training_bytes'])}"
-                     f"{' (with the reference copy ' + format_bytes(rl['reference_copy_bytes']) + ')' if rl['reference_copy_bytes'] else ''};"
+                     f"{' (with the reference copy ' + format_bytes(rl['reference_copy_bytes']) + ')' if rl['reference_copy_bytes'] else ''}"
+                     f"{', scoring ' + format_bytes(rl['scoring_bytes']) if rl.get('scoring_bytes') else ''};"
                      f" the peak is {rl['peak_phase']}'s")
     for name in d.get("not_traced", []):
         lines.append(f"  not traced: {name} (the traced step runs without it: an upper bound; see --method analytical)")
