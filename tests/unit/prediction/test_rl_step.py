@@ -228,7 +228,7 @@ def test_the_peak_is_the_larger_phase_and_both_are_said():
     assert halved["kv_cache_bytes"] * 2 == long["kv_cache_bytes"]
 
 
-@pytest.mark.parametrize(("rows", "prompt", "new", "vocab"), [(4, 4, 40, 256), (16, 16, 4, 512)],
+@pytest.mark.parametrize(("rows", "prompt", "new", "vocab"), [(4, 4, 40, 256), (16, 16, 4, 2048)],
                          ids=["cache-bound", "prompt-logits-bound"])
 def test_the_generation_terms_are_the_tracked_peak_of_a_rollout(rows, prompt, new, vocab):
     """Generation alone: long completions (the whole cache at the end is the peak) and short ones after a long
