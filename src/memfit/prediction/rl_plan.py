@@ -117,3 +117,24 @@ def describe_generation(changes: dict[str, Any]) -> str:
     if changes.get("generation_batch_size"):
         parts.append(f"generating {changes['generation_batch_size']} at once")
     return ", ".join(parts)
+
+
+def generation_trades(best: Candidate, config: Any, maximize: str | None, trained_positions: int | None
+                      ) -> list[str]:
+    """What an RL plan's generation trades: rounds of generation where the step's completions do not fit at once,
+    and, for the longest completion, whether the model's positions rather than memory bound it."""
+    if not is_rl(config):
+        return []
+    changes, lines = best.changes, []
+    completions = changes["batch_size"] * changes["gradient_accumulation_steps"]
+    size = changes.get("generation_batch_size") or completions
+    if size < completions:
+        rounds = -(-completions // size)
+        lines.append(f"generation: {size} of the step's {completions} completions at once ({rounds} rounds a step):"
+                     " all of them at once do not fit beside the rest of the run")
+    length = changes.get("max_completion_length")
+    prompt = int(config.rl.max_prompt_length or config.data.seq_len)
+    if maximize == COMPLETION_LENGTH and trained_positions and length == trained_positions - prompt:
+        lines.append(f"completions of {length:,} tokens: the model's {trained_positions:,} positions less the"
+                     f" {prompt:,}-token prompt bound them, not memory")
+    return lines

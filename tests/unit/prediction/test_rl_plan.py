@@ -48,6 +48,7 @@ def test_the_plan_generates_fewer_completions_at_once_where_all_of_them_do_not_f
     assert _peak(config, {**result.plan, "generation_batch_size": COMPLETIONS}) > fits
     assert _peak(config, {**result.plan, "generation_batch_size": min(COMPLETIONS, 2 * chosen)}) > fits
     assert f"--generation-batch-size {chosen}" in result.command
+    assert any(line.startswith(f"generation: {chosen} of the step's {COMPLETIONS}") for line in result.trades)
     assert f"--batch-size {result.plan['batch_size']}" in result.command
 
 
