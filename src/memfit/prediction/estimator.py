@@ -251,7 +251,8 @@ def _step_moment(request: _Request, run: RunShape, inventory: ParameterInventory
 
 def _with_rl_generation(request: _Request, run: RunShape, moment: dict[str, float], loaded_parameters: int,
                         notes: dict[str, Any]) -> dict[str, float]:
-    """An RL step's peak: its training pass with the reference's copy, or generation's cache (prediction/rl_step.py)."""
+    """An RL step's peak: its training pass with the reference's copy, generation's cache and prompt logits, or the
+    no-grad forward that scores every completion of the step (prediction/rl_step.py)."""
     config = request.config
     copy = loaded_parameters if config.task.beta > 0 and run.lora_r == 0 else 0  # LoRA: adapters off, no copy
     moment = dict(moment)
