@@ -24,10 +24,10 @@ completion length, so that equal work is visible rather than assumed.
 Runs and what each side does:
 
 - TRL's defaults: `gradient_checkpointing=True` (GRPOConfig's default; off while generating), the policy's
-  log-probabilities from the full `[completions, completion tokens, vocabulary]` logits. `bf16=False` set (its
+  log-probabilities from its fused LM head (`fused_lm_head=True`: in tiles, no full logits). `bf16=False` set (its
   default is bf16 autocast), to compare fp32 with fp32.
-- memfit's defaults (`memfit train --task grpo`): no checkpointing, the log-probabilities a chunk of logits at a
-  time (never the full logits).
+- memfit's defaults (`memfit train --task grpo`): no checkpointing, the log-probabilities a chunk of 1024 tokens'
+  logits at a time (at the default sizes, 8 completions of 96 tokens, the whole step is one chunk).
 - The same settings on both sides: memfit `--gradient-checkpointing full` beside TRL's defaults; TRL
   `gradient_checkpointing=False` beside memfit's defaults.
 
@@ -508,9 +508,9 @@ def report(args: argparse.Namespace, summary: dict[str, dict[str, Any]], ladder:
         " 2-core machine two threads made each small decoding forward about 30x slower for both tools: that would"
         " measure the machine's contention, not the tools).",
         "",
-        "TRL's defaults: `gradient_checkpointing=True` (off while generating), the log-probabilities from the full"
-        " logits of the completions; `bf16=False` set (its default is bf16). memfit's defaults: no checkpointing, the"
-        " log-probabilities a chunk of logits at a time."
+        "TRL's defaults: `gradient_checkpointing=True` (off while generating), the log-probabilities from its fused"
+        " LM head (in tiles, no full logits); `bf16=False` set (its default is bf16). memfit's defaults: no"
+        " checkpointing, the log-probabilities a chunk of 1024 tokens' logits at a time."
         + ((" Each row a fresh process; the two default runs alternate and their figures are medians."
             if args.repeats > 1 else " Each row one run, a fresh process.")
            if not args.quick else " --quick: every row in this script's process, one after another, so a row's peak"
