@@ -24,6 +24,8 @@ class PlanOptions:
     """Print one JSON object on stdout and nothing else."""
     world_size: int = 1
     """Devices to plan for; above 1 the state is sharded (FSDP / ZeRO-3)."""
+    gpus: int | None = None
+    """GPUs to plan for (same as --world-size); with --maximize seq-len they are also tried as context-parallel groups."""
     maximize: str | None = field(default=None, metadata={"choices": ("seq-len", "batch-size", "completion-length")})
     """seq-len: the longest context that fits (micro-batch 1 unless --batch-size is given); batch-size: the largest micro-batch at --seq-len; completion-length (--task grpo): the longest --max-completion-length that fits. Default: the fastest setup at --seq-len."""
     host_memory: int | None = field(default=None, metadata={"size": True})
@@ -56,7 +58,7 @@ def run(argv: list[str]) -> int:
             config, basis = plan_from_dataset(config)
     config = config.with_seq_len()  # not given and no dataset: 256 (trials cached for this length match)
     sharding = "zero3" if config.distributed.zero_stage == 3 else config.distributed.sharding
-    result = plan(config, allow=options.allow, world_size=options.world_size, sharding=sharding,
+    result = plan(config, allow=options.allow, world_size=options.gpus or options.world_size, sharding=sharding,
                   maximize=options.maximize, host_memory=options.host_memory)
     from memfit.train.trials import attach_cached
 
@@ -95,6 +97,8 @@ def _describe(changes: dict) -> str:
         parts.append(f"tiled MLP x{changes['tiled_mlp']}")
     if changes.get("rope_scale"):
         parts.append(f"RoPE scale x{changes['rope_scale']:g}")
+    if changes.get("context_parallel", 1) > 1:
+        parts.append(f"context-parallel {changes['context_parallel']} (Ulysses, per-rank peak)")
     parts.append(describe_generation(changes))  # --task grpo: the completions' length and the generation batch
     return ", ".join(p for p in parts if p)
 

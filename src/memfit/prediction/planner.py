@@ -28,6 +28,7 @@ from memfit.gpus import GpuSpec, get_gpu, local_gpu
 from memfit.models.optimizer_state import PLANNING, distance_from_adamw
 from memfit.prediction.activations import architecture_of
 from memfit.prediction.candidates import modes_of, technique_grid, user_set
+from memfit.prediction.context_parallel_plan import plan_longest_context, searches_context_parallel
 from memfit.prediction.estimator import estimate
 from memfit.prediction.expert_streaming import prefer_resident
 from memfit.prediction.plan_result import Candidate, PlanResult, plan_to_overrides  # noqa: F401  (plan_to_overrides: re-exported with plan)
@@ -265,6 +266,9 @@ def plan(
     gpu_spec, budget = _device_and_budget(config, gpu, budget_bytes)
     if hf_config is None:
         hf_config = resolve_model_config(config.model.model, config.model.trust_remote_code)
+    if searches_context_parallel(config, maximize, world_size):  # each context-parallel size, the longest wins
+        return plan_longest_context(config, gpus=world_size, hf_config=hf_config, plan_one=plan, budget_bytes=budget_bytes,
+                                    gpu=gpu, allow=allow, effective_batch_size=effective_batch_size, host_memory=host_memory)
     effective = effective_batch_size or config.effective_batch_for(world_size)
     if world_size > 1 and sharding == "none":
         sharding = "fsdp"
