@@ -375,8 +375,8 @@ class TaskConfig:
     """dpo, kto, grpo with --beta > 0: the reference model. auto: adapters-off under --lora-r (the model with its adapters disabled, no second copy), else copy (a frozen copy on the device); cached: every item's reference log-probabilities computed in one pass before training and kept beside the token cache."""
     precompute_ref_log_probs: bool = False
     """dpo, kto: TRL's name for --reference cached: compute the reference log-probabilities once, before training."""
-    pair_layout: str = field(default="two-rows", metadata=_choices("auto", "two-rows", "shared-prompt"))
-    """dpo, simpo, orpo: how a pair reaches the model. two-rows: prompt + chosen and prompt + rejected; shared-prompt: one row, prompt + chosen + rejected, the prompt computed once (a 4D mask keeps each answer from seeing the other; SDPA or eager attention, else two rows, said in the log); auto: shared-prompt where the kernel takes the mask and the prompts are at least as long as the shorter answers, else two rows. The same numbers either way (docs/preference.md)."""
+    pair_layout: str = field(default="two-rows", metadata=_choices("auto", "two-rows", "shared-prompt", "split"))
+    """dpo, simpo, orpo: how a pair reaches the model. two-rows: prompt + chosen and prompt + rejected in one forward (the fastest); split: the same rows in two forwards, the chosen rows' and the rejected rows', which holds one side's activations at the peak instead of both (about half) for one more forward of the rejected rows; shared-prompt: one row, prompt + chosen + rejected, the prompt computed once (a 4D mask keeps each answer from seeing the other; SDPA or eager attention, else two rows, said in the log); auto: shared-prompt where the kernel takes the mask and the prompts are at least as long as the shorter answers, else two rows. The same numbers every way (docs/preference.md)."""
 
     def problems(self) -> list[str]:
         """What is wrong with these settings, by flag name (TrainConfig.validate reports them)."""

@@ -111,11 +111,14 @@ def technique_grid(mode: str, config: TrainConfig, gpu: GpuSpec | None, seq_len:
     streaming = streaming_changes(mode, config, hf_config, user_set)  # frozen experts from host memory per layer
     if streaming:  # it needs checkpointing; tried where the rest of memory is already smallest
         grid += [{**c, **streaming} for c in grid if c["gradient_checkpointing"] == "full" and c["loss_chunk_size"]]
-    from memfit.prediction.preference_step import reference_lever
+    from memfit.prediction.preference_step import pair_layout_lever, reference_lever
 
     reference = reference_lever(config, mode, lambda name: user_set(config, name))
     if reference:  # a preference run's frozen copy, or its log-probabilities computed once before training
         grid += [{**changes, **reference} for changes in grid]
+    layout = pair_layout_lever(config, lambda name: user_set(config, name))
+    if layout:  # a preference pair's two sides in two forwards: one side's activations, one more forward
+        grid += [{**changes, **layout} for changes in grid]
     if not cuda and config.memory.precision == "auto" and not user_set(config, "precision"):
         from memfit.prediction.calibration import native_bf16
 

@@ -652,6 +652,9 @@ def _backward_phase(step: _Step, terms: ActivationTerms, forward: _Forward, grad
     head, largest_grad, step_temporaries = gradients.head, gradients.largest, gradients.step_temporaries
     if forward.accumulated:
         head, in_flight_grads = largest_grad, 0.0
+    waiting = step.preference.waiting_gradient_bytes(step.parts["gradients"]) if step.preference else 0.0
+    if waiting:  # --pair-layout split: the rejected rows' backward, every chosen-row gradient (the head's too) beside it
+        head = waiting + (head if forward.accumulated else 0.0)
     total = forward.resident + forward.accumulated + activations + recompute + head + in_flight_grads
     if step.in_backward:
         total += largest_grad + step_temporaries

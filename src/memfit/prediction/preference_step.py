@@ -21,8 +21,13 @@ What differs from causal-LM training on --batch-size windows, and what the estim
 Every term was fitted to and checked against the tracked peak of memfit's real step on CPU
 (tests/unit/prediction/test_preference_estimate.py).
 
-The layout is two rows a pair: `--pair-layout shared-prompt` (or auto) computes a long prompt once and holds less,
-by how much the prompts' lengths decide, which an estimate does not read; two rows is the larger case.
+The layout is two rows a pair, in one forward or, under `--pair-layout split`, two (tasks/pair_split.py): the chosen
+rows' graph is kept, the rejected rows' forward keeps nothing until their backward runs it again, after the chosen
+rows' backward has freed its activations, so the policy keeps one row a pair at the peak (`trained_rows` 1) and the
+step runs the rejected rows' forward once more (`pair_forwards_again`, the speed model's). The reference still runs
+both sides in one no-grad forward. `--pair-layout shared-prompt` (or auto) computes a long prompt once and holds
+less, by how much the prompts' lengths decide, which an estimate does not read; two rows is the larger case. The
+planner tries split where one forward does not fit (`pair_layout_lever`).
 
 The traced estimate and the tests' measured step run the real task on pairs of --seq-len rows
 (`traced_sample_maker`), the frozen copy made as a training run makes it (`prepare_traced_model`). On fake tensors a trained head's chunk backward is counted one
@@ -77,6 +82,8 @@ class PreferenceStep:
     """Tokens a chunk of the log-probabilities (--loss-chunk-size, else DEFAULT_LOSS_CHUNK_TOKENS)."""
     layout_note: str = "two rows a pair"
     """The pair layout estimated, and why where another was asked for."""
+    forwards: int = 1
+    """Forwards a pair's rows take: 1, or 2 under --pair-layout split (the chosen rows', then the rejected rows')."""
 
     @property
     def reference_rows(self) -> int:
@@ -128,17 +135,24 @@ class PreferenceStep:
         untrained = no_grad_forward_bytes(self, arch, precision, samples * self.untrained_rows * seq_len)
         return max(policy, reference, untrained)
 
+    def waiting_gradient_bytes(self, gradients: float) -> float:
+        """What waits beside the step's kept tensors while the rejected rows run again under --pair-layout split:
+        the chosen rows' gradient of every trained parameter (`gradients`, all of them), held by autograd until the
+        rejected rows' gradient joins it (tasks/pair_split.py); 0 in one forward."""
+        return gradients if self.forwards == 2 else 0.0
+
     def details(self, copy: float) -> dict[str, Any]:
         """What the estimate's details say about the preference step."""
         return {"preference": {"task": self.task, "reference": self.reference, "reference_reason": self.reference_note,
-                               "rows_per_sample": self.trained_rows + self.untrained_rows, "layout": self.layout_note,
+                               "rows_per_sample": 2 if self.forwards == 2 else self.trained_rows + self.untrained_rows,
+                               "forwards": self.forwards, "layout": self.layout_note,
                                "logprob_chunk_tokens": self.chunk_tokens, "reference_copy_bytes": int(copy)}}
 
 
 def preference_step(config: Any, run: Any) -> PreferenceStep | None:
     """The preference step of `config` as resolved to `run`, or None for a task that does not learn from pairs."""
     from memfit.tasks import TASK_CLASSES
-    from memfit.tasks.pair_layout import TWO_ROWS
+    from memfit.tasks.pair_layout import SPLIT, TWO_ROWS
     from memfit.techniques.loss import DEFAULT_LOSS_CHUNK_TOKENS
     from memfit.techniques.reference_model import choose_reference
 
@@ -157,11 +171,17 @@ def preference_step(config: Any, run: Any) -> PreferenceStep | None:
         note = f"{error}: estimated with {choice.mode}"
     kto = task_class.name == "kto"
     chunk = run.loss_chunk_size or config.memory.loss_chunk_size or DEFAULT_LOSS_CHUNK_TOKENS
+    requested = getattr(task, "pair_layout", TWO_ROWS)
+    split = requested == SPLIT and not kto
     layout = "two rows a pair"
-    if getattr(task, "pair_layout", TWO_ROWS) != TWO_ROWS and not kto:
+    if split:
+        layout += " in two forwards (--pair-layout split): one side's activations at the peak"
+    elif requested != TWO_ROWS and not kto:
         layout += (f" (--pair-layout {task.pair_layout} shares long prompts: less, by what the prompts' lengths"
                    " decide, which an estimate does not read)")
-    return PreferenceStep(task_class.name, choice.mode, note, 1 if kto else 2, 1 if kto else 0, chunk, layout)
+    trained = 1 if kto or split else 2
+    return PreferenceStep(task_class.name, choice.mode, note, trained, 1 if kto else 0, chunk, layout,
+                          2 if split else 1)
 
 
 def reference_lever(config: Any, mode: str, given: Callable[[str], bool]) -> dict[str, Any]:
@@ -169,8 +189,9 @@ def reference_lever(config: Any, mode: str, given: Callable[[str], bool]) -> dic
     log-probabilities computed once before training: no copy on the device and no reference forward a step), or
     nothing (another task; LoRA, whose adapters-off reference is already free; a reference the user chose).
 
-    `mode`: 'full', 'lora' or 'qlora'; `given(name)`: whether the user set that setting. The pair layout is not a
-    lever here: what shared-prompt saves depends on the prompts' lengths, which an estimate does not read.
+    `mode`: 'full', 'lora' or 'qlora'; `given(name)`: whether the user set that setting. The pair layout is
+    `pair_layout_lever`'s (split; not shared-prompt, whose saving the prompts' lengths decide, which an estimate
+    does not read).
     """
     from memfit.tasks import TASK_CLASSES
     from memfit.techniques.reference_model import choose_reference
@@ -181,6 +202,29 @@ def reference_lever(config: Any, mode: str, given: Callable[[str], bool]) -> dic
     if choose_reference("auto", False, False, task_class.needs_reference).mode != "copy":
         return {}
     return {"reference": "cached"}
+
+
+def pair_layout_lever(config: Any, given: Callable[[str], bool]) -> dict[str, Any]:
+    """The plan's other pair layout: `--pair-layout split` (two forwards a micro-batch, one side's activations at
+    the peak, the rejected rows' forward once more) for DPO, SimPO and ORPO, or nothing (another task, KTO, a layout
+    the user chose). The planner ranks it by speed, so it runs only where one forward does not fit."""
+    from memfit.tasks import TASK_CLASSES
+    from memfit.tasks.pair_split import unchecked_engine
+
+    task_class = TASK_CLASSES[config.task.task]
+    if not is_preference(task_class) or task_class.name == "kto" or given("pair_layout"):
+        return {}
+    return {} if unchecked_engine(config.distributed) else {"pair_layout": "split"}
+
+
+def pair_forwards_again(changes: dict[str, Any], config: Any) -> float:
+    """The share of a pair's forward the step runs again (the speed model's): half, the rejected rows', under
+    `--pair-layout split` (in `changes`, else the config's) for a paired preference task, else 0."""
+    from memfit.tasks import TASK_CLASSES
+
+    task_class = TASK_CLASSES[config.task.task]
+    layout = changes.get("pair_layout", getattr(config.task, "pair_layout", ""))
+    return 0.5 if layout == "split" and is_preference(task_class) and task_class.name != "kto" else 0.0
 
 
 def micro_batch_rows(batch_size: int, step: PreferenceStep | None) -> int:

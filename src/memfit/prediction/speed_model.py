@@ -221,6 +221,9 @@ def _training_flops(changes: dict[str, Any], config: TrainConfig, hf_config: Any
     mlp_forward = (3 if arch.gated_mlp else 2) * 2 * arch.hidden * arch.intermediate * arch.layers
     tiled = mlp_forward if changes.get("tiled_mlp") else 0
     flops = tokens * (hardware + tiled)
+    from memfit.prediction.preference_step import pair_forwards_again
+
+    flops += tokens * per_token.forward * pair_forwards_again(changes, config)  # --pair-layout split's second forward
     if changes.get("quantize", "none") == "4bit":
         flops *= 1.25
     return flops

@@ -32,6 +32,10 @@ for), not models whose layers carry state from one position to the next (a mask 
 state flowing into the rejected one), not models that build their masks without transformers' masking utilities,
 and not sliding-window or chunked attention shorter than the row (the custom mask replaces the window): those run
 two rows, and `choose_pair_layout` says why.
+
+split: the two-row layout's rows in two forwards, the chosen rows' and the rejected rows' (tasks/pair_split.py): at
+the peak one side's activations instead of both, for one more forward of the rejected rows (run again in backward).
+The same log-probabilities and gradients as two rows; for the paired objectives (KTO runs two rows).
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ from memfit.techniques.sequence_logprobs import SequenceLogprobs
 
 TWO_ROWS = "two-rows"
 SHARED_PROMPT = "shared-prompt"
+SPLIT = "split"
 
 TRUNK = 0
 """Branch code of the prompt's tokens but its last: every token of the row sees them."""
@@ -79,9 +84,9 @@ class PairLayout:
     """The layout a run's pairs take, and why."""
 
     layout: str
-    """TWO_ROWS or SHARED_PROMPT."""
+    """TWO_ROWS, SHARED_PROMPT or SPLIT."""
     requested: str
-    """What --pair-layout asked: auto, two-rows or shared-prompt."""
+    """What --pair-layout asked: auto, two-rows, shared-prompt or split."""
     reason: str
     mask: str = ""
     """The kind of 4D mask the attention kernel takes (BOOLEAN_MASK, ADDITIVE_MASK); '' for two rows."""
@@ -91,9 +96,14 @@ class PairLayout:
         return self.layout == SHARED_PROMPT
 
     @property
+    def split(self) -> bool:
+        """The chosen rows and the rejected rows run as two forwards (tasks/pair_split.py)."""
+        return self.layout == SPLIT
+
+    @property
     def fell_back(self) -> bool:
-        """shared-prompt was asked for and two rows run."""
-        return self.requested == SHARED_PROMPT and not self.shared
+        """shared-prompt or split was asked for and two rows run."""
+        return self.requested in (SHARED_PROMPT, SPLIT) and self.layout != self.requested
 
     def facts(self) -> dict[str, str]:
         return {"layout": self.layout, "requested": self.requested, "reason": self.reason}
@@ -145,7 +155,10 @@ def choose_pair_layout(requested: str, model: torch.nn.Module | None, paired: bo
         return PairLayout(TWO_ROWS, requested, "asked for")
     if not paired:
         return PairLayout(TWO_ROWS, requested, "kto scores one completion and, without a gradient, a mismatched one:"
-                                               " there is no pair of answers to share a prompt")
+                                               " there is no pair of answers to share a prompt or run apart")
+    if requested == SPLIT:
+        return PairLayout(SPLIT, requested, "asked for: the chosen rows' forward, then the rejected rows', each"
+                                            " side's activations alone at the peak")
     if model is None or segment_lengths is None or not len(segment_lengths):
         return PairLayout(TWO_ROWS, requested, NOT_YET_KNOWN)
     lengths = np.asarray(segment_lengths, dtype=np.int64).reshape(-1, 3)

@@ -7,8 +7,9 @@ prompt + a mismatched completion, the rows of its KL estimate), all first rows, 
 concatenated layout), labels IGNORE_INDEX on the prompt and the padding. A pair is never split: OOM recovery splits
 the list of samples, so both rows of a pair always meet in one micro-batch. Under --pair-layout shared-prompt (or
 auto, where the model's attention kernel takes a 4D mask and the prompts are long enough) a pair is instead one row
-that computes its prompt once (tasks/pair_layout.py); the log-probabilities reach the objectives in the two-row
-order either way, so the objectives do not know which layout ran.
+that computes its prompt once (tasks/pair_layout.py), and under --pair-layout split the two rows' sides run as two
+forwards, one side's activations at the peak (tasks/pair_split.py); the log-probabilities reach the objectives in the
+two-row order every way, so the objectives do not know which layout ran.
 
 The loss function runs the policy's log-probabilities of the completions chunk by chunk
 (techniques/sequence_logprobs.py: no `[rows, length, vocabulary]` logits), takes the reference's
@@ -42,7 +43,6 @@ from typing import Any
 import torch
 
 from memfit.data.preferences import PreferenceDataset, load_preference_data
-from memfit.tasks.base import LossFunction, Task
 from memfit.tasks.pair_layout import (
     ADDITIVE_MASK,
     TWO_ROWS,
@@ -55,6 +55,7 @@ from memfit.tasks.pair_layout import (
     shared_prompt_attention_mask,
     side_labels,
 )
+from memfit.tasks.pair_split import logprobs_in_two_forwards, split_refusals
 from memfit.tasks.preference_losses import (
     PreferenceLoss,
 )
@@ -65,6 +66,7 @@ from memfit.tasks.preference_samples import (  # noqa: F401
     kl_partners,
     per_sample_values,
 )
+from memfit.tasks.sample_loss_task import SampleLossTask
 from memfit.techniques.loss import DEFAULT_LOSS_CHUNK_TOKENS, IGNORE_INDEX, unwrap_causal_lm
 from memfit.techniques.reference_model import (
     NO_REFERENCE,
@@ -91,7 +93,6 @@ PREFERENCE_SETTINGS = ("beta", "loss_type", "label_smoothing", "simpo_gamma", "c
                        "undesirable_weight", "reference", "precompute_ref_log_probs")
 """The task section's preference settings (config_sections.TaskConfig), each read by some of the objectives."""
 REFERENCE_SETTINGS = ("reference", "precompute_ref_log_probs")
-_BATCH_ROWS = ("input_ids", "labels", "attention_mask", "position_ids")
 
 
 # -- the tasks --------------------------------------------------------------------------------------------------------
@@ -159,12 +160,16 @@ class _PendingReference:
     """Why no cache file served (for the log)."""
 
 
+def _part(rows: torch.Tensor | None, part: slice) -> torch.Tensor | None:
+    return None if rows is None else rows[part]
+
+
 def _ranks_share_the_pass() -> bool:
     """Whether this process is one of several under torchrun (the cached reference's pass is then shared)."""
     return torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
 
 
-class PreferenceTask(Task):
+class PreferenceTask(SampleLossTask):
     """A preference objective (module docstring): the causal LM's own head, a loss over pairs of completions."""
 
     auto_class = "AutoModelForCausalLM"
@@ -196,7 +201,7 @@ class PreferenceTask(Task):
         self._pending_references: list[_PendingReference] = []
         """cached: reference passes left for every rank to share once all have loaded the data (after_data_loaded)."""
         self.requested_pair_layout = getattr(config.task, "pair_layout", TWO_ROWS) if config is not None else TWO_ROWS
-        self.pair_layout: PairLayout = choose_pair_layout(self.requested_pair_layout, None, True, None)
+        self.pair_layout: PairLayout = choose_pair_layout(self.requested_pair_layout, None, self.name != "kto", None)
         """How the pairs are laid out (tasks/pair_layout.py): chosen when the training data is loaded, two rows until
         then."""
 
@@ -210,6 +215,7 @@ class PreferenceTask(Task):
         if config.training.auto_batch_size:
             found.append(f"--auto-batch-size probes with causal-LM windows, not pairs; give --task {self.name} a"
                          " --batch-size (out-of-memory recovery splits it if it does not fit)")
+        found += split_refusals(config)
         given = config.user_set or frozenset()
         for name in PREFERENCE_SETTINGS:
             if name in given and name not in self.settings_read:
@@ -347,15 +353,6 @@ class PreferenceTask(Task):
 
     # -- the loss --------------------------------------------------------------------------------------------------
 
-    def count(self, sample: dict) -> int:
-        return 1
-
-    def loss_function(self, default: LossFunction) -> LossFunction:
-        return self.loss_sum
-
-    def loss_inputs(self, batch: dict) -> dict[str, Any]:
-        return {name: value for name, value in batch.items() if name not in _BATCH_ROWS}
-
     def loss_sum(self, model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor,
                  attention_mask: torch.Tensor | None = None, chunk_size: int = 0, *, pair_index: torch.Tensor,
                  position_ids: torch.Tensor | None = None, **inputs: torch.Tensor) -> torch.Tensor:
@@ -408,8 +405,12 @@ class PreferenceTask(Task):
         per-token values: `pair_layout.as_two_rows` splits them)."""
         labels = rows.labels if labels is None else labels
         if not rows.shared:
-            return sequence_logprobs(model, rows.input_ids, labels, rows.attention_mask, chunk_size=rows.chunk_size,
-                                     position_ids=rows.position_ids, per_token=per_token)
+            def score(part: slice):
+                return sequence_logprobs(model, rows.input_ids[part], labels[part], _part(rows.attention_mask, part),
+                                         chunk_size=rows.chunk_size, position_ids=_part(rows.position_ids, part),
+                                         per_token=per_token)
+
+            return logprobs_in_two_forwards(score, rows.pairs) if self.pair_layout.split else score(slice(None))
         scored = sequence_logprobs(model, rows.input_ids, labels, rows.shared_mask(model), chunk_size=rows.chunk_size,
                                    position_ids=rows.position_ids, per_token=True)
         return as_two_rows(scored.per_token, labels, rows.branches)
