@@ -250,9 +250,12 @@ _OBJECTIVE_SHARED = ("beta", "loss_type", "reference", "precompute_ref_log_probs
 def _objective_setting_problems(config: TrainConfig) -> list[str]:
     """Settings the user gave that the chosen --task never reads: one line naming the tasks that do."""
     # Given, and not at its default: a stored run's config lists every setting as given (a checkpoint, a plan).
-    defaults = _DEFAULT_VALUES()
-    given = {name for name in (config.user_set or frozenset())
-             if name in defaults and config.flat().get(name) != defaults[name]}
+    task_settings = {*_OBJECTIVE_SHARED, *_PREFERENCE_ONLY, *(f.name for f in dataclasses.fields(RLConfig))}
+    asked = task_settings & (config.user_set or frozenset())
+    if not asked:  # the common case, checked on every config the planner builds: nothing to read
+        return []
+    defaults, values = _DEFAULT_VALUES(), config.flat()
+    given = {name for name in asked if name in defaults and values.get(name) != defaults[name]}
     task = config.task.task
     unread = []
     if task not in PREFERENCE_TASKS + RL_TASKS:
@@ -353,12 +356,24 @@ def unregister_section(name: str) -> None:
     _EXTENSION_SECTIONS.pop(name, None)
 
 
+_FIELD_INDEX: dict[tuple[tuple[str, type], ...], dict[str, tuple[str, dataclasses.Field]]] = {}
+
+
 def field_index() -> dict[str, tuple[str, dataclasses.Field]]:
-    """Flat field name -> (section name, dataclass field), for every section."""
-    index = {}
-    for section, cls in SECTIONS.items():
-        for f in dataclasses.fields(cls):
-            index[f.name] = (section, f)
+    """Flat field name -> (section name, dataclass field), for every section.
+
+    Kept per set of sections (a registered section makes a new one): the planner builds thousands of configs, and
+    each reads the index for every flat value. Callers only read it.
+    """
+    key = tuple(SECTIONS.items())
+    index = _FIELD_INDEX.get(key)
+    if index is None:
+        index = {}
+        for section, cls in SECTIONS.items():
+            for f in dataclasses.fields(cls):
+                index[f.name] = (section, f)
+        _FIELD_INDEX.clear()
+        _FIELD_INDEX[key] = index
     return index
 
 
