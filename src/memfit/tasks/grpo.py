@@ -170,7 +170,10 @@ class GRPOTask(SampleLossTask):
         completions = self._generate([int(s["index"]) for s in samples], first)
         self._rollout = (first, completions)
         tokens = sum(int((s["labels"] != IGNORE_INDEX).sum()) for s in completions)
-        self._step_counts = (max(1, len(completions)), max(1, tokens))
+        # the loss is normalised over the step's completions and tokens on every rank together (each rank rolls out
+        # its share of the prompts): one rank's own count would weigh its tokens against the other ranks' wrongly
+        completions_in_step, tokens_in_step = _summed_over_ranks(len(completions), tokens)
+        self._step_counts = (max(1, completions_in_step), max(1, tokens_in_step))
         return completions
 
     def _generate(self, prompt_indices: list[int], step: int) -> list[dict]:
@@ -189,7 +192,11 @@ class GRPOTask(SampleLossTask):
         columns = {name: [item.columns.get(name) for item in items] for name in items[0].columns}
         scores = score_completions(self.functions, [item.prompt for item in items for _ in range(group)], shown,
                                   rollout.completions, columns)
-        advantages, reward_stats = group_advantages(scores.total, group, rl.scale_rewards)
+        # the advantages and the reward metrics over every rank's completions, as TRL gathers them: a rank's own
+        # share alone would give another batch standard deviation (--scale-rewards batch) and rank 0's reward only
+        everyone, start = _gathered_over_ranks(scores.total)
+        advantages, reward_stats = group_advantages(everyone, group, rl.scale_rewards)
+        advantages = advantages[start:start + len(scores.total)]
         samples = [self._sample(prompt, completion, cut, float(advantage))
                    for prompt, completion, cut, advantage in zip(prompts, rollout.completions, rollout.truncated,
                                                                  advantages.tolist(), strict=True)]
@@ -391,6 +398,27 @@ def _adapters_off(model: torch.nn.Module) -> Iterator[None]:
 def _nanstd(values: torch.Tensor) -> torch.Tensor:
     kept = values[~torch.isnan(values)]
     return kept.std() if kept.numel() > 1 else torch.zeros(())
+
+
+def _summed_over_ranks(*counts: int) -> tuple[int, ...]:
+    """`counts` summed over the ranks of the process group (as they are in one process)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return counts
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.distributed.get_backend() == "nccl" \
+        else torch.device("cpu")
+    summed = torch.tensor(counts, dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(summed)
+    return tuple(int(value) for value in summed.tolist())
+
+
+def _gathered_over_ranks(values: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Every rank's `values` in rank order, and where this rank's begin (the values themselves and 0 in one process)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return values, 0
+    shares: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(shares, values.detach().cpu())
+    rank = torch.distributed.get_rank()
+    return torch.cat(shares).to(values.dtype), sum(len(share) for share in shares[:rank])
 
 
 def _is_main_process() -> bool:

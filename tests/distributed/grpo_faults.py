@@ -1,0 +1,25 @@
+"""Faults the GRPO distributed tests inject into one run each (exactness_worker.py's "fault": MODULE:NAME)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from memfit.tasks import grpo
+
+
+@contextlib.contextmanager
+def seeded_by_rank():
+    """Each completion's seed mixed with the rank: the ranks sample other completions than one process would."""
+    original = grpo.completion_seed
+
+    def by_rank(seed, step, prompt_index, generation):
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        return original(seed + rank, step, prompt_index, generation)
+
+    grpo.completion_seed = by_rank
+    try:
+        yield
+    finally:
+        grpo.completion_seed = original

@@ -1,0 +1,76 @@
+"""GRPO under torchrun (2 CPU ranks, gloo): each rank generates its share of the step's completions, with the full
+weights under FSDP2 (sharded parameters), and the run reaches the one-process weights of the same effective batch.
+
+Every completion is seeded by (seed, step, prompt, generation), not by the rank or the batch it runs in, so the two
+ranks together sample the completions one process samples for the same prompts. Under SGD without clipping the final
+weights compare the summed gradients. The twin run seeds by rank (grpo_faults.seeded_by_rank) and must differ. One
+launch holds every 2-rank run.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+from torchrun_helpers import assert_same_weights, final_weights, run_many, steps_of
+
+from fault_injection import SGD_FLAGS, largest_update
+
+pytestmark = pytest.mark.distributed
+
+REWARDS = """
+def token_value(completions, completion_ids=None, **kwargs):
+    return [sum(token % 10 for token in ids) / (10 * max(1, len(ids))) for ids in completion_ids]
+"""
+ENGINES = {"fsdp": ["--batch-size", "4", "--sharding", "fsdp"]}
+
+
+def _grpo_args(model: Path, rewards: Path) -> list[str]:
+    """3 SGD steps of GRPO on the built-in prompts: 4 prompts a step, 2 completions of at most 6 tokens each."""
+    return ["--task", "grpo", "--model", str(model), "--chat-template", "chatml", "--reward-function",
+            f"{rewards}:token_value", "--num-generations", "2", "--max-completion-length", "6",
+            "--max-prompt-length", "48", "--max-steps", "3", "--no-report", *SGD_FLAGS, "--lr", "0.5"]
+
+
+@pytest.fixture(scope="module")
+def launches(llama_dir, tmp_path_factory) -> dict:
+    """The one-process reference (4 completions x 2 accumulation), then one 2-rank launch: per engine the run and its
+    twin seeded by rank."""
+    root = tmp_path_factory.mktemp("grpo-ranks")
+    rewards = root / "rewards.py"
+    rewards.write_text(REWARDS)
+    args = _grpo_args(llama_dir, rewards)
+    single = [{"name": "one", "args": [*args, "--batch-size", "4", "--gradient-accumulation-steps", "2",
+                                        "--output-dir", str(root / "one")]}]
+    run_many(single, root / "single", nproc=1)
+    runs = []
+    for engine, flags in ENGINES.items():
+        runs.append({"name": engine, "args": [*args, *flags]})
+        runs.append({"name": f"{engine}-by-rank", "args": [*args, *flags], "fault": "grpo_faults:seeded_by_rank"})
+    for run in runs:
+        run["args"] = [*run["args"], "--output-dir", str(root / run["name"])]
+    logs = run_many(runs, root / "ranks", timeout=900)
+    return {"dirs": {run["name"]: root / run["name"] for run in [*single, *runs]}, "logs": logs}
+
+
+def _rewards(out: Path) -> list[float]:
+    return [step["reward"] for step in steps_of(out)]
+
+
+def test_the_one_process_reference_moves_the_weights(launches, llama_dir):
+    initial = load_file(str(llama_dir / "model.safetensors"))
+    assert largest_update(initial, final_weights(launches["dirs"]["one"])) > 1e-3
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_engine_equals_one_process_on_the_same_effective_batch(engine, launches):
+    dirs = launches["dirs"]
+    assert_same_weights(final_weights(dirs["one"]), final_weights(dirs[engine]))
+    assert _rewards(dirs[engine]) == pytest.approx(_rewards(dirs["one"]), abs=1e-6)
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_engine_check_fails_when_completions_are_seeded_by_rank(engine, launches):
+    with pytest.raises(AssertionError):
+        assert_same_weights(final_weights(launches["dirs"]["one"]), final_weights(launches["dirs"][f"{engine}-by-rank"]))
