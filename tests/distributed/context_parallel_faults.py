@@ -37,3 +37,21 @@ def per_rank_token_count():
         yield
     finally:
         context_parallel.loss_normalizer_share = original
+
+
+@contextlib.contextmanager
+def positions_restart_per_shard():
+    """Each shard's positions counted from 0, as if the shard were a row of its own: RoPE (and the document mask
+    built from the positions) see the wrong place of every token after the first shard."""
+    original = sequence_shards.shard_batch
+
+    def restarted(batch, rank, shards):
+        shard = original(batch, rank, shards)
+        shard["position_ids"] = shard["position_ids"] - shard["position_ids"][:, :1]
+        return shard
+
+    sequence_shards.shard_batch = restarted
+    try:
+        yield
+    finally:
+        sequence_shards.shard_batch = original
