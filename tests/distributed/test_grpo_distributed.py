@@ -9,11 +9,12 @@ launch holds every 2-rank run.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
-from torchrun_helpers import assert_same_weights, final_weights, run_many, steps_of
+from torchrun_helpers import assert_same_weights, deepspeed_available, exit_code, final_weights, run_many, steps_of
 
 from fault_injection import SGD_FLAGS, largest_update
 
@@ -24,6 +25,9 @@ def token_value(completions, completion_ids=None, **kwargs):
     return [sum(token % 10 for token in ids) / (10 * max(1, len(ids))) for ids in completion_ids]
 """
 ENGINES = {"fsdp": ["--batch-size", "4", "--sharding", "fsdp"]}
+ZERO = ["--batch-size", "2", "--gradient-accumulation-steps", "2", "--zero-stage", "2"]
+BUILD_FAILED = re.compile(r"Error building extension|ninja: build stopped|CalledProcessError|fatal error:")
+"""What a failed build of DeepSpeed's CPU op (torch.utils.cpp_extension) leaves in the log."""
 
 
 def _grpo_args(model: Path, rewards: Path) -> list[str]:
@@ -36,7 +40,8 @@ def _grpo_args(model: Path, rewards: Path) -> list[str]:
 @pytest.fixture(scope="module")
 def launches(llama_dir, tmp_path_factory) -> dict:
     """The one-process reference (4 completions x 2 accumulation), then one 2-rank launch: per engine the run and its
-    twin seeded by rank."""
+    twin seeded by rank, then the same under DeepSpeed ZeRO-2 (2 completions x 2 accumulation a rank) when it
+    imports."""
     root = tmp_path_factory.mktemp("grpo-ranks")
     rewards = root / "rewards.py"
     rewards.write_text(REWARDS)
@@ -48,10 +53,16 @@ def launches(llama_dir, tmp_path_factory) -> dict:
     for engine, flags in ENGINES.items():
         runs.append({"name": engine, "args": [*args, *flags]})
         runs.append({"name": f"{engine}-by-rank", "args": [*args, *flags], "fault": "grpo_faults:seeded_by_rank"})
+    zero = deepspeed_available()
+    if zero:  # last and "record": a DeepSpeed that cannot build its CPU op ends the launch there
+        runs.append({"name": "zero2", "args": [*args, *ZERO], "record": True})
+        runs.append({"name": "zero2-by-rank", "args": [*args, *ZERO], "fault": "grpo_faults:seeded_by_rank",
+                     "record": True})
     for run in runs:
         run["args"] = [*run["args"], "--output-dir", str(root / run["name"])]
     logs = run_many(runs, root / "ranks", timeout=900)
-    return {"dirs": {run["name"]: root / run["name"] for run in [*single, *runs]}, "logs": logs}
+    return {"dirs": {run["name"]: root / run["name"] for run in [*single, *runs]}, "logs": logs, "zero": zero,
+            "root": root / "ranks"}
 
 
 def _rewards(out: Path) -> list[float]:
@@ -74,3 +85,28 @@ def test_engine_equals_one_process_on_the_same_effective_batch(engine, launches)
 def test_engine_check_fails_when_completions_are_seeded_by_rank(engine, launches):
     with pytest.raises(AssertionError):
         assert_same_weights(final_weights(launches["dirs"]["one"]), final_weights(launches["dirs"][f"{engine}-by-rank"]))
+
+
+def _zero_run(launches, name: str) -> Path:
+    """The ZeRO-2 run NAME's output, or a skip that says why it has none."""
+    if not launches["zero"]:
+        pytest.skip("deepspeed is not installed (pip install memfit[deepspeed])")
+    code, log = exit_code(launches["root"], name), launches["logs"].get(name, "")
+    if code is None:
+        pytest.skip(f"{name} did not run: an earlier ZeRO-2 run of the launch crashed")
+    if code != 0 and BUILD_FAILED.search(log):
+        pytest.skip(f"DeepSpeed could not build its CPU op here: {log.strip().splitlines()[-1][:300]}")
+    assert code == 0, log[-4000:]
+    return launches["dirs"][name]
+
+
+def test_zero2_equals_one_process_on_the_same_effective_batch(launches):
+    run = _zero_run(launches, "zero2")
+    assert_same_weights(final_weights(launches["dirs"]["one"]), final_weights(run))
+    assert _rewards(run) == pytest.approx(_rewards(launches["dirs"]["one"]), abs=1e-6)
+
+
+def test_zero2_check_fails_when_completions_are_seeded_by_rank(launches):
+    run = _zero_run(launches, "zero2-by-rank")
+    with pytest.raises(AssertionError):
+        assert_same_weights(final_weights(launches["dirs"]["one"]), final_weights(run))
