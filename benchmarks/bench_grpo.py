@@ -4,6 +4,7 @@
     python benchmarks/bench_grpo.py --out docs/benchmarks.md       # also write the tables into the docs (own section)
     python benchmarks/bench_grpo.py --longest 2GiB                 # also: the longest completion one step fits
     python benchmarks/bench_grpo.py --quick                        # toy model, a smoke run in seconds
+    python benchmarks/bench_grpo.py --learning --out docs/benchmarks.md  # mean reward per step, both tools learning
 
 Needs TRL (`pip install 'memfit[bench]'`). CPU only, fp32 on both sides, generation by transformers on both sides
 (TRL's `model.generate`, memfit's own sampling loop over the model's forward with a key-value cache; no vLLM).
@@ -50,6 +51,15 @@ in a fresh process, until the peak passes CAP; a length fits when the step compl
 The longest fitting length is reported, and an estimate between it and the next ladder length by linear
 interpolation of the measured peaks. No limit is enforced on either side (memfit's `--memory-cap` caps tracked
 tensor bytes, which TRL has no counterpart of): both are measured alike.
+
+`--learning` (instead of the speed runs): does memfit learn as fast as TRL? A toy Llama (benchmarks/_common.py's
+"quick" shape: 2 blocks of width 64, the byte tokenizer), the same prompts, and a reward a tiny model can raise within
+a few dozen steps: each completion's mean of token id modulo 10, over 10 (`token_value`, as the learning test in
+tests/integration/test_grpo_learning.py). Both tools get the same LEARNING settings (AdamW, lr, num_generations,
+completions a step, steps, seed, clipping, beta 0). Each records the mean reward of every step (TRL's logged
+`reward`, memfit's metrics.jsonl `reward`); the rise is the mean over the last --learning-window steps minus the mean
+over the first ones, of the reward per step averaged over seeds 0 to --repeats - 1 (3 by default; each seed's rise
+is shown too, the noise at this size being large), and the ratio memfit's rise / TRL's. Each run a fresh process.
 """
 
 from __future__ import annotations
@@ -87,6 +97,7 @@ SECTION = "Online RL (GRPO): memfit and TRL's GRPOTrainer"
 MIB = 1024**2
 
 LR, BETAS, EPS, MAX_GRAD_NORM, SEED, TEMPERATURE = 1e-5, (0.9, 0.999), 1e-8, 1.0, 0, 1.0
+STEPS_DEFAULT = 4
 
 # (name, label, tool, settings). memfit settings are config overrides; TRL settings are GRPOConfig fields.
 CONFIGURATIONS: list[tuple[str, str, str, dict[str, Any]]] = [
@@ -123,6 +134,16 @@ def low_token_share(completion_ids, **kwargs):
     return [sum(1 for token in ids if token < VOCABULARY // 2) / max(1, len(ids)) for ids in completion_ids]
 '''
 REWARD_NAME = "low_token_share"
+LEARNING_REWARD_NAME = "token_value"
+LEARNING_REWARD_SOURCE = '''
+
+def token_value(completion_ids, **kwargs):
+    return [sum(token % 10 for token in ids) / (10 * max(1, len(ids))) for ids in completion_ids]
+'''
+LEARNING = {"lr": 3e-3, "num_generations": 4, "batch_size": 16, "completion_length": 8, "prompt_length": 16,
+            "steps": 30, "window": 5, "seeds": 3}
+"""--learning's settings, both tools: AdamW at a constant lr, clipping at MAX_GRAD_NORM, beta 0, loss type dapo."""
+LEARNING_SECTION = "CPU, 2 cores, learning: mean reward per step"
 
 WORDS = ("memory gradient batch token model layer training fits device loss step context offload answer "
          "reward policy group advantage completion prompt the a of to and is in it").split()
@@ -147,17 +168,17 @@ def write_prompts(path: Path, length: int, count: int) -> list[dict]:
 
 
 def write_reward(path: Path, vocabulary: int) -> Path:
-    path.write_text(REWARD_SOURCE.format(vocabulary=vocabulary))
+    path.write_text(REWARD_SOURCE.format(vocabulary=vocabulary) + LEARNING_REWARD_SOURCE)
     return path
 
 
-def load_reward(path: str) -> Any:
+def load_reward(path: str, name: str = REWARD_NAME) -> Any:
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("bench_grpo_reward", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return getattr(module, REWARD_NAME)
+    return getattr(module, name)
 
 
 # ---------------------------------------------------------------------------
@@ -218,10 +239,12 @@ def memfit_worker(spec: dict[str, Any]) -> dict[str, Any]:
 
     overrides = {
         "model": spec["model_dir"], "dataset": spec["data"], "task": "grpo",
-        "reward_function": f"{spec['reward_file']}:{REWARD_NAME}", "num_generations": spec["num_generations"],
+        "reward_function": f"{spec['reward_file']}:{spec.get('reward', REWARD_NAME)}",
+        "num_generations": spec["num_generations"],
         "max_completion_length": spec["completion_length"], "temperature": TEMPERATURE,
         "seq_len": spec["prompt_length"] + spec["completion_length"], "batch_size": spec["batch_size"],
-        "gradient_accumulation_steps": 1, "max_steps": spec["steps"], "seed": SEED, "lr": LR,
+        "gradient_accumulation_steps": 1, "max_steps": spec["steps"], "seed": spec.get("seed", SEED),
+        "lr": spec.get("lr", LR),
         "lr_schedule": "constant", "warmup_steps": 0, "beta1": BETAS[0], "beta2": BETAS[1], "eps": EPS,
         "weight_decay": 0.0, "max_grad_norm": MAX_GRAD_NORM, "optimizer": "adamw", "precision": "fp32",
         "beta": 0.0, "loss_type": spec["loss_type"], "output_dir": spec["output_dir"], "cache_dir": spec["cache_dir"],
@@ -261,20 +284,21 @@ def trl_worker(spec: dict[str, Any]) -> dict[str, Any]:
                 lengths.append(float(logs["completions/mean_length"]))
                 rewards.append(float(logs["reward"]))
 
-    torch.manual_seed(SEED)
+    torch.manual_seed(spec.get("seed", SEED))
     tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"])
     model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32, attn_implementation="sdpa")
     arguments = GRPOConfig(
         output_dir=spec["output_dir"], use_cpu=True, bf16=False, num_generations=spec["num_generations"],
         max_completion_length=spec["completion_length"], temperature=TEMPERATURE,
         per_device_train_batch_size=spec["batch_size"], gradient_accumulation_steps=1, max_steps=spec["steps"],
-        learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, adam_beta1=BETAS[0],
-        adam_beta2=BETAS[1], adam_epsilon=EPS, max_grad_norm=MAX_GRAD_NORM, optim="adamw_torch_fused",
+        learning_rate=spec.get("lr", LR), lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
+        adam_beta1=BETAS[0], adam_beta2=BETAS[1], adam_epsilon=EPS, max_grad_norm=MAX_GRAD_NORM, optim="adamw_torch_fused",
         beta=0.0, loss_type=spec["loss_type"], logging_strategy="steps", logging_steps=1, save_strategy="no",
-        eval_strategy="no", report_to=[], disable_tqdm=True, dataloader_num_workers=0, seed=SEED,
+        eval_strategy="no", report_to=[], disable_tqdm=True, dataloader_num_workers=0, seed=spec.get("seed", SEED),
         shuffle_dataset=False, **spec["settings"],
     )
-    trainer = GRPOTrainer(model=model, reward_funcs=[load_reward(spec["reward_file"])], args=arguments,
+    reward = load_reward(spec["reward_file"], spec.get("reward", REWARD_NAME))
+    trainer = GRPOTrainer(model=model, reward_funcs=[reward], args=arguments,
                           train_dataset=Dataset.from_list(records), processing_class=tokenizer, callbacks=[Stamps()])
     trainer.train()
     out = figures(clock, spec["warmup"], started, lengths, rewards, import_rss)
@@ -300,13 +324,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-generations", type=int, default=4, help="completions a prompt (default 4)")
     parser.add_argument("--batch-size", type=int, default=8,
                         help="completions a step, one micro-batch (default 8: 2 prompts x 4)")
-    parser.add_argument("--steps", type=int, default=4, help="optimizer steps per run (default 4)")
+    parser.add_argument("--steps", type=int, default=STEPS_DEFAULT,
+                        help=f"optimizer steps per run (default {STEPS_DEFAULT}; --learning: {LEARNING['steps']})")
     parser.add_argument("--warmup", type=int, default=1, help="first steps left out of steps/s (default 1)")
     parser.add_argument("--loss-type", default="dapo", choices=("dapo", "grpo", "dr_grpo", "bnpo"),
                         help="loss type, both tools (default dapo, both tools' default)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="runs of TRL's defaults and of memfit's defaults, alternated, their figures medians"
-                             " (default 1: each run takes about a minute on the 2-core dev machine)")
+                             " (default 1: each run takes about a minute on the 2-core dev machine); --learning:"
+                             f" the seeds (default {LEARNING['seeds']})")
     parser.add_argument("--only", help="comma-separated runs (default all): " + ", ".join(c[0] for c in CONFIGURATIONS)
                         + "; 'none' with --longest for the ladder alone")
     parser.add_argument("--longest", metavar="CAP", help="also find the longest completion one step fits in CAP")
@@ -316,12 +342,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="torch threads of each run, both tools (default 1: see THREAD_VARIABLES)")
     parser.add_argument("--quick", action="store_true",
                         help="toy model, completions of 16 tokens, 4 a step, 2 steps, every run in this process")
+    parser.add_argument("--learning", action="store_true",
+                        help="instead of the speed runs: mean reward per step of both tools learning a toy reward")
     parser.add_argument("--out", help="markdown file to write the results section into (e.g. docs/benchmarks.md)")
     parser.add_argument("--label", help="title of this run's subsection in --out (default 'CPU, N cores')")
     parser.add_argument("--json", help="also write the raw results of every run to this JSON file")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.quick:
+    if args.learning:  # its own steps (--steps, when given), window and seeds (--repeats, when given)
+        args.steps = args.steps if args.steps != STEPS_DEFAULT else LEARNING["steps"]
+        args.repeats = args.repeats if args.repeats != 1 else LEARNING["seeds"]
+        args.warmup = 1
+        args.learning_window = min(LEARNING["window"], max(1, args.steps // 2))
+        if args.quick:
+            args.steps, args.learning_window, args.repeats = 4, 2, 1
+    elif args.quick:
         args.steps, args.warmup, args.repeats = 2, 1, 1
         args.prompt_length, args.completion_length, args.num_generations, args.batch_size = 16, 16, 2, 4
         if args.longest:
@@ -405,6 +440,112 @@ def run_longest(args: argparse.Namespace, workdir: Path, paths: dict[str, Path])
             if not entry["fits"]:
                 break
     return ladder
+
+
+def run_learning(args: argparse.Namespace, workdir: Path, paths: dict[str, Path]) -> dict[str, list[dict]]:
+    """memfit and TRL, one fresh process a run, the same LEARNING settings and token_value reward, seeds 0 to
+    --repeats - 1 (TRL then memfit at each seed): their runs, with each step's mean reward."""
+    results: dict[str, list[dict]] = {"trl": [], "memfit": []}
+    for seed in range(args.repeats):
+        for tool in ("trl", "memfit"):
+            name = f"learning-{tool}-{seed}"
+            spec = {**base_spec(args, paths), **{k: v for k, v in LEARNING.items() if k not in ("window", "seeds")},
+                    "steps": args.steps, "warmup": 1, "loss_type": "dapo", "reward": LEARNING_REWARD_NAME,
+                    "seed": seed, "name": name, "tool": tool, "settings": {}, "output_dir": str(workdir / name),
+                    "cache_dir": str(workdir / f"{name}-cache")}
+            began = time.perf_counter()
+            result = run_one(args, spec)
+            result["load_average"] = os.getloadavg()[0]
+            result["seconds"] = time.perf_counter() - began
+            results[tool].append(result)
+            save_json(args, {"learning": results})
+            print(f"[learning] {tool}, seed {seed}: rewards {' '.join(f'{r:.2f}' for r in result['rewards'])}"
+                  f" ({result['seconds']:.0f} s, load average {result['load_average']:.1f})", file=sys.stderr)
+    return results
+
+
+def mean_per_step(runs: list[dict]) -> list[float]:
+    """Each step's mean reward, averaged over the runs (seeds)."""
+    steps = min(len(run["rewards"]) for run in runs)
+    return [sum(run["rewards"][step] for run in runs) / len(runs) for step in range(steps)]
+
+
+def rise(rewards: list[float], window: int) -> float | None:
+    """Mean reward over the last `window` steps minus the mean over the first `window` (None when too few steps)."""
+    if len(rewards) < 2 * window:
+        return None
+    return sum(rewards[-window:]) / window - sum(rewards[:window]) / window
+
+
+def learning_report(args: argparse.Namespace, results: dict[str, list[dict]], parameters: int, command: str,
+                    load_start: tuple[float, ...]) -> str:
+    window, shape, seeds = args.learning_window, MODEL_SHAPES["quick"], args.repeats
+    curves = {tool: mean_per_step(runs) for tool, runs in results.items()}
+    rises = {tool: rise(curve, window) for tool, curve in curves.items()}
+    rows = [[str(step + 1)] + [f"{curves[tool][step]:.3f}" for tool in ("trl", "memfit")]
+            for step in range(min(len(curve) for curve in curves.values()))]
+    summary = []
+    for tool, label in (("trl", "TRL GRPOTrainer"), ("memfit", "memfit `--task grpo`")):
+        curve, runs = curves[tool], results[tool]
+        per_seed = ", ".join(f"{value:+.3f}" if value is not None else "-"
+                             for value in (rise(run["rewards"], window) for run in runs))
+        summary.append([label, f"{sum(curve[:window]) / window:.3f}", f"{sum(curve[-window:]) / window:.3f}",
+                        f"{rises[tool]:+.3f}" if rises[tool] is not None else "-", per_seed,
+                        f"{sum(run['seconds'] for run in runs) / len(runs):.0f}",
+                        f"{max(run['load_average'] for run in runs):.1f}"])
+    mine, theirs = rises.get("memfit"), rises.get("trl")
+    verdict = (f"memfit's rise / TRL's rise: {mine / theirs:.2f}" if mine is not None and theirs and theirs > 0 else
+               f"no ratio: TRL's rise is {theirs if theirs is None else f'{theirs:+.3f}'} (not above 0)")
+    lines = [
+        f"Model: Llama-shaped, {parameters / 1e6:.2f}M parameters ({shape['num_hidden_layers']} blocks of width"
+        f" {shape['hidden_size']}, vocabulary {shape['vocab_size']}), random init with a fixed seed, the byte"
+        f" tokenizer. Prompts: plain text of {LEARNING['prompt_length']} tokens, written by the script. Reward"
+        " `token_value`: a completion's mean of token id modulo 10, over 10 (0.45 expected of uniform tokens; the"
+        f" model can raise it by preferring some ids). Both tools: AdamW (lr {LEARNING['lr']:g} constant, betas"
+        f" {BETAS}, no weight decay), clipping at {MAX_GRAD_NORM:g}, num_generations {LEARNING['num_generations']},"
+        f" {LEARNING['batch_size']} completions a step (one micro-batch), max_completion_length"
+        f" {LEARNING['completion_length']}, temperature {TEMPERATURE:g}, beta 0, loss type dapo, {args.steps} steps,"
+        f" seeds 0 to {seeds - 1} (a run of each tool at each seed), fp32, generation by transformers,"
+        f" {args.threads} torch thread a run, each run a fresh process.",
+        "",
+        f"Rise: mean reward over the last {window} steps minus over the first {window}, of the reward per step"
+        f" averaged over the {seeds} seed{'s' if seeds > 1 else ''}. {verdict}. At this size one seed's rise is"
+        " noisy: each seed's rise is shown.",
+        "",
+        markdown_table(["tool", f"first {window} steps", f"last {window} steps", "rise", "rise per seed",
+                        "run (s, mean)", "load"], summary),
+        "",
+        "Mean reward per step over the seeds (TRL's logged `reward`; memfit's `reward` in metrics.jsonl):",
+        "",
+        markdown_table(["step", "TRL", "memfit"], rows),
+        "",
+        f"Command: `{command}`",
+        "",
+        f"Machine: {machine_description('cpu')}",
+        "",
+        f"Date: {today()}; load average (1, 5, 15 min) at the start {', '.join(f'{x:.2f}' for x in load_start)},"
+        f" at the end {', '.join(f'{x:.2f}' for x in os.getloadavg())}",
+    ]
+    return "\n".join(lines)
+
+
+def learning_main(args: argparse.Namespace, command: str) -> int:
+    """--learning: both tools learning the toy reward side by side (module docstring), reported apart."""
+    load_start, started = os.getloadavg(), time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="memfit-bench-grpo-learning-") as scratch:
+        workdir = Path(scratch)
+        paths = {"model": workdir / "model", "data": workdir / "prompts.jsonl", "reward": workdir / "reward.py"}
+        parameters = save_model(paths["model"], "quick", seed=SEED)
+        write_prompts(paths["data"], LEARNING["prompt_length"],
+                      args.steps * LEARNING["batch_size"] // LEARNING["num_generations"])
+        write_reward(paths["reward"], MODEL_SHAPES["quick"]["vocab_size"])
+        results = run_learning(args, workdir, paths)
+    body = learning_report(args, results, parameters, command, load_start)
+    print(body)
+    print(f"\n(benchmark took {time.perf_counter() - started:.0f} s)", file=sys.stderr)
+    if args.out:
+        write_section(args.out, SECTION, body, args.label or LEARNING_SECTION)
+    return 0
 
 
 def save_json(args: argparse.Namespace, content: dict[str, Any]) -> None:
@@ -566,6 +707,9 @@ def main(argv: list[str] | None = None) -> int:
 
         os.environ.update(CPU_ONLY)
         torch.set_num_threads(args.threads)
+    if args.learning:
+        return learning_main(args, ("python benchmarks/bench_grpo.py " + " ".join(
+            sys.argv[1:] if argv is None else argv)).strip())
     load_start = os.getloadavg()
     started = time.perf_counter()
     shape = "quick" if args.quick else "20m"
