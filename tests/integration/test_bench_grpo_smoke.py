@@ -52,3 +52,21 @@ def test_bench_grpo_quick_writes_its_section(tmp_path):
     assert {name: [entry["length"] for entry in entries] for name, entries in data["longest"].items()} == {
         "trl": [8], "memfit": [8], "memfit-ckpt": [8]}
     assert all(not entry["fits"] and entry["completed"] for entries in data["longest"].values() for entry in entries)
+
+
+def test_bench_grpo_learning_quick_writes_its_subsection(tmp_path):
+    """--learning --quick: both tools train on the token-value reward and the rises go into their own subsection."""
+    pytest.importorskip("trl")
+    out = tmp_path / "benchmarks.md"
+    raw = tmp_path / "raw.json"
+    result = subprocess.run([sys.executable, str(SCRIPT), "--learning", "--quick", "--out", str(out), "--json", str(raw)],
+                            capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    section = out.read_text().split(SECTION, 1)[1]
+    assert "### CPU, 2 cores, learning: mean reward per step" in section
+    assert "| tool | first 2 steps | last 2 steps | rise | rise per seed | run (s, mean) | load |" in section
+    assert "| step | TRL | memfit |" in section and "Command: `python benchmarks/bench_grpo.py --learning" in section
+    runs = json.loads(raw.read_text())["learning"]
+    for tool in ("trl", "memfit"):  # each step of each tool scored by the same reward, in [0, 1]
+        assert len(runs[tool]) == 1 and len(runs[tool][0]["rewards"]) == 4, runs[tool]
+        assert all(0.0 <= reward <= 1.0 for reward in runs[tool][0]["rewards"])
