@@ -28,12 +28,18 @@ LEVERS = {
     "rope-scale": ["--rope-scale", "2", "--rope-scaling", "linear", "--lr", "0.5"],
     "adam-mini": ["--optimizer", "adam-mini", "--lr", "0.001"],
     "adamw-8bit": ["--optimizer", "adamw-8bit", "--lr", "0.001"],
+    "zero2": ["--batch-size", "1", "--effective-batch-size", "2", "--lr", "0.5"],
+    "zero3": ["--batch-size", "1", "--effective-batch-size", "2", "--lr", "0.5"],
 }
 """Each lever's flags (after the SGD flags, so an optimizer named here replaces SGD)."""
 
+SPLIT_ONLY = {"zero2": ["--zero-stage", "2"], "zero3": ["--zero-stage", "3"]}
+"""Flags of the split run only: its reference is the plain one process (DeepSpeed's own averaging must not cancel)."""
+
 RAN = {"lora": ("lora", "'rank': 4"), "tiled-mlp": ("techniques", "'mlp_tiles': 3"),
        "offload": ("techniques", "'activation_offload': 'all'"), "rope-scale": ("rope_scaling", "linear x2"),
-       "adam-mini": ("optimizer", "adam-mini"), "adamw-8bit": ("optimizer", "adamw-8bit (bitsandbytes)")}
+       "adam-mini": ("optimizer", "adam-mini"), "adamw-8bit": ("optimizer", "adamw-8bit (bitsandbytes)"),
+       "zero2": ("optimizer", "deepspeed zero-2 over 2 rank(s)"), "zero3": ("optimizer", "deepspeed zero-3 over 2 rank(s)")}
 """What a run's start record says the lever did (key, text within it): a lever that fell back would pass the weight check unseen."""
 
 
@@ -54,7 +60,7 @@ def lever_runs(llama_dir, text_file, tmp_path_factory) -> dict[str, Path]:
     runs = {name: [*base, *flags] for name, flags in LEVERS.items()}
     run_many([{"name": f"one-{name}", "args": [*args, "--output-dir", str(root / f"one-{name}")]}
               for name, args in runs.items()], root / "one", nproc=1)
-    split = {**{name: [*args, "--context-parallel", "2"] for name, args in runs.items()},
+    split = {**{name: [*args, *SPLIT_ONLY.get(name, []), "--context-parallel", "2"] for name, args in runs.items()},
              "positions-fault": [*runs["rope-scale"], "--context-parallel", "2"]}
     faults = {"positions-fault": "context_parallel_faults:positions_restart_per_shard"}
     run_many([{"name": f"cp-{name}", "args": [*args, "--output-dir", str(root / f"cp-{name}")],

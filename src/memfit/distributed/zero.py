@@ -207,8 +207,9 @@ class DeepSpeedEngine(RankMetrics):
         self.dist = dist
         self.device = device
         user = read_deepspeed_file(config.distributed.deepspeed) if config.distributed.deepspeed else None
+        # The accumulation count is the step's: per data rank (under --context-parallel N, the world over N).
         self.ds_config = deepspeed_config(
-            config, dist.world_size, config.accumulation_for(dist.world_size), precision.name, user, fallbacks, device
+            config, dist.world_size, config.accumulation_for(dist.data_world_size), precision.name, user, fallbacks, device
         )
         try:
             import deepspeed  # noqa: F401

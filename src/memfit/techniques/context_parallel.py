@@ -2,7 +2,8 @@
 
 Saves: each rank of a context group holds 1/N of every row's activations (and logits); the
 weights, gradients and optimizer state are as the engine keeps them (replicated under DDP,
-sharded over all ranks under FSDP2). Costs: per layer two all-to-alls of the attention's
+sharded over all ranks under FSDP2 and DeepSpeed ZeRO, whose averaging over the whole world
+the loss normalizer undoes as under FSDP2). Costs: per layer two all-to-alls of the attention's
 q, k, v and output (memfit.distributed.ulysses), and the ranks of a group read the same samples,
 so the data-parallel width is the world over N. The mesh, the split and the attention live in
 memfit.distributed (context_parallel.py, sequence_shards.py, ulysses.py); this module only
@@ -19,7 +20,8 @@ def context_parallel_refusals(size: int, mode: str, world_size: int | None, devi
                               task: str = "causal-lm") -> list[str]:
     """Why --context-parallel SIZE cannot run here, one line each (empty: it runs).
 
-    `world_size`: the ranks launched, checked at the run's start (None: not checked; the estimates and the plan
+    `engine`: the engine's label; every engine composes (DDP, FSDP2 and DeepSpeed reduce over the whole world,
+    as the split's gradients need). `world_size`: the ranks launched, checked at the run's start (None: not checked; the estimates and the plan
     resolve a run per rank, with no launcher). `heads`: the model's attention heads where known (Ulysses splits them over the group; key-value
     heads that do not divide are repeated per query head, so only the query heads must).
     """
@@ -39,9 +41,6 @@ def context_parallel_refusals(size: int, mode: str, world_size: int | None, devi
     if heads is not None and heads % size:
         found.append(f"--context-parallel {size} (Ulysses) needs the attention heads ({heads}) divisible by it:"
                      " pick a divisor of the head count")
-    if engine == "DeepSpeed":
-        found.append("--context-parallel runs under DDP or --sharding fsdp, not DeepSpeed (its batch bookkeeping"
-                     " counts every rank as a data rank): use --sharding fsdp")
     if fused_loss:
         found.append("--context-parallel needs memfit's loss (a shard's last target comes from the next shard):"
                      " use --kernels none")
