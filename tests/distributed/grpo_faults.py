@@ -23,3 +23,14 @@ def seeded_by_rank():
         yield
     finally:
         grpo.completion_seed = original
+
+
+@contextlib.contextmanager
+def counted_by_rank():
+    """The step's completions and tokens counted on each rank alone: each rank's tokens weighed by its own count."""
+    original = grpo._summed_over_ranks
+    grpo._summed_over_ranks = lambda *counts: counts
+    try:
+        yield
+    finally:
+        grpo._summed_over_ranks = original

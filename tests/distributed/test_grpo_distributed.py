@@ -1,10 +1,11 @@
 """GRPO under torchrun (2 CPU ranks, gloo): each rank generates its share of the step's completions, with the full
-weights under FSDP2 (sharded parameters), and the run reaches the one-process weights of the same effective batch.
+weights under FSDP2 and ZeRO-3 (sharded parameters), and the run reaches the one-process weights of the same effective batch.
 
 Every completion is seeded by (seed, step, prompt, generation), not by the rank or the batch it runs in, so the two
 ranks together sample the completions one process samples for the same prompts. Under SGD without clipping the final
-weights compare the summed gradients. The twin run seeds by rank (grpo_faults.seeded_by_rank) and must differ. One
-launch holds every 2-rank run.
+weights compare the summed gradients. Two twins must differ: completions seeded by rank (grpo_faults.seeded_by_rank),
+and the loss normalised by each rank's own completions and tokens (grpo_faults.counted_by_rank). One launch holds
+every 2-rank run.
 """
 
 from __future__ import annotations
@@ -24,8 +25,12 @@ REWARDS = """
 def token_value(completions, completion_ids=None, **kwargs):
     return [sum(token % 10 for token in ids) / (10 * max(1, len(ids))) for ids in completion_ids]
 """
+FAULTS = {"by-rank": "grpo_faults:seeded_by_rank", "counted-by-rank": "grpo_faults:counted_by_rank"}
+"""The twins: completions seeded by rank; the loss normalised by each rank's own completions and tokens."""
 ENGINES = {"fsdp": ["--batch-size", "4", "--sharding", "fsdp"]}
-ZERO = ["--batch-size", "2", "--gradient-accumulation-steps", "2", "--zero-stage", "2"]
+ZERO = {stage: ["--batch-size", "2", "--gradient-accumulation-steps", "2", "--zero-stage", stage[-1]]
+        for stage in ("zero2", "zero3")}
+"""ZeRO-3 shards the parameters too: DeepSpeed gathers each module's parameters in its forward, generation's included."""
 BUILD_FAILED = re.compile(r"Error building extension|ninja: build stopped|CalledProcessError|fatal error:")
 """What a failed build of DeepSpeed's CPU op (torch.utils.cpp_extension) leaves in the log."""
 
@@ -40,8 +45,8 @@ def _grpo_args(model: Path, rewards: Path) -> list[str]:
 @pytest.fixture(scope="module")
 def launches(llama_dir, tmp_path_factory) -> dict:
     """The one-process reference (4 completions x 2 accumulation), then one 2-rank launch: per engine the run and its
-    twin seeded by rank, then the same under DeepSpeed ZeRO-2 (2 completions x 2 accumulation a rank) when it
-    imports."""
+    twins (FAULTS), then the same under DeepSpeed ZeRO-2 and ZeRO-3 (2 completions x 2 accumulation a rank)
+    when it imports."""
     root = tmp_path_factory.mktemp("grpo-ranks")
     rewards = root / "rewards.py"
     rewards.write_text(REWARDS)
@@ -52,12 +57,13 @@ def launches(llama_dir, tmp_path_factory) -> dict:
     runs = []
     for engine, flags in ENGINES.items():
         runs.append({"name": engine, "args": [*args, *flags]})
-        runs.append({"name": f"{engine}-by-rank", "args": [*args, *flags], "fault": "grpo_faults:seeded_by_rank"})
+        runs += [{"name": f"{engine}-{fault}", "args": [*args, *flags], "fault": where} for fault, where in FAULTS.items()]
     zero = deepspeed_available()
     if zero:  # last and "record": a DeepSpeed that cannot build its CPU op ends the launch there
-        runs.append({"name": "zero2", "args": [*args, *ZERO], "record": True})
-        runs.append({"name": "zero2-by-rank", "args": [*args, *ZERO], "fault": "grpo_faults:seeded_by_rank",
-                     "record": True})
+        for stage, flags in ZERO.items():
+            runs.append({"name": stage, "args": [*args, *flags], "record": True})
+            runs += [{"name": f"{stage}-{fault}", "args": [*args, *flags], "fault": where, "record": True}
+                     for fault, where in FAULTS.items()]
     for run in runs:
         run["args"] = [*run["args"], "--output-dir", str(root / run["name"])]
     logs = run_many(runs, root / "ranks", timeout=900)
@@ -81,32 +87,36 @@ def test_engine_equals_one_process_on_the_same_effective_batch(engine, launches)
     assert _rewards(dirs[engine]) == pytest.approx(_rewards(dirs["one"]), abs=1e-6)
 
 
+@pytest.mark.parametrize("fault", list(FAULTS))
 @pytest.mark.parametrize("engine", list(ENGINES))
-def test_engine_check_fails_when_completions_are_seeded_by_rank(engine, launches):
+def test_engine_check_fails_on_a_fault(engine, fault, launches):
     with pytest.raises(AssertionError):
-        assert_same_weights(final_weights(launches["dirs"]["one"]), final_weights(launches["dirs"][f"{engine}-by-rank"]))
+        assert_same_weights(final_weights(launches["dirs"]["one"]), final_weights(launches["dirs"][f"{engine}-{fault}"]))
 
 
 def _zero_run(launches, name: str) -> Path:
-    """The ZeRO-2 run NAME's output, or a skip that says why it has none."""
+    """The ZeRO run NAME's output, or a skip that says why it has none."""
     if not launches["zero"]:
         pytest.skip("deepspeed is not installed (pip install memfit[deepspeed])")
     code, log = exit_code(launches["root"], name), launches["logs"].get(name, "")
     if code is None:
-        pytest.skip(f"{name} did not run: an earlier ZeRO-2 run of the launch crashed")
+        pytest.skip(f"{name} did not run: an earlier ZeRO run of the launch crashed")
     if code != 0 and BUILD_FAILED.search(log):
         pytest.skip(f"DeepSpeed could not build its CPU op here: {log.strip().splitlines()[-1][:300]}")
     assert code == 0, log[-4000:]
     return launches["dirs"][name]
 
 
-def test_zero2_equals_one_process_on_the_same_effective_batch(launches):
-    run = _zero_run(launches, "zero2")
+@pytest.mark.parametrize("stage", list(ZERO))
+def test_zero_equals_one_process_on_the_same_effective_batch(stage, launches):
+    run = _zero_run(launches, stage)
     assert_same_weights(final_weights(launches["dirs"]["one"]), final_weights(run))
     assert _rewards(run) == pytest.approx(_rewards(launches["dirs"]["one"]), abs=1e-6)
 
 
-def test_zero2_check_fails_when_completions_are_seeded_by_rank(launches):
-    run = _zero_run(launches, "zero2-by-rank")
+@pytest.mark.parametrize("fault", list(FAULTS))
+@pytest.mark.parametrize("stage", list(ZERO))
+def test_zero_check_fails_on_a_fault(stage, fault, launches):
+    run = _zero_run(launches, f"{stage}-{fault}")
     with pytest.raises(AssertionError):
         assert_same_weights(final_weights(launches["dirs"]["one"]), final_weights(run))
