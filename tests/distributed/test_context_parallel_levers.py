@@ -4,7 +4,8 @@ Each lever (LoRA, tiled MLP, offloaded checkpoints, linear RoPE scaling, adam-mi
 once in one process on the whole rows and once on 2 gloo ranks that split every row. With plain SGD (no momentum, no
 clipping) the final weights are the initial ones minus the summed gradients, so equal weights mean equal gradients;
 the two optimizers run with a small rate, where their update is insensitive to a gradient's scale but not to its
-direction. The references share one launch, the split runs another. A faulty twin (positions restarting at 0 on each
+direction. DeepSpeed ZeRO-2 and ZeRO-3 run on the split side only, against the plain one process. The references
+share one launch, the split runs another. A faulty twin (positions restarting at 0 on each
 shard, as if every shard were a row of its own) must differ.
 """
 
