@@ -59,10 +59,10 @@ def active() -> ContextParallel | None:
     return _ACTIVE[-1] if _ACTIVE else None
 
 
-def check(size: int, mode: str, world_size: int, device_type: str, engine: str = "", task: str = "causal-lm") -> None:
+def check(size: int, mode: str, world_size: int, device_type: str, task: str = "causal-lm") -> None:
     """Raise one UsageError with every refusal the config and the launcher show (the model's heads are checked
     when the run is resolved on its config: memfit.techniques.context_parallel)."""
-    found = context_parallel_refusals(size, mode, world_size, device_type, engine=engine, task=task)
+    found = context_parallel_refusals(size, mode, world_size, device_type, task=task)
     if found:
         raise UsageError("; ".join(found))
 

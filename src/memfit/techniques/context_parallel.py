@@ -15,13 +15,13 @@ from __future__ import annotations
 from typing import Any
 
 
-def context_parallel_refusals(size: int, mode: str, world_size: int | None, device_type: str, *, engine: str = "",
+def context_parallel_refusals(size: int, mode: str, world_size: int | None, device_type: str, *,
                               heads: int | None = None, fused_loss: bool = False,
                               task: str = "causal-lm") -> list[str]:
     """Why --context-parallel SIZE cannot run here, one line each (empty: it runs).
 
-    `engine`: the engine's label; every engine composes (DDP, FSDP2 and DeepSpeed reduce over the whole world,
-    as the split's gradients need). `world_size`: the ranks launched, checked at the run's start (None: not checked; the estimates and the plan
+    Every engine composes (DDP, FSDP2 and DeepSpeed reduce over the whole world, as the split's gradients need).
+    `world_size`: the ranks launched, checked at the run's start (None: not checked; the estimates and the plan
     resolve a run per rank, with no launcher). `heads`: the model's attention heads where known (Ulysses splits them over the group; key-value
     heads that do not divide are repeated per query head, so only the query heads must).
     """
@@ -57,7 +57,7 @@ def _refusals(run, facts) -> list[str]:
     distributed = facts.config.distributed
     heads = getattr(facts.hf_config, "num_attention_heads", None) if facts.hf_config is not None else None
     return context_parallel_refusals(distributed.context_parallel, distributed.context_parallel_mode,
-                                     None, facts.device_type, engine=facts.engine, heads=heads,
+                                     None, facts.device_type, heads=heads,
                                      fused_loss=run.fused_loss, task=facts.config.task.task)
 
 

@@ -38,7 +38,7 @@ from memfit.hardware import supports_bf16, training_device
 from memfit.memory.stats import configure_cuda_allocator
 from memfit.models.loader import LoadedModel, load_model_and_tokenizer
 from memfit.resolution.registry import techniques
-from memfit.resolution.resolve import engine_label, resolve
+from memfit.resolution.resolve import resolve
 from memfit.tasks import Task, build_task
 from memfit.techniques.attention import AttentionChoice, attention_that_ran, run_attention
 from memfit.techniques.loss_recipe import LossFunction
@@ -216,7 +216,7 @@ def _start_context_parallel(config: TrainConfig, dist: DistContext, device: torc
 
     distributed = config.distributed
     context_parallel.check(distributed.context_parallel, distributed.context_parallel_mode, dist.world_size, device.type,
-                           engine_label(config, dist.world_size), config.task.task)
+                           config.task.task)
     chosen = context_parallel.start(dist, distributed.context_parallel, device.type)
     if chosen is not None:
         config.derived["context_parallel"] = chosen.implementation
