@@ -75,6 +75,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import peer_runs  # noqa: E402
 from _common import (  # noqa: E402
     MODEL_SHAPES,
     PeakWatch,
@@ -83,13 +84,12 @@ from _common import (  # noqa: E402
     emit_result,
     instrumented_loop,
     llama_config,
-    machine_description,
     markdown_table,
     median,
     run_worker,
-    today,
     write_section,
 )
+from peer_runs import CPU_ONLY, Clock, longest_of, provenance, ratio, save_json, what_ran  # noqa: E402
 
 SECTION = "Preference tuning (DPO): memfit and TRL's DPOTrainer"
 MIB = 1024**2
@@ -212,21 +212,6 @@ def schedule_order(pairs: int, batch_size: int, steps: int) -> list[int]:
 # ---------------------------------------------------------------------------
 # Workers: one run, in a fresh process
 # ---------------------------------------------------------------------------
-
-
-class Clock:
-    """Wall and CPU time at the start and at the end of every step, and the peak at the end of each."""
-
-    def __init__(self, watch: PeakWatch):
-        self.watch = watch
-        self.wall: list[float] = []
-        self.cpu: list[float] = []
-        self.peak = 0
-
-    def tick(self) -> None:
-        self.wall.append(time.perf_counter())
-        self.cpu.append(time.process_time())
-        self.peak = self.watch.total()
 
 
 def figures(clock: Clock, pairs_per_step: int, warmup: int, started: float, losses: list[float],
@@ -412,7 +397,6 @@ def run_plan(args: argparse.Namespace, workdir: Path, model_dir: Path, data: Pat
     return results
 
 
-CPU_ONLY = {"CUDA_VISIBLE_DEVICES": "", "TOKENIZERS_PARALLELISM": "false", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1"}
 
 
 def run_longest(args: argparse.Namespace, workdir: Path, model_dir: Path, tokenizer: Any) -> dict[str, list[dict]]:
@@ -447,53 +431,9 @@ def run_longest(args: argparse.Namespace, workdir: Path, model_dir: Path, tokeni
     return ladder
 
 
-def save_json(args: argparse.Namespace, content: dict[str, Any]) -> None:
-    """Kept up to date as runs end, so an interrupted run leaves what it measured."""
-    if not args.json:
-        return
-    path = Path(args.json)
-    existing = json.loads(path.read_text()) if path.exists() else {}
-    path.write_text(json.dumps({**existing, **content}, indent=1))
-
-
 def summarize(results: dict[str, list[dict]]) -> dict[str, dict[str, Any]]:
-    return {
-        name: {
-            "pairs_per_second": median([r["pairs_per_second"] for r in runs]),
-            "pairs_per_cpu_second": median([r["pairs_per_cpu_second"] for r in runs]),
-            "peak_bytes": median([r["peak_bytes"] for r in runs]),
-            "startup_seconds": median([r["startup_seconds"] for r in runs]),
-            "import_rss_bytes": median([r["import_rss_bytes"] for r in runs]),
-            "loss_at_step_2": median([r["losses"][1] for r in runs if len(r["losses"]) > 1]),
-            "load_average": max(r["load_average"] for r in runs),
-            "runs": len(runs),
-            "ran": runs[0]["ran"],
-        }
-        for name, runs in results.items()
-        if runs
-    }
-
-
-def ratio(value: float | None, reference: float | None) -> str:
-    return f"{value / reference:.2f}" if value and reference else "-"
-
-
-def longest_of(entries: list[dict], cap: int) -> tuple[int | None, float | None, str]:
-    """The longest fitting ladder length, the interpolated estimate (None when there is no length over the cap
-    to interpolate to) and the estimate as text."""
-    fitting = [e for e in entries if e["fits"]]
-    best = fitting[-1]["length"] if fitting else None
-    over = next((e for e in entries if not e["fits"]), None)
-    if over is None:
-        return best, None, f">= {best} (the whole ladder fits)" if best else "-"
-    if best is None:
-        return None, None, f"< {over['length']} (the shortest length is over)"
-    low, high = fitting[-1], over
-    if not high["completed"] or high["peak_bytes"] <= low["peak_bytes"]:
-        return best, None, f"{best} to {high['length']}"
-    estimate = low["length"] + (cap - low["peak_bytes"]) * (high["length"] - low["length"]) / (
-        high["peak_bytes"] - low["peak_bytes"])
-    return best, estimate, f"about {estimate:.0f}"
+    return peer_runs.summarize(results, ("pairs_per_second", "pairs_per_cpu_second"), loss_at_step_2=lambda runs: median(
+        [r["losses"][1] for r in runs if len(r["losses"]) > 1]))
 
 
 def longest_report(args: argparse.Namespace, ladder: dict[str, list[dict]]) -> list[str]:
@@ -580,9 +520,7 @@ def report(args: argparse.Namespace, summary: dict[str, dict[str, Any]], ladder:
         markdown_table(["run", "pairs/s", "pairs/CPU s", "peak RSS (MiB)", "start-up (s)", "loss at step 2", "load"],
                        rows),
         "",
-        "What ran, as each tool reports it: " + "; ".join(
-            f"{name}: " + ", ".join(f"{k} {v}" for k, v in summary[name]["ran"].items() if v is not None)
-            for name, *_ in CONFIGURATIONS if name in summary) + ".",
+        what_ran(summary, CONFIGURATIONS),
         "",
         "Ratios, memfit / TRL (peak below 1: memfit holds less; pairs/s above 1: memfit is faster):",
         "",
@@ -590,15 +528,7 @@ def report(args: argparse.Namespace, summary: dict[str, dict[str, Any]], ladder:
     ]
     if ladder is not None:
         lines += ["", *longest_report(args, ladder)]
-    lines += [
-        "",
-        f"Command: `{command}`",
-        "",
-        f"Machine: {machine_description('cpu')}",
-        "",
-        f"Date: {today()}; load average (1, 5, 15 min) at the start {', '.join(f'{x:.2f}' for x in load_start)},"
-        f" at the end {', '.join(f'{x:.2f}' for x in os.getloadavg())}",
-    ]
+    lines += provenance(command, load_start)
     return "\n".join(lines)
 
 

@@ -52,7 +52,7 @@ def test_bench_preference_quick_writes_its_section(tmp_path):
 def test_longest_interpolates_between_the_ladder_lengths():
     sys.path.insert(0, str(REPO / "benchmarks"))
     try:
-        from bench_preference import longest_of
+        from peer_runs import longest_of
     finally:
         sys.path.pop(0)
     mib = 1024**2
