@@ -71,8 +71,13 @@ def launches(llama_dir, tmp_path_factory) -> dict:
             "root": root / "ranks"}
 
 
+ROLLOUT_METRICS = ("reward", "reward_std", "frac_reward_zero_std", "rewards/token_value/mean", "completions/mean_length",
+                   "completions/max_length", "completions/clipped_ratio")
+"""The step's rollout metrics: over every rank's completions, so each is one process's figure."""
+
+
 def _rewards(out: Path) -> list[float]:
-    return [step["reward"] for step in steps_of(out)]
+    return [step[name] for step in steps_of(out) for name in ROLLOUT_METRICS]
 
 
 def test_the_one_process_reference_moves_the_weights(launches, llama_dir):

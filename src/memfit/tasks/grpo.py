@@ -307,16 +307,19 @@ class GRPOTask(SampleLossTask):
     # -- what the run says -----------------------------------------------------------------------------------------
 
     def _rollout_metrics(self, scores: Any, reward_stats: dict, rollout: Any, samples: list[dict]) -> None:
-        lengths = torch.tensor([len(c) for c in rollout.completions], dtype=torch.float32)
+        # over every rank's completions under torchrun (as the rewards behind reward_stats), not one rank's share
+        lengths = _gathered_over_ranks(torch.tensor([len(c) for c in rollout.completions], dtype=torch.float32))[0]
+        truncated = _gathered_over_ranks(torch.tensor(rollout.truncated, dtype=torch.float32))[0]
         metrics = {"reward": float(reward_stats["reward"]), "reward_std": float(reward_stats["reward_std"]),
                    "frac_reward_zero_std": float(reward_stats.get("frac_reward_zero_std", 0.0)),
                    "completions/mean_length": float(lengths.mean()), "completions/min_length": float(lengths.min()),
                    "completions/max_length": float(lengths.max()),
-                   "completions/clipped_ratio": sum(rollout.truncated) / max(1, len(rollout.truncated)),
+                   "completions/clipped_ratio": float(truncated.mean()) if truncated.numel() else 0.0,
                    "generation_batch": rollout.generation_batch,
                    # each out-of-memory error generation recovered from (halving its batch, the same completions)
                    "generation_oom_halvings": len(rollout.events)}
         for name, values in scores.per_function.items():
+            values = _gathered_over_ranks(values)[0]
             metrics[f"rewards/{name}/mean"] = float(torch.nanmean(values))
             metrics[f"rewards/{name}/std"] = float(_nanstd(values))
         self._metrics = metrics
