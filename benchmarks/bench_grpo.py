@@ -76,6 +76,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import peer_runs  # noqa: E402
 from _common import (  # noqa: E402
     MODEL_SHAPES,
     PeakWatch,
@@ -83,15 +84,13 @@ from _common import (  # noqa: E402
     default_label,
     emit_result,
     instrumented_loop,
-    machine_description,
     markdown_table,
     median,
     run_worker,
     save_model,
-    today,
     write_section,
 )
-from bench_preference import longest_of  # noqa: E402  (the same ladder reading as the DPO benchmark)
+from peer_runs import CPU_ONLY, Clock, longest_of, provenance, ratio, save_json, what_ran  # noqa: E402
 
 SECTION = "Online RL (GRPO): memfit and TRL's GRPOTrainer"
 MIB = 1024**2
@@ -119,7 +118,6 @@ COMPARISONS = [
 LONGEST_SIDES = [("trl", "TRL's defaults"), ("memfit", "memfit's defaults"),
                  ("memfit-ckpt", "memfit `--gradient-checkpointing full`")]
 
-CPU_ONLY = {"CUDA_VISIBLE_DEVICES": "", "TOKENIZERS_PARALLELISM": "false", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1"}
 # One torch thread a run, both tools: on a 2-core machine shared with other jobs, two threads made a 4-row decoding
 # forward of the 20m model about 30x slower (1.35 s against 0.05 s, 2026-11-28), for both tools alike, which would
 # measure the machine's contention rather than the tools. --threads changes it.
@@ -184,21 +182,6 @@ def load_reward(path: str, name: str = REWARD_NAME) -> Any:
 # ---------------------------------------------------------------------------
 # Workers: one run, in a fresh process
 # ---------------------------------------------------------------------------
-
-
-class Clock:
-    """Wall and CPU time at the start and at the end of every step, and the peak at the end of each."""
-
-    def __init__(self, watch: PeakWatch):
-        self.watch = watch
-        self.wall: list[float] = []
-        self.cpu: list[float] = []
-        self.peak = 0
-
-    def tick(self) -> None:
-        self.wall.append(time.perf_counter())
-        self.cpu.append(time.process_time())
-        self.peak = self.watch.total()
 
 
 def figures(clock: Clock, warmup: int, started: float, lengths: list[float], rewards: list[float],
@@ -518,13 +501,7 @@ def learning_report(args: argparse.Namespace, results: dict[str, list[dict]], pa
         "Mean reward per step over the seeds (TRL's logged `reward`; memfit's `reward` in metrics.jsonl):",
         "",
         markdown_table(["step", "TRL", "memfit"], rows),
-        "",
-        f"Command: `{command}`",
-        "",
-        f"Machine: {machine_description('cpu')}",
-        "",
-        f"Date: {today()}; load average (1, 5, 15 min) at the start {', '.join(f'{x:.2f}' for x in load_start)},"
-        f" at the end {', '.join(f'{x:.2f}' for x in os.getloadavg())}",
+        *provenance(command, load_start),
     ]
     return "\n".join(lines)
 
@@ -548,35 +525,9 @@ def learning_main(args: argparse.Namespace, command: str) -> int:
     return 0
 
 
-def save_json(args: argparse.Namespace, content: dict[str, Any]) -> None:
-    """Kept up to date as runs end, so an interrupted run leaves what it measured."""
-    if not args.json:
-        return
-    path = Path(args.json)
-    existing = json.loads(path.read_text()) if path.exists() else {}
-    path.write_text(json.dumps({**existing, **content}, indent=1))
-
-
 def summarize(results: dict[str, list[dict]]) -> dict[str, dict[str, Any]]:
-    return {
-        name: {
-            "steps_per_second": median([r["steps_per_second"] for r in runs]),
-            "steps_per_cpu_second": median([r["steps_per_cpu_second"] for r in runs]),
-            "peak_bytes": median([r["peak_bytes"] for r in runs]),
-            "startup_seconds": median([r["startup_seconds"] for r in runs]),
-            "import_rss_bytes": median([r["import_rss_bytes"] for r in runs]),
-            "mean_length": median([x for r in runs for x in r["mean_lengths"]]),
-            "load_average": max(r["load_average"] for r in runs),
-            "runs": len(runs),
-            "ran": runs[0]["ran"],
-        }
-        for name, runs in results.items()
-        if runs
-    }
-
-
-def ratio(value: float | None, reference: float | None) -> str:
-    return f"{value / reference:.2f}" if value and reference else "-"
+    return peer_runs.summarize(results, ("steps_per_second", "steps_per_cpu_second"), mean_length=lambda runs: median(
+        [x for r in runs for x in r["mean_lengths"]]))
 
 
 def longest_report(args: argparse.Namespace, ladder: dict[str, list[dict]]) -> list[str]:
@@ -670,9 +621,7 @@ def report(args: argparse.Namespace, summary: dict[str, dict[str, Any]], ladder:
         markdown_table(["run", "steps/s", "steps/CPU s", "peak RSS (MiB)", "start-up (s)", "mean length", "load"],
                        rows),
         "",
-        "What ran, as each tool reports it: " + "; ".join(
-            f"{name}: " + ", ".join(f"{k} {v}" for k, v in summary[name]["ran"].items() if v is not None)
-            for name, *_ in CONFIGURATIONS if name in summary) + ".",
+        what_ran(summary, CONFIGURATIONS),
         "",
         "Ratios, memfit / TRL (peak below 1: memfit holds less; steps/s above 1: memfit is faster):",
         "",
@@ -680,15 +629,7 @@ def report(args: argparse.Namespace, summary: dict[str, dict[str, Any]], ladder:
     ]
     if ladder is not None:
         lines += ["", *longest_report(args, ladder)]
-    lines += [
-        "",
-        f"Command: `{command}`",
-        "",
-        f"Machine: {machine_description('cpu')}",
-        "",
-        f"Date: {today()}; load average (1, 5, 15 min) at the start {', '.join(f'{x:.2f}' for x in load_start)},"
-        f" at the end {', '.join(f'{x:.2f}' for x in os.getloadavg())}",
-    ]
+    lines += provenance(command, load_start)
     return "\n".join(lines)
 
 
