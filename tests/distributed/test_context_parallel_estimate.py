@@ -1,10 +1,14 @@
-"""`memfit estimate --context-parallel 2` gives each rank's tracked peak within 5 % (2 gloo ranks, FSDP2).
+"""`memfit estimate --context-parallel 2` gives each rank's tracked peak within 5 % (2 gloo ranks, FSDP2; DDP: 2 %).
 
-One torchrun launch trains a tiny Llama on 2 context ranks with memfit's MemoryTracker on, once
+One torchrun launch trains a tiny Llama on 2 context ranks with memfit's MemoryTracker on, under
+FSDP2 and under the default engine (no --sharding: replicated, as with --sharding ddp), each once
 without checkpointing and once with full checkpointing (where the all-to-all buffers are a larger
 share of the peak); each rank's largest tracked peak over the steps is compared with the
-estimate's per-rank figure for the same flags. An estimate that forgot to split the sequence
-(2x the activations) or the all-to-all buffers (9 % under with checkpointing) fails.
+estimate's per-rank figure for the same flags (the DDP runs with both spellings of the engine).
+An estimate that forgot to split the sequence (2x the activations), forgot the all-to-all buffers
+(FSDP2: 9 % under with checkpointing; DDP: 4.5 % under) or counted them twice (DDP: 5 % over), or
+that counted DDP's gradients twice (a flat bucket copy memfit's in-place all-reduce does not make:
+14 % over), fails.
 """
 
 from __future__ import annotations
@@ -19,12 +23,21 @@ from memfit.train.metrics import read_metrics
 
 pytestmark = pytest.mark.distributed
 
-TOLERANCE = 0.05
+TOLERANCE = {"fsdp": 0.05, "ddp": 0.02}
+"""The bar per engine. Under DDP the estimate lands within 0.5 % of the tracked peak and the all-to-all
+buffers are 4.8 % of it with checkpointing, so 2 % fails an estimate that forgets them or counts them twice."""
+NO_CHECKPOINTING = ["--seq-len", "512", "--gradient-checkpointing", "off"]
+FULL_CHECKPOINTING = ["--gradient-checkpointing", "full"]
 SETTINGS = {
-    "no-checkpointing": ["--seq-len", "512", "--gradient-checkpointing", "off"],
-    "full-checkpointing": ["--seq-len", "1024", "--gradient-checkpointing", "full"],
+    "fsdp-no-checkpointing": ["--sharding", "fsdp", *NO_CHECKPOINTING],
+    "fsdp-full-checkpointing": ["--sharding", "fsdp", "--seq-len", "1024", *FULL_CHECKPOINTING],
+    # no --sharding: the default engine, replicated as with --sharding ddp
+    "ddp-no-checkpointing": NO_CHECKPOINTING,
+    "ddp-full-checkpointing": ["--seq-len", "1024", *FULL_CHECKPOINTING],
 }
-COMMON = ["--batch-size", "1", "--context-parallel", "2", "--sharding", "fsdp"]
+ESTIMATE_SPELLINGS = {"fsdp": {"as-run": []}, "ddp": {"as-run": [], "sharding-ddp": ["--sharding", "ddp"]}}
+"""Flags each engine's estimate is also asked with, beside the run's own: the default engine is --sharding ddp."""
+COMMON = ["--batch-size", "1", "--context-parallel", "2"]
 
 
 @pytest.fixture(scope="module")
@@ -73,13 +86,14 @@ def _estimated_per_rank(model: Path, flags: list[str], capsys) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
-@pytest.mark.parametrize("setting", list(SETTINGS))
-def test_each_rank_peak_is_within_five_percent_of_the_estimate(setting, tracked_runs, long_llama, capsys):
-    estimate = _estimated_per_rank(long_llama, SETTINGS[setting], capsys)
+@pytest.mark.parametrize("setting,spelling", [pytest.param(setting, flags, id=f"{setting}-{name}") for setting in SETTINGS
+                                               for name, flags in ESTIMATE_SPELLINGS[setting.split("-")[0]].items()])
+def test_each_rank_peak_is_within_five_percent_of_the_estimate(setting, spelling, tracked_runs, long_llama, capsys):
+    estimate = _estimated_per_rank(long_llama, [*SETTINGS[setting], *spelling], capsys)
     split = estimate["details"]["context_parallel"]
     assert split["tokens_per_rank"] * 2 == split["seq_len"] and split["data_parallel"] == 1
     peaks = _rank_peaks(tracked_runs[setting])
     assert len(peaks) == 2
     for rank, peak in enumerate(peaks):
         error = estimate["peak_bytes"] / peak - 1
-        assert abs(error) <= TOLERANCE, f"rank {rank}: estimated {estimate['peak_bytes']:,} vs tracked {peak:,} ({error:+.1%})"
+        assert abs(error) <= TOLERANCE[setting.split("-")[0]], f"rank {rank}: estimated {estimate['peak_bytes']:,} vs tracked {peak:,} ({error:+.1%})"

@@ -165,12 +165,11 @@ def adapter_input_bytes(run: RunShape) -> int:
 
 def apply_sharding(moment: dict, parts: dict, sharding: str, world_size: int, hf_config, run: RunShape,
                     cache: float = 0.0) -> dict:
-    """Divide what each sharding mode spreads over the ranks; add DDP's gradient buckets."""
+    """Divide what each sharding mode spreads over the ranks (DDP: nothing, and nothing added)."""
     moment = dict(moment)
-    if world_size == 1 or sharding == "none":
-        return moment
-    if sharding == "ddp":
-        moment["other"] += parts["gradients"]  # bucketed gradient copies for all-reduce
+    # memfit's DDP engine sums each gradient in place, one collective per tensor with no flat
+    # bucket (distributed/parallel.py), so a replicated rank holds what one process holds.
+    if world_size == 1 or sharding in ("none", "ddp"):
         return moment
     divide = {"zero1": ("optimizer_states",), "zero2": ("optimizer_states", "gradients"),
               "zero3": ("optimizer_states", "gradients", "parameters"), "fsdp": ("optimizer_states", "gradients", "parameters")}

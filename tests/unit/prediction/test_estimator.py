@@ -93,7 +93,8 @@ def test_sharding_divides_state():
     config = load_config(overrides={"model": "llama-2-7b", "seq_len": 512, "batch_size": 1,
                                     "gradient_checkpointing": "full"})
     peaks = {s: estimate(config, world_size=4, sharding=s).peak_bytes for s in ("none", "ddp", "zero1", "zero2", "zero3")}
-    assert peaks["ddp"] > peaks["none"] > peaks["zero1"] > peaks["zero2"] > peaks["zero3"]
+    # DDP replicates: its in-place per-tensor all-reduce holds nothing beside the gradients
+    assert peaks["ddp"] == peaks["none"] > peaks["zero1"] > peaks["zero2"] > peaks["zero3"]
     with pytest.raises(Exception, match="sharding"):
         estimate(config, sharding="zero9")
 
