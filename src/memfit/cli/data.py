@@ -108,7 +108,8 @@ def inspect_dataset(config: Any, show: int) -> dict[str, Any]:
             all_lengths = np.asarray(dataset.lengths)
             policy = {}
         kept = np.asarray(dataset.lengths, dtype=np.int64)
-        samples = [_sample(dataset[i], tokenizer) for i in range(min(show, len(dataset)))]
+        samples = [_sample(dataset[i], tokenizer, config.distributed.context_parallel)
+                   for i in range(min(show, len(dataset)))]
         report = {
             "dataset": getattr(dataset, "source", config.data.dataset),
             "format": getattr(dataset, "format", "text"),
@@ -203,7 +204,9 @@ def length_policy_lines(report: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _sample(sample: dict, tokenizer: Any) -> dict[str, Any]:
+def _sample(sample: dict, tokenizer: Any, context_parallel: int = 1) -> dict[str, Any]:
+    from memfit.distributed.sequence_shards import shard_layout
+
     ids = sample["input_ids"].tolist()
     labels = sample["labels"].tolist()
     carries = [label != -100 for label in labels]
@@ -220,7 +223,18 @@ def _sample(sample: dict, tokenizer: Any) -> dict[str, Any]:
         "labels": [label if carry else -100 for label, carry in zip(labels, carries, strict=True)],
         "position_ids": list(range(len(ids))),
         "target_tokens": sum(carries),
+        # --context-parallel N: each rank's contiguous shard of the row, split as training splits it
+        **({"context_shards": shard_layout(sample["input_ids"], sample["labels"], context_parallel)}
+           if context_parallel > 1 else {}),
     }
+
+
+def context_shard_line(shards: list[dict[str, int]]) -> str:
+    """One line: where --context-parallel N cuts the row, and what each rank scores."""
+    cuts = "; ".join(f"rank {s['rank']}: tokens {s['first']}-{s['last']} (positions from {s['first_position']}),"
+                     f" {s['targets']} targets" for s in shards)
+    return (f"--context-parallel {len(shards)}: {cuts}; a shard's last token is scored against the next shard's"
+            " first, so the targets add up to the row's")
 
 
 def render(report: dict[str, Any], color: bool = False) -> str:
@@ -241,6 +255,8 @@ def render(report: dict[str, Any], color: bool = False) -> str:
         lines += ["", f"--- sample {number}: {len(sample['input_ids'])} tokens, {sample['target_tokens']} carry loss"
                       f" (shown {marked}) ---"]
         lines.append("".join(f"{opened}{text}{closed}" if carry else text for carry, text in sample["runs"]))
+        if sample.get("context_shards"):
+            lines.append(context_shard_line(sample["context_shards"]))
     lengths = report["lengths"]
     lines += ["", f"sample lengths (tokens, {lengths['count']:,} samples): p50 {lengths['p50']:,}, p90 {lengths['p90']:,},"
                   f" p99 {lengths['p99']:,}, max {lengths['max']:,}, mean {lengths['mean']:,}"]

@@ -75,3 +75,20 @@ def shard_batch(batch: dict[str, torch.Tensor], rank: int, shards: int) -> dict[
 def document_ids(positions: torch.Tensor) -> torch.Tensor:
     """Per position, which document of its row it belongs to: a new one starts wherever the position is 0."""
     return torch.cumsum((positions == 0).long(), dim=-1)
+
+
+def shard_layout(input_ids: torch.Tensor, labels: torch.Tensor, shards: int) -> list[dict[str, int]]:
+    """How one row splits over `shards` context ranks, as `shard_batch` splits it (what `memfit data` shows).
+
+    Per rank: its first and last token index in the padded row, the position its first token carries, and the
+    targets it scores (the last token of a shard counts the next shard's first token as its target).
+    """
+    batch = {"input_ids": input_ids.reshape(1, -1), "labels": labels.reshape(1, -1)}
+    layout = []
+    for rank in range(shards):
+        shard = shard_batch(batch, rank, shards)
+        size = shard["input_ids"].size(1)
+        layout.append({"rank": rank, "first": rank * size, "last": (rank + 1) * size - 1,
+                       "first_position": int(shard["position_ids"][0, 0]),
+                       "targets": int((shard["labels"][0, 1:] != IGNORE_INDEX).sum())})
+    return layout
