@@ -71,6 +71,10 @@ class Preemption:
 
     def __exit__(self, *exc_info) -> None:
         self._done.set()
+        if self.received is not None:
+            # The run is stopping on a signal: a second one in the moments between the saved checkpoint and the
+            # process's exit still means "exit at once" (128 + its number), not the default handler's death.
+            return
         for number, previous in self._previous.items():
             signal.signal(number, previous)
         self._previous.clear()
