@@ -60,17 +60,22 @@ class DistContext:
         """The elementwise sum of `tensor` over the ranks, on the host (moved to the backend's device for the sum)."""
         if not self.enabled:
             return tensor
-        import torch.distributed as dist
-
-        moved = tensor.to(_collective_device())
-        dist.all_reduce(moved)
-        return moved.cpu()
+        return summed_over_world(tensor)
 
     def barrier(self) -> None:
         if self.enabled:
             import torch.distributed as dist
 
             dist.barrier()
+
+
+def summed_over_world(tensor: torch.Tensor) -> torch.Tensor:
+    """The elementwise sum of `tensor` over every rank of the initialized process group, on the host."""
+    import torch.distributed as dist
+
+    moved = tensor.to(_collective_device())
+    dist.all_reduce(moved)
+    return moved.cpu()
 
 
 def _collective_device() -> torch.device:

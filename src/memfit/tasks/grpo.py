@@ -407,11 +407,9 @@ def _summed_over_ranks(*counts: int) -> tuple[int, ...]:
     """`counts` summed over the ranks of the process group (as they are in one process)."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return counts
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.distributed.get_backend() == "nccl" \
-        else torch.device("cpu")
-    summed = torch.tensor(counts, dtype=torch.float64, device=device)
-    torch.distributed.all_reduce(summed)
-    return tuple(int(value) for value in summed.tolist())
+    from memfit.distributed.context import summed_over_world
+
+    return tuple(int(value) for value in summed_over_world(torch.tensor(counts, dtype=torch.float64)).tolist())
 
 
 def _gathered_over_ranks(values: torch.Tensor) -> tuple[torch.Tensor, int]:
