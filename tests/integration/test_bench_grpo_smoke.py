@@ -3,32 +3,16 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-SCRIPT = REPO / "benchmarks" / "bench_grpo.py"
+from bench_sections import run_into_section
+
 SECTION = "## Online RL (GRPO): memfit and TRL's GRPOTrainer"
 
 
 def test_bench_grpo_quick_writes_its_section(tmp_path):
     pytest.importorskip("trl")
-    out = tmp_path / "benchmarks.md"
-    out.write_text("# Benchmarks\n\n## Another benchmark\n\nkept as it is\n")
-    raw = tmp_path / "raw.json"
-    result = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick", "--longest", "1MiB", "--out", str(out), "--json", str(raw)],
-        capture_output=True, text=True, timeout=300, cwd=REPO,
-    )
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    text = out.read_text()
-    assert "## Another benchmark\n\nkept as it is" in text
-    assert text.count(SECTION) == 1
-    section = text.split(SECTION, 1)[1]
+    section, data = run_into_section("bench_grpo.py", SECTION, tmp_path, "--quick", "--longest", "1MiB")
     assert "### CPU, " in section  # one subsection per kind of machine
     assert "| run | steps/s | steps/CPU s | peak RSS (MiB) | start-up (s) | mean length | load |" in section
     assert "TRL GRPOTrainer, its defaults" in section and "memfit `--task grpo`, its defaults" in section
@@ -36,7 +20,6 @@ def test_bench_grpo_quick_writes_its_section(tmp_path):
     assert "**Longest completion within 1MiB**" in section
     assert "Command: `python benchmarks/bench_grpo.py --quick" in section
     assert "Machine: " in section and "Date: " in section and "load average" in section
-    data = json.loads(raw.read_text())
     runs = data["runs"]
     assert set(runs) == {"trl", "memfit", "trl-no-ckpt", "memfit-ckpt"}
     assert all(run["peak_bytes"] > 0 and run["steps_per_second"] > 0 for results in runs.values() for run in results)
@@ -57,16 +40,11 @@ def test_bench_grpo_quick_writes_its_section(tmp_path):
 def test_bench_grpo_learning_quick_writes_its_subsection(tmp_path):
     """--learning --quick: both tools train on the token-value reward and the rises go into their own subsection."""
     pytest.importorskip("trl")
-    out = tmp_path / "benchmarks.md"
-    raw = tmp_path / "raw.json"
-    result = subprocess.run([sys.executable, str(SCRIPT), "--learning", "--quick", "--out", str(out), "--json", str(raw)],
-                            capture_output=True, text=True, timeout=300, cwd=REPO)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    section = out.read_text().split(SECTION, 1)[1]
+    section, data = run_into_section("bench_grpo.py", SECTION, tmp_path, "--learning", "--quick")
     assert "### CPU, 2 cores, learning: mean reward per step" in section
     assert "| tool | first 2 steps | last 2 steps | rise | rise per seed | run (s, mean) | load |" in section
     assert "| step | TRL | memfit |" in section and "Command: `python benchmarks/bench_grpo.py --learning" in section
-    runs = json.loads(raw.read_text())["learning"]
+    runs = data["learning"]
     for tool in ("trl", "memfit"):  # each step of each tool scored by the same reward, in [0, 1]
         assert len(runs[tool]) == 1 and len(runs[tool][0]["rewards"]) == 4, runs[tool]
         assert all(0.0 <= reward <= 1.0 for reward in runs[tool][0]["rewards"])

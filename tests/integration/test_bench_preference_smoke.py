@@ -3,32 +3,18 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-SCRIPT = REPO / "benchmarks" / "bench_preference.py"
+from bench_sections import REPO, run_into_section
+
 SECTION = "## Preference tuning (DPO): memfit and TRL's DPOTrainer"
 
 
 def test_bench_preference_quick_writes_its_section(tmp_path):
     pytest.importorskip("trl")
-    out = tmp_path / "benchmarks.md"
-    out.write_text("# Benchmarks\n\n## Another benchmark\n\nkept as it is\n")
-    raw = tmp_path / "raw.json"
-    result = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick", "--longest", "2GiB", "--out", str(out), "--json", str(raw)],
-        capture_output=True, text=True, timeout=300, cwd=REPO,
-    )
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    text = out.read_text()
-    assert "## Another benchmark\n\nkept as it is" in text
-    assert text.count(SECTION) == 1
-    section = text.split(SECTION, 1)[1]
+    section, data = run_into_section("bench_preference.py", SECTION, tmp_path, "--quick", "--longest", "2GiB")
     assert "### CPU, " in section  # one subsection per kind of machine
     assert "| run | pairs/s | pairs/CPU s | peak RSS (MiB) | start-up (s) | loss at step 2 | load |" in section
     assert "TRL DPOTrainer, its defaults" in section and "memfit `--task dpo`, its defaults" in section
@@ -36,7 +22,6 @@ def test_bench_preference_quick_writes_its_section(tmp_path):
     assert "**Longest pair within 2GiB**" in section
     assert "Command: `python benchmarks/bench_preference.py --quick" in section
     assert "Machine: " in section and "Date: " in section and "load average" in section
-    data = json.loads(raw.read_text())
     runs = data["runs"]
     assert set(runs) == {"trl", "memfit", "trl-no-ckpt", "memfit-ckpt", "trl-precompute", "memfit-cached"}
     assert all(run["peak_bytes"] > 0 and run["pairs_per_second"] > 0 for results in runs.values() for run in results)
