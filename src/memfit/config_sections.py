@@ -330,7 +330,7 @@ DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "robust")
 GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 """--loss-type of --task grpo: how the per-token losses are averaged (TRL's names and semantics; docs/rl.md)."""
 SCALE_REWARDS = ("group", "batch", "none")
-REFERENCE_MODES = ("auto", "adapters-off", "copy", "cached")
+REFERENCE_MODES = ("auto", "adapters-off", "copy", "host-copy", "cached")
 """--reference: where DPO's and KTO's reference log-probabilities come from (techniques/reference_model.py)."""
 
 
@@ -372,7 +372,7 @@ class TaskConfig:
     undesirable_weight: float = 1.0
     """kto: weight of each undesirable completion's loss."""
     reference: str = field(default="auto", metadata=_choices(*REFERENCE_MODES))
-    """dpo, kto, grpo with --beta > 0: the reference model. auto: adapters-off under --lora-r (the model with its adapters disabled, no second copy), else copy (a frozen copy on the device); cached: every item's reference log-probabilities computed in one pass before training and kept beside the token cache."""
+    """dpo, kto, grpo with --beta > 0: the reference model. auto: adapters-off under --lora-r (the model with its adapters disabled, no second copy), else copy (a frozen copy on the device); host-copy: the frozen copy kept in host memory and brought to the device one block at a time (about one block's bytes on the device instead of the model's, the copy's bytes over the host link each micro-batch; never chosen by auto); cached: every item's reference log-probabilities computed in one pass before training and kept beside the token cache."""
     precompute_ref_log_probs: bool = False
     """dpo, kto: TRL's name for --reference cached: compute the reference log-probabilities once, before training."""
     pair_layout: str = field(default="two-rows", metadata=_choices("auto", "two-rows", "shared-prompt", "split"))

@@ -80,9 +80,11 @@ from memfit.prediction.preference_step import (
     micro_batch_rows,
     preference_step,
     reference_copy_bytes,
+    with_streamed_reference,
 )
 from memfit.prediction.qlora_levers import with_qlora_levers
 from memfit.prediction.rl_step import generation_phase, is_rl, rl_training_config, with_generation_phase
+from memfit.prediction.rl_step import reference_bytes as rl_reference_bytes
 from memfit.prediction.rl_step import scoring_bytes as rl_scoring_bytes
 from memfit.prediction.run_shape import (
     RunShape,
@@ -225,7 +227,8 @@ def _step_moment(request: _Request, run: RunShape, inventory: ParameterInventory
     itself: the balancing loss's router logits (analytical only) and a packed micro-batch's masks; and a preference
     run's frozen reference copy (analytical: the traced step holds it), whole on every rank."""
     config, hf_config, method = request.config, request.hf_config, request.method
-    preference = preference_step(config, run)  # None but for a preference task
+    preference = with_streamed_reference(preference_step(config, run), request.hf_config, loaded_parameters,
+                                         parts["trainable_count"], run)  # None but for a preference task
     if method == "analytical":
         moment, per_layer, notes = _analytical_peak(config, run, hf_config, inventory, parts, request.sharding,
                                                     preference)
@@ -254,14 +257,18 @@ def _with_rl_generation(request: _Request, run: RunShape, moment: dict[str, floa
     """An RL step's peak: its training pass with the reference's copy, generation's cache and prompt logits, or the
     no-grad forward that scores every completion of the step (prediction/rl_step.py)."""
     config = request.config
-    copy = loaded_parameters if config.task.beta > 0 and run.lora_r == 0 else 0  # LoRA: adapters off, no copy
+    copy, streamed = rl_reference_bytes(config, run, request.hf_config, loaded_parameters)
     moment = dict(moment)
     moment["parameters"] += copy
     completions = config.training.batch_size * config.training.gradient_accumulation_steps
     arch, precision = architecture_for(request.hf_config), precision_of(run)
     phase = generation_phase(config, arch, precision, config.data.seq_len, completions)
-    scoring = rl_scoring_bytes(config, arch, precision, config.data.seq_len, completions, run.loss_chunk_size)
-    return with_generation_phase(moment, {}, phase, copy, notes, scoring)
+    scoring = rl_scoring_bytes(config, arch, precision, config.data.seq_len, completions, run.loss_chunk_size,
+                               streamed)
+    moment = with_generation_phase(moment, {}, phase, copy, notes, scoring)
+    if streamed is not None:  # --reference host-copy: its copy in host memory, a unit at a time on the device
+        notes["rl_step"] |= streamed.details()
+    return moment
 
 
 def _with_load_and_device(moment: dict[str, float], notes: dict[str, Any], loading: LoadPeak,
@@ -293,6 +300,9 @@ def _host_side(request: _Request, run: RunShape, parts: dict[str, Any], notes: d
         host["embedding"] = parts["embedding_host_bytes"]
     streamed_host, streamed_notes = streaming_host_and_notes(parts)
     host.update(streamed_host)
+    reference_host = (notes.get("preference") or notes.get("rl_step") or {}).get("reference_host_bytes")
+    if reference_host:  # --reference host-copy
+        host["reference"] = int(reference_host)
     notes.update(streamed_notes)
     if config.output.async_save:
         # --async-save copies the checkpoint to host memory and writes it while training goes on: the trainable

@@ -37,6 +37,7 @@ traced estimate is low where that backward is the peak.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -46,7 +47,7 @@ import torch
 from memfit.prediction.activations import Architecture, Precision
 from memfit.prediction.chunked_head import in_place_head_runs
 
-PER_STEP_REFERENCES = ("copy", "adapters-off")
+PER_STEP_REFERENCES = ("copy", "host-copy", "adapters-off")
 """References that run a forward in every micro-batch (cached ran before training; none has none)."""
 
 CHUNK_BACKWARD_BYTES = 12
@@ -84,6 +85,8 @@ class PreferenceStep:
     """The pair layout estimated, and why where another was asked for."""
     forwards: int = 1
     """Forwards a pair's rows take: 1, or 2 under --pair-layout split (the chosen rows', then the rejected rows')."""
+    streamed: StreamedUnits | None = None
+    """--reference host-copy: the weight bytes its streamed forward brings to the device (`with_streamed_reference`)."""
 
     @property
     def reference_rows(self) -> int:
@@ -131,7 +134,8 @@ class PreferenceStep:
         the same loss the reference's no-grad forward (and KTO's mismatched rows), all of the policy's activations
         kept meanwhile; the estimator's forward "logits" term."""
         policy = self.chunk_forward_bytes(arch, precision, self.rows(samples) * seq_len)
-        reference = no_grad_forward_bytes(self, arch, precision, samples * self.reference_rows * seq_len)
+        reference = no_grad_forward_bytes(self, arch, precision, samples * self.reference_rows * seq_len,
+                                          self.streamed)
         untrained = no_grad_forward_bytes(self, arch, precision, samples * self.untrained_rows * seq_len)
         return max(policy, reference, untrained)
 
@@ -146,7 +150,8 @@ class PreferenceStep:
         return {"preference": {"task": self.task, "reference": self.reference, "reference_reason": self.reference_note,
                                "rows_per_sample": 2 if self.forwards == 2 else self.trained_rows + self.untrained_rows,
                                "forwards": self.forwards, "layout": self.layout_note,
-                               "logprob_chunk_tokens": self.chunk_tokens, "reference_copy_bytes": int(copy)}}
+                               "logprob_chunk_tokens": self.chunk_tokens, "reference_copy_bytes": int(copy),
+                               **(self.streamed.details() if self.streamed is not None else {})}}
 
 
 def preference_step(config: Any, run: Any) -> PreferenceStep | None:
@@ -227,32 +232,75 @@ def pair_forwards_again(changes: dict[str, Any], config: Any) -> float:
     return 0.5 if layout == "split" and is_preference(task_class) and task_class.name != "kto" else 0.0
 
 
+@dataclass(frozen=True)
+class StreamedUnits:
+    """What `--reference host-copy` (techniques/streamed_reference.py) holds: its whole copy in host memory, and on
+    the device one unit's weights at a time while its forward runs (two in a row where CUDA prefetches the next)."""
+
+    block: float
+    """Weight bytes on the device while a block runs: one block, two with the prefetch."""
+    head: float
+    """Weight bytes on the device while the head's chunks run (the head, held for all of them); the embedding's
+    moment (with the first block under the prefetch) is no larger where the head is at least a block."""
+    host: float
+    """Bytes of the whole copy in host memory (pinned on CUDA)."""
+
+    def details(self) -> dict[str, int]:
+        return {"reference_host_bytes": int(self.host), "reference_streamed_bytes": int(max(self.block, self.head))}
+
+
+def streamed_units(hf_config: Any, copy_bytes: float, weight_bytes: int, prefetch: bool) -> StreamedUnits:
+    """The units of a host-copy reference of `copy_bytes` bytes (the weights as loaded, `weight_bytes` an element):
+    the embedding and the head `vocabulary x hidden` each (one host tensor when tied, brought for each), the final
+    norm `hidden`, and the rest shared evenly by the blocks."""
+    text = getattr(hf_config, "get_text_config", lambda: hf_config)()
+    vocab, hidden, layers = int(text.vocab_size), int(text.hidden_size), max(1, int(text.num_hidden_layers))
+    table = float(vocab * hidden * weight_bytes)
+    tied = bool(getattr(text, "tie_word_embeddings", False))
+    block = max(0.0, copy_bytes - table * (1 if tied else 2) - hidden * weight_bytes) / layers
+    return StreamedUnits(block=block * (2 if prefetch else 1), head=table, host=float(copy_bytes))
+
+
+def with_streamed_reference(step: PreferenceStep | None, hf_config: Any, loaded_parameters: float,
+                            trainable_count: int, run: Any) -> PreferenceStep | None:
+    """`step` with the units of its host-copy reference (prefetched on CUDA), unchanged for any other reference."""
+    if step is None or step.reference != "host-copy" or hf_config is None:
+        return step
+    copy = loaded_parameters - (4 * trainable_count if run.lora_r else 0)
+    units = streamed_units(hf_config, copy, run.weight_bytes, run.device_type == "cuda")
+    return dataclasses.replace(step, streamed=units)
+
+
 def micro_batch_rows(batch_size: int, step: PreferenceStep | None) -> int:
     """Rows of a micro-batch of `batch_size` samples that the model keeps activations for: the samples themselves,
     or the rows of a preference step's pairs."""
     return batch_size if step is None else step.rows(batch_size)
 
 
-def no_grad_forward_bytes(step: PreferenceStep, arch: Architecture, precision: Precision, tokens: int) -> float:
+def no_grad_forward_bytes(step: PreferenceStep, arch: Architecture, precision: Precision, tokens: int,
+                          streamed: StreamedUnits | None = None) -> float:
     """The most a no-grad forward of `tokens` tokens holds at once beside what the step already keeps (0 for none).
 
     A block keeps nothing: its largest moment is the MLP's (the activation's output, the up projection and their
     product, `intermediate` wide in the compute dtype) beside the residual stream's tensors (its input, the norm's
     output, the attention's output and the sum: four `hidden` wide in the residual dtype). After the blocks, one
     chunk of logits beside the final hidden states. Tracked on CPU (fp32, bf16 autocast, bf16 weights; hidden
-    64-256, intermediate 256-1,024): within 4 % of each.
+    64-256, intermediate 256-1,024): within 4 % of each. A streamed reference (`streamed`) has the running unit's
+    weights beside each moment.
     """
     if tokens <= 0:
         return 0.0
     block = (3 * precision.compute * arch.intermediate + 4 * precision.residual * arch.hidden) * tokens
     head = step.chunk_forward_bytes(arch, precision, tokens) + precision.residual * arch.hidden * tokens
+    if streamed is not None:
+        block, head = block + streamed.block, head + streamed.head
     return float(max(block, head) + TARGET_BYTES_PER_TOKEN * tokens)
 
 
 def reference_copy_bytes(step: PreferenceStep | None, loaded_parameters: float, trainable_count: int,
                          lora_r: int) -> float:
     """Bytes of the frozen copy `--reference copy` keeps: the weights as loaded, before LoRA adds its adapters (0
-    for any other reference)."""
+    for any other reference: host-copy's weights reach the device one unit at a time, `StreamedUnits`)."""
     if step is None or step.reference != "copy":
         return 0.0
     return float(loaded_parameters - (4 * trainable_count if lora_r else 0))
@@ -297,5 +345,8 @@ def prepare_traced_model(task: Any, model: torch.nn.Module, device: torch.device
         return
     task.prepare_model(model, None)
     reference = getattr(task, "_copy", None)  # the task's frozen copy, None for any other reference
-    if reference is not None:
+    stream = getattr(task.reference_cost, "stream", None)
+    if stream is not None:  # host-copy: the copy stays in host memory, its units brought to `device`
+        stream.streamer.device = device
+    elif reference is not None:
         reference.to(device)

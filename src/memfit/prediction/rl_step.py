@@ -101,15 +101,30 @@ def _bytes_of(precision: Any) -> tuple[int, int]:
 
 
 def scoring_bytes(config: Any, arch: Any, precision: Any, row_tokens: int, completions_in_step: int,
-                  loss_chunk_tokens: int) -> float:
+                  loss_chunk_tokens: int, streamed: Any = None) -> float:
     """The no-grad forward over every completion of the step at once that scores them before training: the
-    reference's log-probabilities (--beta > 0) and the generating policy's (--num-iterations > 1); 0 without."""
+    reference's log-probabilities (--beta > 0) and the generating policy's (--num-iterations > 1); 0 without.
+    `streamed`: a host-copy reference's units (preference_step.StreamedUnits), on the device beside its forward."""
     from memfit.prediction.preference_step import PreferenceStep, no_grad_forward_bytes
 
     if config.task.beta <= 0 and config.rl.num_iterations <= 1:
         return 0.0
     step = PreferenceStep("grpo", "copy", "", 1, 0, loss_chunk_tokens)
-    return no_grad_forward_bytes(step, arch, precision, completions_in_step * row_tokens)
+    return no_grad_forward_bytes(step, arch, precision, completions_in_step * row_tokens,
+                                 streamed if config.task.beta > 0 else None)
+
+
+def reference_bytes(config: Any, run: Any, hf_config: Any, loaded_parameters: float) -> tuple[float, Any]:
+    """(bytes of the reference's whole copy on the device, the units of a streamed one or None) under --beta > 0:
+    a frozen copy of the weights as loaded; none under LoRA (adapters off); --reference host-copy streams its copy
+    from host memory a unit at a time (prediction/preference_step.py `streamed_units`, prefetched on CUDA)."""
+    from memfit.prediction.preference_step import streamed_units
+
+    if config.task.beta <= 0:
+        return 0.0, None
+    if config.task.reference == "host-copy" and hf_config is not None:
+        return 0.0, streamed_units(hf_config, loaded_parameters, run.weight_bytes, run.device_type == "cuda")
+    return (0.0 if run.lora_r else float(loaded_parameters)), None
 
 
 def with_generation_phase(moment: dict[str, float], parts: dict[str, Any], phase: GenerationPhase,

@@ -40,9 +40,10 @@ from memfit.tasks.rewards import load_reward_functions, score_completions
 from memfit.tasks.rollout import Sampling, completion_seed, sample_completions
 from memfit.tasks.sample_loss_task import SampleLossTask
 from memfit.techniques.loss import IGNORE_INDEX
-from memfit.techniques.reference_model import ReferenceCost, choose_reference, frozen_copy
+from memfit.techniques.reference_model import COPY_MODES, ReferenceCost, choose_reference, reference_copy
 from memfit.techniques.reference_model import _peft_model as peft_model_of
 from memfit.techniques.sequence_logprobs import sequence_logprobs
+from memfit.techniques.streamed_reference import HOST_COPY, host_copy_problem, reference_pass
 
 log = logging.getLogger("memfit")
 
@@ -123,6 +124,8 @@ class GRPOTask(SampleLossTask):
         if config.task.reference == "cached" or config.task.precompute_ref_log_probs:
             found.append("--reference cached computes log-probabilities of fixed data before training; --task grpo"
                          " scores completions generated during training: use --reference auto")
+        if self.reference_choice.mode == HOST_COPY and host_copy_problem(config.distributed):
+            found.append(host_copy_problem(config.distributed))
         if t.auto_batch_size:
             found.append("--auto-batch-size probes with causal-LM windows; give --task grpo a --batch-size")
         if config.evaluation.eval_dataset or config.evaluation.eval_fraction:
@@ -135,8 +138,8 @@ class GRPOTask(SampleLossTask):
 
     def prepare_model(self, model: torch.nn.Module, tokenizer: Any) -> None:
         self._model, self._tokenizer = model, tokenizer
-        if self.reference_choice.mode == "copy":
-            self._copy, self.reference_cost.copy_bytes = frozen_copy(model)
+        if self.reference_choice.mode in COPY_MODES:
+            self._copy = reference_copy(model, self.reference_cost)
         if self.beta > 0:
             log.info("memfit: %s", self.reference_cost.describe())
         rl = self.config.rl
@@ -250,7 +253,8 @@ class GRPOTask(SampleLossTask):
         if self.reference_choice.mode == "adapters-off":
             with _adapters_off(self._model):
                 return sequence_logprobs(self._model, ids, labels, mask, chunk_size=chunk, per_token=True).per_token
-        return sequence_logprobs(self._copy, ids, labels, mask, chunk_size=chunk, per_token=True).per_token
+        with reference_pass(self._copy):  # a streamed copy: timed, its head put back after the pass
+            return sequence_logprobs(self._copy, ids, labels, mask, chunk_size=chunk, per_token=True).per_token
 
     # -- the batch and the loss ------------------------------------------------------------------------------------
 

@@ -69,6 +69,7 @@ from memfit.tasks.preference_samples import (  # noqa: F401
 from memfit.tasks.sample_loss_task import SampleLossTask
 from memfit.techniques.loss import DEFAULT_LOSS_CHUNK_TOKENS, IGNORE_INDEX, unwrap_causal_lm
 from memfit.techniques.reference_model import (
+    COPY_MODES,
     NO_REFERENCE,
     ReferenceChoice,
     ReferenceCost,
@@ -76,16 +77,17 @@ from memfit.techniques.reference_model import (
     cache_key,
     choose_reference,
     copy_logprobs,
-    frozen_copy,
     item_share,
     load_cached,
     model_fingerprint,
     precompute_logprobs,
+    reference_copy,
     save_cached,
     timed,
 )
 from memfit.techniques.reference_model import _peft_model as peft_model_of  # the PEFT model under any engine wrapper
 from memfit.techniques.sequence_logprobs import sequence_logprobs
+from memfit.techniques.streamed_reference import HOST_COPY, host_copy_problem, reference_pass
 
 log = logging.getLogger("memfit")
 
@@ -209,6 +211,8 @@ class PreferenceTask(SampleLossTask):
 
     def refusals(self, config: Any) -> list[str]:
         found = [self.reference_problem] if self.reference_problem else []
+        if self.reference_choice.mode == HOST_COPY and host_copy_problem(config.distributed):
+            found.append(host_copy_problem(config.distributed))
         if config.data.packing in ("samples", "wrapped"):
             found.append(f"--packing {config.data.packing} puts several samples in one row; --task {self.name} runs"
                          " each pair as two rows of their own: use --packing off")
@@ -229,8 +233,8 @@ class PreferenceTask(SampleLossTask):
         # The loaded model, before any technique wraps it: the frozen copy is made of it, and the cached pass runs it.
         self._model = model
         self._pad_token_id = getattr(tokenizer, "pad_token_id", None)
-        if self.reference_choice.mode == "copy":
-            self._copy, self.reference_cost.copy_bytes = frozen_copy(model)
+        if self.reference_choice.mode in COPY_MODES:
+            self._copy = reference_copy(model, self.reference_cost)
         if self.reference_choice.mode not in ("cached", NO_REFERENCE):  # cached: said when its pass has run
             log.info("memfit: %s", self.reference_cost.describe())
 
@@ -423,12 +427,12 @@ class PreferenceTask(SampleLossTask):
         if rows.shared and mode == "adapters-off":
             with torch.no_grad(), peft_model_of(model).disable_adapter():
                 return self.policy_logprobs(model, rows).sums
-        if rows.shared and mode == "copy" and self._copy is not None:
-            with torch.no_grad():
+        if rows.shared and mode in COPY_MODES and self._copy is not None:
+            with torch.no_grad(), reference_pass(self._copy):
                 return self.policy_logprobs(self._copy, rows).sums
         if mode == "adapters-off":
             return adapters_off_logprobs(model, rows.input_ids, rows.labels, rows.attention_mask, rows.chunk_size)
-        if mode == "copy" and self._copy is not None:
+        if mode in COPY_MODES and self._copy is not None:
             return copy_logprobs(self._copy, rows.input_ids, rows.labels, rows.attention_mask, rows.chunk_size)
         raise RuntimeError(f"--task {self.name}: no reference log-probabilities for this batch (reference {mode})")
 

@@ -8,6 +8,9 @@ training. Three ways to have it, chosen by --reference (`choose_reference`):
   exactly; no second copy of anything. Costs one extra no-grad forward per micro-batch.
 - copy (the default without LoRA): a frozen copy of the loaded model on the device, in eval mode (`frozen_copy`).
   Costs the model's bytes once more, and one extra no-grad forward per micro-batch.
+- host-copy (asked for, never chosen by auto): the same frozen copy kept in host memory and brought to the device one
+  block at a time while it runs (techniques/streamed_reference.py). Costs the model's bytes in host memory, about one
+  block's on the device, and the copy's bytes over the host link every micro-batch.
 - cached (--reference cached, TRL's --precompute-ref-log-probs): every item's reference log-probabilities computed
   once, before training, in one streamed no-grad pass (`precompute_logprobs`), and kept in a safetensors file beside
   the token cache. Costs that pass (or reading the file) once; nothing per step, and no copy. The file is keyed
@@ -37,10 +40,13 @@ from typing import Any
 import torch
 
 from memfit.techniques.sequence_logprobs import sequence_logprobs
+from memfit.techniques.streamed_reference import HOST_COPY, StreamedReference, reference_pass, streamed_copy
 
 log = logging.getLogger("memfit")
 
 NO_REFERENCE = "none"
+COPY_MODES = ("copy", HOST_COPY)
+"""References that run a frozen copy of the loaded model each step: whole on the device, or streamed from the host."""
 CACHE_FORMAT = 1
 """Bumped when what the cache file holds changes: an older file's key then never matches."""
 _CHECKSUM_CHUNK = 1 << 24
@@ -58,13 +64,13 @@ class ReferenceChoice:
     """The reference a run uses, and why."""
 
     mode: str
-    """none, adapters-off, copy or cached."""
+    """none, adapters-off, copy, host-copy or cached."""
     reason: str
     """Why this one, in words (the log and the metrics' start line)."""
 
 
 def choose_reference(requested: str, precompute: bool, lora: bool, needs_reference: bool) -> ReferenceChoice:
-    """The reference of --reference `requested` (auto, adapters-off, copy, cached) and --precompute-ref-log-probs
+    """The reference of --reference `requested` (auto, adapters-off, copy, host-copy, cached) and --precompute-ref-log-probs
     `precompute`, for a run with LoRA adapters or without (`lora`); `needs_reference`: the objective reads one.
 
     Raises ValueError for a reference that cannot run (adapters-off without adapters) or a contradiction; the task
@@ -83,6 +89,9 @@ def choose_reference(requested: str, precompute: bool, lora: bool, needs_referen
         return ReferenceChoice("adapters-off", "asked: the trained model with its adapters disabled")
     if requested == "copy":
         return ReferenceChoice("copy", "asked: a frozen copy of the model")
+    if requested == HOST_COPY:
+        return ReferenceChoice(HOST_COPY, "asked: a frozen copy in host memory, streamed to the device a block at a"
+                                          " time")
     if lora:
         return ReferenceChoice("adapters-off", "LoRA keeps the base weights frozen: the model with its adapters off is"
                                                " the reference, no copy")
@@ -95,11 +104,13 @@ class ReferenceCost:
     """What the reference cost this run, for the log and the metrics' start line."""
 
     mode: str
-    """none, adapters-off, copy or cached."""
+    """none, adapters-off, copy, host-copy or cached."""
     reason: str
     """Why this mode (ReferenceChoice.reason)."""
     copy_bytes: int = 0
     """copy: bytes of the frozen copy's weights and buffers on the device."""
+    stream: StreamedReference | None = None
+    """host-copy: the streamed copy's units and passes, read for its bytes and time when the facts are asked for."""
     seconds: float = 0.0
     """cached: seconds of the pass that computed the log-probabilities (or of reading them back)."""
     cache_file: str | None = None
@@ -116,6 +127,8 @@ class ReferenceCost:
         facts: dict[str, Any] = {"mode": self.mode, "reason": self.reason, "cost": self.describe_cost()}
         if self.mode == "copy":
             facts["copy_bytes"] = self.copy_bytes
+        if self.mode == HOST_COPY and self.stream is not None:
+            facts |= self.stream.facts()
         if self.mode == "cached":
             facts |= {"seconds": round(self.seconds, 3), "cache_file": self.cache_file, "reused": self.reused,
                       "items": self.items, "ranks": self.ranks}
@@ -126,6 +139,8 @@ class ReferenceCost:
             return f"{self.copy_bytes / 2**20:,.1f} MiB for the frozen copy, one no-grad forward per micro-batch"
         if self.mode == "adapters-off":
             return "no copy; one no-grad forward per micro-batch with the adapters disabled"
+        if self.mode == HOST_COPY and self.stream is not None:
+            return self.stream.describe()
         if self.mode == "cached":
             how = "read back from" if self.reused else "computed into"
             if self.ranks > 1 and not self.reused:
@@ -156,6 +171,15 @@ def frozen_copy(model: torch.nn.Module) -> tuple[torch.nn.Module, int]:
     return reference, sum(t.numel() * t.element_size() for t in tensors)
 
 
+def reference_copy(model: torch.nn.Module, cost: ReferenceCost) -> torch.nn.Module:
+    """The frozen copy of a `copy` or `host-copy` reference (`cost.mode`), made of `model`; `cost` learns its bytes."""
+    if cost.mode == HOST_COPY:
+        reference, cost.stream = streamed_copy(model)
+        return reference
+    reference, cost.copy_bytes = frozen_copy(model)
+    return reference
+
+
 def _shared_fake_modes(model: torch.nn.Module) -> dict[int, Any]:
     """A deepcopy memo that keeps the fake-tensor mode of a traced model's tensors shared, not copied.
 
@@ -170,8 +194,9 @@ def _shared_fake_modes(model: torch.nn.Module) -> dict[int, Any]:
 
 def copy_logprobs(reference: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor,
                   attention_mask: torch.Tensor | None, chunk_size: int) -> torch.Tensor:
-    """`[rows]` summed log-probabilities of the targets under the frozen copy `reference`, no gradient."""
-    with torch.no_grad():
+    """`[rows]` summed log-probabilities of the targets under the frozen copy `reference` (whole or streamed), no
+    gradient."""
+    with torch.no_grad(), reference_pass(reference):
         return sequence_logprobs(reference, input_ids, labels, attention_mask, chunk_size=chunk_size).sums
 
 
