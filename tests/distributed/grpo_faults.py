@@ -28,8 +28,23 @@ def seeded_by_rank():
 @contextlib.contextmanager
 def counted_by_rank():
     """The step's completions and tokens counted on each rank alone: each rank's tokens weighed by its own count."""
+    original = grpo._step_counts
+
+    def own_rows(everyone, start, mine):
+        return original(everyone[start:start + mine], 0, mine)
+
+    grpo._step_counts = own_rows
+    try:
+        yield
+    finally:
+        grpo._step_counts = original
+
+
+@contextlib.contextmanager
+def metrics_of_each_rank():
+    """The loss's metrics (kl, clip_ratio/*) over each rank's own tokens: rank 0's figures logged alone."""
     original = grpo._summed_over_ranks
-    grpo._summed_over_ranks = lambda *counts: counts
+    grpo._summed_over_ranks = lambda values: values
     try:
         yield
     finally:

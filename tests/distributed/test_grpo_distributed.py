@@ -4,8 +4,10 @@ weights under FSDP2 and ZeRO-3 (sharded parameters), and the run reaches the one
 Every completion is seeded by (seed, step, prompt, generation), not by the rank or the batch it runs in, so the two
 ranks together sample the completions one process samples for the same prompts. Under SGD without clipping the final
 weights compare the summed gradients. Two twins must differ: completions seeded by rank (grpo_faults.seeded_by_rank),
-and the loss normalised by each rank's own completions and tokens (grpo_faults.counted_by_rank). One launch holds
-every 2-rank run.
+and the loss normalised by each rank's own completions and tokens (grpo_faults.counted_by_rank). With a reference
+(--beta) and each rollout trained twice (--num-iterations 2) the loss's metrics (kl, clip_ratio/*) of the 2 ranks are
+over both ranks' tokens, so they equal one process's; rank 0's tokens alone (grpo_faults.metrics_of_each_rank) must
+not. One launch holds every 2-rank run.
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ def token_value(completions, completion_ids=None, **kwargs):
 """
 FAULTS = {"by-rank": "grpo_faults:seeded_by_rank", "counted-by-rank": "grpo_faults:counted_by_rank"}
 """The twins: completions seeded by rank; the loss normalised by each rank's own completions and tokens."""
+LOSS_FLAGS = ["--beta", "0.1", "--num-iterations", "2"]
+"""A KL term to a reference and a rollout trained twice: kl and clip_ratio/* are not 0 after the first step."""
+LOSS_METRICS = ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
 ENGINES = {"fsdp": ["--batch-size", "4", "--sharding", "fsdp"]}
 ZERO = {stage: ["--batch-size", "2", "--gradient-accumulation-steps", "2", "--zero-stage", stage[-1]]
         for stage in ("zero2", "zero3")}
@@ -51,10 +56,12 @@ def launches(llama_dir, tmp_path_factory) -> dict:
     rewards = root / "rewards.py"
     rewards.write_text(REWARDS)
     args = _grpo_args(llama_dir, rewards)
-    single = [{"name": "one", "args": [*args, "--batch-size", "4", "--gradient-accumulation-steps", "2",
-                                        "--output-dir", str(root / "one")]}]
+    one = [*args, "--batch-size", "4", "--gradient-accumulation-steps", "2"]
+    single = [{"name": "one", "args": [*one, "--output-dir", str(root / "one")]},
+              {"name": "one-kl", "args": [*one, *LOSS_FLAGS, "--output-dir", str(root / "one-kl")]}]
     run_many(single, root / "single", nproc=1)
-    runs = []
+    runs = [{"name": "kl", "args": [*args, *ENGINES["fsdp"], *LOSS_FLAGS]},
+            {"name": "kl-rank0", "args": [*args, *ENGINES["fsdp"], *LOSS_FLAGS], "fault": "grpo_faults:metrics_of_each_rank"}]
     for engine, flags in ENGINES.items():
         runs.append({"name": engine, "args": [*args, *flags]})
         runs += [{"name": f"{engine}-{fault}", "args": [*args, *flags], "fault": where} for fault, where in FAULTS.items()]
@@ -97,6 +104,23 @@ def test_engine_equals_one_process_on_the_same_effective_batch(engine, launches)
 def test_engine_check_fails_on_a_fault(engine, fault, launches):
     with pytest.raises(AssertionError):
         assert_same_weights(final_weights(launches["dirs"]["one"]), final_weights(launches["dirs"][f"{engine}-{fault}"]))
+
+
+def _loss_metrics(out: Path) -> list[float]:
+    return [step[name] for step in steps_of(out) for name in LOSS_METRICS]
+
+
+def test_loss_metrics_are_over_both_ranks_tokens(launches):
+    """kl and clip_ratio/* of 2 ranks are one process's over the same completions (the ranks' own figures differ, so
+    rank 0's alone fails: the twin), and they are not 0, so the comparison says something."""
+    dirs = launches["dirs"]
+    assert_same_weights(final_weights(dirs["one-kl"]), final_weights(dirs["kl"]))
+    expected = _loss_metrics(dirs["one-kl"])
+    assert max(step["kl"] for step in steps_of(dirs["one-kl"])) > 1e-4
+    assert max(step["clip_ratio/region_mean"] for step in steps_of(dirs["one-kl"])) > 0
+    assert _loss_metrics(dirs["kl"]) == pytest.approx(expected, rel=1e-4, abs=1e-7)
+    with pytest.raises(AssertionError):
+        assert _loss_metrics(dirs["kl-rank0"]) == pytest.approx(expected, rel=1e-4, abs=1e-7)
 
 
 def _zero_run(launches, name: str) -> Path:

@@ -29,13 +29,14 @@ import dataclasses
 import json
 import logging
 import math
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from memfit.tasks.grpo_losses import group_advantages, grpo_loss
+from memfit.tasks.grpo_losses import STAT_NAMES, group_advantages, grpo_loss
 from memfit.tasks.rewards import load_reward_functions, score_completions
 from memfit.tasks.rollout import Sampling, completion_seed, sample_completions
 from memfit.tasks.sample_loss_task import SampleLossTask
@@ -172,11 +173,6 @@ class GRPOTask(SampleLossTask):
                         " not generate: generated again from the current weights", step + 1, first + 1, mu)
         completions = self._generate([int(s["index"]) for s in samples], first)
         self._rollout = (first, completions)
-        tokens = sum(int((s["labels"] != IGNORE_INDEX).sum()) for s in completions)
-        # the loss is normalised over the step's completions and tokens on every rank together (each rank rolls out
-        # its share of the prompts): one rank's own count would weigh its tokens against the other ranks' wrongly
-        completions_in_step, tokens_in_step = _summed_over_ranks(len(completions), tokens)
-        self._step_counts = (max(1, completions_in_step), max(1, tokens_in_step))
         return completions
 
     def _generate(self, prompt_indices: list[int], step: int) -> list[dict]:
@@ -186,8 +182,10 @@ class GRPOTask(SampleLossTask):
         prompts = [item.prompt_ids for item in items for _ in range(group)]
         seeds = [completion_seed(self.config.training.seed, step, index, g) for index in prompt_indices
                  for g in range(group)]
+        started = time.perf_counter()
         rollout = sample_completions(model, prompts, seeds, self._sampling(),
                                      rl.generation_batch_size or len(prompts))
+        self._generation_seconds = time.perf_counter() - started  # this rank's; the speed model predicts it
         self._rollout_events = rollout.events
         texts = [self._tokenizer.decode(ids, skip_special_tokens=True) for ids in rollout.completions]
         conversational = not isinstance(items[0].prompt, str)
@@ -195,16 +193,19 @@ class GRPOTask(SampleLossTask):
         columns = {name: [item.columns.get(name) for item in items] for name in items[0].columns}
         scores = score_completions(self.functions, [item.prompt for item in items for _ in range(group)], shown,
                                   rollout.completions, columns)
-        # the advantages and the reward metrics over every rank's completions, as TRL gathers them: a rank's own
-        # share alone would give another batch standard deviation (--scale-rewards batch) and rank 0's reward only
-        everyone, start = _gathered_over_ranks(scores.total)
-        advantages, reward_stats = group_advantages(everyone, group, rl.scale_rewards)
+        # every rank's completions in one gather a step (ROLLOUT_COLUMNS), as TRL gathers them: the advantages and
+        # the reward metrics (a rank's own share alone would give another batch standard deviation under
+        # --scale-rewards batch, and rank 0's reward only), the lengths, and the completions and tokens the loss is
+        # normalised by (one rank's own count would weigh its tokens against the other ranks' wrongly)
+        everyone, start = _gathered_over_ranks(_rollout_table(scores, rollout, rl.mask_truncated_completions))
+        advantages, reward_stats = group_advantages(everyone[:, 0].to(scores.total.dtype), group, rl.scale_rewards)
         advantages = advantages[start:start + len(scores.total)]
+        self._step_counts = _step_counts(everyone, start, len(scores.total))
         samples = [self._sample(prompt, completion, cut, float(advantage))
                    for prompt, completion, cut, advantage in zip(prompts, rollout.completions, rollout.truncated,
                                                                  advantages.tolist(), strict=True)]
         self._attach_logprobs(samples)
-        self._rollout_metrics(scores, reward_stats, rollout, samples)
+        self._rollout_metrics(everyone, list(scores.per_function), reward_stats, rollout)
         self._keep_samples(step, items, group, texts, scores.total)
         return samples
 
@@ -310,20 +311,20 @@ class GRPOTask(SampleLossTask):
 
     # -- what the run says -----------------------------------------------------------------------------------------
 
-    def _rollout_metrics(self, scores: Any, reward_stats: dict, rollout: Any, samples: list[dict]) -> None:
-        # over every rank's completions under torchrun (as the rewards behind reward_stats), not one rank's share
-        lengths = _gathered_over_ranks(torch.tensor([len(c) for c in rollout.completions], dtype=torch.float32))[0]
-        truncated = _gathered_over_ranks(torch.tensor(rollout.truncated, dtype=torch.float32))[0]
+    def _rollout_metrics(self, everyone: torch.Tensor, functions: list[str], reward_stats: dict, rollout: Any) -> None:
+        # over every rank's completions under torchrun (the gathered ROLLOUT_COLUMNS), not one rank's share
+        lengths, truncated = everyone[:, 1], everyone[:, 2]
         metrics = {"reward": float(reward_stats["reward"]), "reward_std": float(reward_stats["reward_std"]),
                    "frac_reward_zero_std": float(reward_stats.get("frac_reward_zero_std", 0.0)),
                    "completions/mean_length": float(lengths.mean()), "completions/min_length": float(lengths.min()),
                    "completions/max_length": float(lengths.max()),
                    "completions/clipped_ratio": float(truncated.mean()) if truncated.numel() else 0.0,
                    "generation_batch": rollout.generation_batch,
+                   "generation_seconds": self._generation_seconds,
                    # each out-of-memory error generation recovered from (halving its batch, the same completions)
                    "generation_oom_halvings": len(rollout.events)}
-        for name, values in scores.per_function.items():
-            values = _gathered_over_ranks(values)[0]
+        for column, name in enumerate(functions, start=len(ROLLOUT_COLUMNS)):
+            values = everyone[:, column]
             metrics[f"rewards/{name}/mean"] = float(torch.nanmean(values))
             metrics[f"rewards/{name}/std"] = float(_nanstd(values))
         self._metrics = metrics
@@ -332,9 +333,13 @@ class GRPOTask(SampleLossTask):
         """The rollout's metrics and the loss's (kl, clip_ratio/*, per token of the step), under TRL's names."""
         metrics, self._metrics = self._metrics, {}
         stats, self._stats = self._stats, {}
-        tokens = stats.pop("tokens", 0.0)
-        for name, value in stats.items():
-            if name != "kl" or self.beta > 0:
+        # the loss's metrics over every rank's tokens under torchrun, in one all-reduce of the sums (every rank calls
+        # this once a step): rank 0's tokens alone would be another figure than one process's on the same completions
+        names = ("tokens", *STAT_NAMES)
+        sums = _summed_over_ranks(torch.tensor([float(stats.get(name, 0.0)) for name in names], dtype=torch.float64))
+        tokens = float(sums[0])
+        for name, value in zip(names[1:], sums[1:].tolist(), strict=True):
+            if name in stats and (name != "kl" or self.beta > 0):
                 metrics[name] = value / tokens if tokens else 0.0
         return metrics
 
@@ -407,17 +412,38 @@ def _nanstd(values: torch.Tensor) -> torch.Tensor:
     return kept.std() if kept.numel() > 1 else torch.zeros(())
 
 
-def _summed_over_ranks(*counts: int) -> tuple[int, ...]:
-    """`counts` summed over the ranks of the process group (as they are in one process)."""
+ROLLOUT_COLUMNS = ("reward", "length", "truncated", "trained_tokens")
+"""The columns of a rollout's table gathered from every rank (`_rollout_table`), one row a completion; each reward
+function's values follow, in the order of the reward functions."""
+
+
+def _rollout_table(scores: Any, rollout: Any, mask_truncated: bool) -> torch.Tensor:
+    """One row a completion (ROLLOUT_COLUMNS, then each reward function's value), float64: the rewards round-trip."""
+    trained = [0 if cut and mask_truncated else len(ids) for ids, cut in zip(rollout.completions, rollout.truncated,
+                                                                             strict=True)]
+    columns = [scores.total, torch.tensor([len(ids) for ids in rollout.completions]),
+               torch.tensor(rollout.truncated), torch.tensor(trained), *scores.per_function.values()]
+    return torch.stack([column.to(torch.float64) for column in columns], dim=1)
+
+
+def _step_counts(everyone: torch.Tensor, start: int, mine: int) -> tuple[int, int]:
+    """(completions, trained tokens) of the step on every rank together (rows `start` to `start + mine` are this
+    rank's): what the loss is normalised by, at least 1 each."""
+    return max(1, len(everyone)), max(1, int(everyone[:, ROLLOUT_COLUMNS.index("trained_tokens")].sum()))
+
+
+def _summed_over_ranks(values: torch.Tensor) -> torch.Tensor:
+    """`values` summed over the ranks of the process group (the values themselves in one process)."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return counts
+        return values
     from memfit.distributed.context import summed_over_world
 
-    return tuple(int(value) for value in summed_over_world(torch.tensor(counts, dtype=torch.float64)).tolist())
+    return summed_over_world(values)
 
 
 def _gathered_over_ranks(values: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Every rank's `values` in rank order, and where this rank's begin (the values themselves and 0 in one process)."""
+    """Every rank's rows of `values` in rank order, and where this rank's begin (`values` and 0 in one process):
+    one all_gather_object, which takes shares of any length."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return values, 0
     shares: list[Any] = [None] * torch.distributed.get_world_size()
