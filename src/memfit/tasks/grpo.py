@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from memfit.data.micro_batch_packing import PackedRows, pack_padded_rows
 from memfit.tasks.grpo_losses import STAT_NAMES, group_advantages, grpo_loss
 from memfit.tasks.rewards import load_reward_functions, score_completions
 from memfit.tasks.rollout import Sampling, completion_seed, sample_completions
@@ -57,6 +58,10 @@ SAMPLES_KEPT = 4
 class PromptSamples(torch.utils.data.Dataset):
     """The prompts as the schedule's items: one dict a prompt (its tokens and its place)."""
 
+    packed_by_task = True
+    """The run never packs these prompts (techniques/packed_attention.py `pack_for_model`): --packing is the task's,
+    over the completions of a training micro-batch (`CompletionPacking`)."""
+
     def __init__(self, items: list, max_completion_length: int, dataset: str):
         self.items = items
         self.seq_len = max(len(item.prompt_ids) for item in items) + max_completion_length
@@ -73,6 +78,11 @@ class PromptSamples(torch.utils.data.Dataset):
 
     def data_facts(self) -> dict[str, Any]:
         return {"prompts": len(self.items), "seq_len": self.seq_len}
+
+    def facts(self) -> dict[str, Any]:
+        """The run's packing facts (techniques/packed_attention.py `packing_facts`): how the completions ran."""
+        packing_facts = getattr(self, "packing_facts", None)
+        return packing_facts() if packing_facts is not None else {"mode": "off"}
 
 
 class GRPOTask(SampleLossTask):
@@ -107,6 +117,7 @@ class GRPOTask(SampleLossTask):
         """(completions, scored completion tokens) of the rollout being trained, counted when it is built."""
         self._metrics: dict[str, float] = {}
         self._stats: dict[str, float] = {}
+        self.packing = CompletionPacking(_requested_packing(config.data.packing))
         self.output_dir = Path(config.output.output_dir) if getattr(config, "output", None) else None
 
     # -- refusals and the data ------------------------------------------------------------------------------------
@@ -119,9 +130,9 @@ class GRPOTask(SampleLossTask):
             found.append(f"--batch-size x --gradient-accumulation-steps ({per_step}) counts completions and must be a"
                          f" multiple of --num-generations ({rl.num_generations}): a prompt's completions are compared"
                          " within one step")
-        if config.data.packing in ("samples", "wrapped"):
-            found.append(f"--packing {config.data.packing}: each completion is a row of its own under --task grpo;"
-                         " use --packing off")
+        if config.data.packing == "wrapped":
+            found.append("--packing wrapped would cut completions across rows; --task grpo packs whole completions:"
+                         " use --packing samples, auto or off")
         if config.task.reference == "cached" or config.task.precompute_ref_log_probs:
             found.append("--reference cached computes log-probabilities of fixed data before training; --task grpo"
                          " scores completions generated during training: use --reference auto")
@@ -143,6 +154,8 @@ class GRPOTask(SampleLossTask):
             self._copy = reference_copy(model, self.reference_cost)
         if self.beta > 0:
             log.info("memfit: %s", self.reference_cost.describe())
+        self.packing = decide_completion_packing(self.packing.requested, model)
+        (log.warning if self.packing.fallback else log.info)("memfit: packing: %s", self.packing.describe())
         rl = self.config.rl
         log.info("memfit: generation: transformers' forward with a key-value cache, each completion seeded by itself;"
                  " %s at once (halved on out of memory)", rl.generation_batch_size or "all of a step's completions")
@@ -158,6 +171,7 @@ class GRPOTask(SampleLossTask):
             data_config = dataclasses.replace(data_config, dataset=BUILTIN_PROMPTS)
         items = load_prompts(data_config, tokenizer, max_prompt_length=self.config.rl.max_prompt_length, say=say)
         self._prompts = PromptSamples(items, self.config.rl.max_completion_length, str(data_config.dataset))
+        self._prompts.packing_facts = lambda: self.packing.facts()  # the run's facts: what packed the completions
         return self._prompts
 
     # -- the rollout -----------------------------------------------------------------------------------------------
@@ -235,31 +249,57 @@ class GRPOTask(SampleLossTask):
         needs_old = self.config.rl.num_iterations > 1
         if self.beta <= 0 and not needs_old:
             return
-        batch = self.collate(samples, self._tokenizer.pad_token_id)
+        batch = self.collate(samples, self._tokenizer.pad_token_id)  # packed rows when the training pass packs
         device = next(self._model.parameters()).device
-        ids, labels, mask = (batch[k].to(device) for k in ("input_ids", "labels", "attention_mask"))
-        chunk = self._chunk_size(0)
+        rows = {k: v.to(device) for k, v in batch.items() if k in MODEL_INPUTS or k in PLACEMENT_KEYS}
+        chunk = self._chunk_size(0, self._model, rows["input_ids"].numel())
         with torch.no_grad():
             if needs_old:
-                old = sequence_logprobs(self._model, ids, labels, mask, chunk_size=chunk, per_token=True).per_token
+                old = self._per_token(self._model, rows, chunk)[0]
                 for row, sample in enumerate(samples):
                     sample["old_logps"] = old[row, : len(sample["input_ids"])].float().cpu()
             if self.beta > 0:
-                reference = self._reference_per_token(ids, labels, mask, chunk)
+                reference = self._reference_per_token(rows, chunk)
                 for row, sample in enumerate(samples):
                     sample["ref_logps"] = reference[row, : len(sample["input_ids"])].float().cpu()
 
-    def _reference_per_token(self, ids: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor, chunk: int
-                             ) -> torch.Tensor:
+    def _reference_per_token(self, rows: dict[str, torch.Tensor], chunk: int) -> torch.Tensor:
         if self.reference_choice.mode == "adapters-off":
             with _adapters_off(self._model):
-                return sequence_logprobs(self._model, ids, labels, mask, chunk_size=chunk, per_token=True).per_token
+                return self._per_token(self._model, rows, chunk)[0]
         with reference_pass(self._copy):  # a streamed copy: timed, its head put back after the pass
-            return sequence_logprobs(self._copy, ids, labels, mask, chunk_size=chunk, per_token=True).per_token
+            return self._per_token(self._copy, rows, chunk)[0]
+
+    def _per_token(self, model: torch.nn.Module, rows: dict[str, torch.Tensor], chunk: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(`[completions, longest]` per-token log-probabilities, the labels) one completion a row, as the loss
+        reads them: computed on the packed rows and laid back out when the batch is packed (`collate`)."""
+        if "packed_row_of" not in rows:
+            scored = sequence_logprobs(model, rows["input_ids"], rows["labels"], rows.get("attention_mask"),
+                                       chunk_size=chunk, per_token=True)
+            return scored.per_token, rows["labels"]
+        packed = PackedRows(rows["input_ids"], rows["labels"], rows["position_ids"], rows["packed_row_of"],
+                            rows["packed_start_of"], rows["packed_length_of"])
+        # no attention mask: transformers restricts attention to each completion from the restarting positions
+        scored = sequence_logprobs(model, packed.input_ids, packed.labels, None, chunk_size=chunk,
+                                   position_ids=packed.position_ids, per_token=True)
+        # a completion's last position scores the next one's first label, which packing ignores: 0, as padding is
+        return packed.unpack(scored.per_token), packed.unpack(packed.labels, fill=IGNORE_INDEX)
 
     # -- the batch and the loss ------------------------------------------------------------------------------------
 
     def collate(self, samples: Sequence[dict], pad_token_id: int | None) -> dict[str, torch.Tensor]:
+        """Completions right-padded to the longest of the micro-batch, or packed into rows that wide when the
+        training pass packs (`packed_rows`); their advantages and log-probabilities one completion a row."""
+        batch = self.padded(samples, pad_token_id)
+        if self.packing.mode != "samples":
+            return batch
+        packed = packed_rows(batch, pad_token_id)
+        if self.packing.requested == "auto" and len(packed["input_ids"]) == len(batch["input_ids"]):
+            return batch  # no row saved: padded rows keep SDPA's causal path, with no block mask to hold
+        return packed
+
+    def padded(self, samples: Sequence[dict], pad_token_id: int | None) -> dict[str, torch.Tensor]:
         """Completions right-padded to the longest of the micro-batch; their advantages and log-probabilities."""
         length = max(len(s["input_ids"]) for s in samples)
         pad = 0 if pad_token_id is None else int(pad_token_id)
@@ -284,17 +324,19 @@ class GRPOTask(SampleLossTask):
     def loss_sum(self, model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor,
                  attention_mask: torch.Tensor | None = None, chunk_size: int = 0, *, advantages: torch.Tensor,
                  old_per_token_logps: torch.Tensor | None = None, ref_per_token_logps: torch.Tensor | None = None,
-                 position_ids: torch.Tensor | None = None, **_: Any) -> torch.Tensor:
-        """The micro-batch's share of the step's GRPO loss, times the step's completions (the step divides by them)."""
+                 position_ids: torch.Tensor | None = None, **placement: torch.Tensor) -> torch.Tensor:
+        """The micro-batch's share of the step's GRPO loss, times the step's completions (the step divides by them).
+        `placement`: where each completion sits in packed rows (`packed_rows`), absent for padded ones."""
         completions, tokens = self._step_counts
-        scored = sequence_logprobs(model, input_ids, labels, attention_mask, chunk_size=self._chunk_size(chunk_size),
-                                   per_token=True)
+        rows = {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask,
+                "position_ids": position_ids} | {k: v for k, v in placement.items() if k in PLACEMENT_KEYS}
+        per_token, labels = self._per_token(model, rows, self._chunk_size(chunk_size, model, input_ids.numel()))
         # per_token[t] is the log-probability of the token at t + 1 (labels are shifted inside): the same shift for
         # the mask and the stored log-probabilities, which were computed the same way
         mask = torch.nn.functional.pad(labels[:, 1:] != IGNORE_INDEX, (0, 1), value=False).float()
         rl = self.config.rl
         loss, stats = grpo_loss(
-            scored.per_token, mask, advantages.to(scored.per_token.device),
+            per_token, mask, advantages.to(per_token.device),
             old_per_token_logps=None if old_per_token_logps is None else old_per_token_logps.to(mask.device),
             ref_per_token_logps=None if ref_per_token_logps is None else ref_per_token_logps.to(mask.device),
             loss_type=self.config.task.loss_type, beta=self.beta, epsilon_low=rl.epsilon,
@@ -304,10 +346,11 @@ class GRPOTask(SampleLossTask):
             self._stats[name] = self._stats.get(name, 0.0) + float(value)
         return loss * completions
 
-    def _chunk_size(self, chunk_size: int) -> int:
-        from memfit.techniques.loss import DEFAULT_LOSS_CHUNK_TOKENS
+    def _chunk_size(self, chunk_size: int, model: torch.nn.Module, tokens: int) -> int:
+        """--loss-chunk-size, else a chunk whose logits are about the size of the rows' hidden states."""
+        from memfit.techniques.sequence_logprobs import model_logprob_chunk_tokens
 
-        return chunk_size or self.config.memory.loss_chunk_size or DEFAULT_LOSS_CHUNK_TOKENS
+        return chunk_size or model_logprob_chunk_tokens(model, tokens, self.config.memory.loss_chunk_size)
 
     # -- what the run says -----------------------------------------------------------------------------------------
 
@@ -374,11 +417,81 @@ class GRPOTask(SampleLossTask):
             "generation": "transformers forward with a key-value cache, each completion seeded by itself"
                           + (" (--use-vllm asked: vLLM is not wired into memfit's rollout)" if rl.use_vllm else ""),
             "generation_batch": rl.generation_batch_size or "all of the step's completions",
-            "reference": self.reference_cost.facts()}
+            "reference": self.reference_cost.facts(), "packing": self.packing.describe()}
 
     def describe(self) -> str:
         return (f"grpo ({self.config.task.loss_type}; {self.config.rl.num_generations} completions a prompt; rewards "
                 + ", ".join(f.name for f in self.functions) + f"; {self.reference_cost.describe()})")
+
+
+MODEL_INPUTS = ("input_ids", "labels", "attention_mask", "position_ids")
+"""The rows a forward reads."""
+PLACEMENT_KEYS = ("packed_row_of", "packed_start_of", "packed_length_of")
+"""Where each completion of a packed micro-batch went (data/micro_batch_packing.py PackedRows): its row, its start
+in that row, its length."""
+NO_MASK_KERNELS = ("flash_attention_2", "flash_attention_3", "flex_attention")
+"""transformers' kernels that keep packed completions apart from their positions alone, with no mask to build."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CompletionPacking:
+    """How the training pass lays out a micro-batch's completions (docs/rl.md, "Packed completions")."""
+
+    requested: str
+    """--packing as given: auto, samples or off."""
+    mode: str = "off"
+    """What runs: samples (packed rows, positions restarting at each completion) or off (padded to the longest)."""
+    reason: str = ""
+    """Why `mode` runs."""
+    fallback: bool = False
+    """--packing samples was asked and the model cannot pack: off runs instead."""
+
+    def describe(self) -> str:
+        return f"{self.mode}: {self.reason}" if self.reason else self.mode
+
+    def facts(self) -> dict[str, Any]:
+        return {"mode": self.mode, "requested": self.requested, "reason": self.reason, "fallback": self.fallback,
+                "applies_to": "the training pass and the old-policy and reference forwards; generation pads"}
+
+
+def _requested_packing(packing: Any) -> str:
+    """--packing as GRPO reads it (a bool is the old flag: True auto, False off)."""
+    if isinstance(packing, bool):
+        return "auto" if packing else "off"
+    return str(packing)
+
+
+def decide_completion_packing(requested: str, model: torch.nn.Module) -> CompletionPacking:
+    """What packs the training pass's completions. samples: every micro-batch packed, unless the model cannot
+    restrict attention from positions (techniques/packed_attention.py): then off, said as a fallback. auto: a
+    micro-batch is packed when its completions fit fewer rows than one a row, else padded (`GRPOTask.collate`):
+    measured on CPU under SDPA (docs/rl.md), packing completions of mixed lengths lowered the training pass's
+    peak by a quarter, while completions of one length gain no row and pay SDPA's block mask; off for a model that
+    cannot pack, silently (nothing asked for fell back)."""
+    from memfit.techniques.packed_attention import attention_restriction, positions_not_read, stateful_layers
+
+    if requested not in ("auto", "samples"):
+        return CompletionPacking(requested, "off", "one completion a row, padded to the longest of its micro-batch")
+    why = stateful_layers(model) or positions_not_read(model)
+    if why:
+        return CompletionPacking(requested, "off", f"--packing {requested} cannot pack ({why}): one completion a row,"
+                                 " padded", fallback=requested == "samples")
+    kernel = getattr(getattr(model, "config", None), "_attn_implementation", None) or "eager"
+    named = {"flash_attention_2": "flash", "flash_attention_3": "flash", "flex_attention": "flex"}.get(kernel, kernel)
+    when = " when that saves rows" if requested == "auto" else ""
+    return CompletionPacking(requested, "samples", "completions packed into rows as wide as the longest of their"
+                             f" micro-batch{when}, attention kept to each by {attention_restriction(named)}")
+
+
+def packed_rows(batch: dict[str, torch.Tensor], pad_token_id: int | None) -> dict[str, torch.Tensor]:
+    """A padded GRPO batch (`GRPOTask.padded`) with its rows packed (data/micro_batch_packing.py): the model reads
+    the packed input_ids, labels and position_ids (no attention mask); the advantages and the stored
+    log-probabilities stay one completion a row, and PLACEMENT_KEYS say where each completion went."""
+    packed = pack_padded_rows(batch["input_ids"], batch["labels"], batch["attention_mask"], pad_token_id)
+    rest = {k: v for k, v in batch.items() if k not in MODEL_INPUTS}
+    return rest | {"input_ids": packed.input_ids, "labels": packed.labels, "position_ids": packed.position_ids,
+                   "packed_row_of": packed.row_of, "packed_start_of": packed.start_of,
+                   "packed_length_of": packed.length_of}
 
 
 @contextlib.contextmanager

@@ -166,6 +166,8 @@ def pack_for_model(dataset: Any, requested: str, supervised: bool | None, model:
     A model whose layers carry state across positions runs `off` instead of `samples`, and
     says so in `fallbacks`. Raises UsageError when the packed rows are fewer than `min_rows`.
     """
+    if getattr(dataset, "packed_by_task", False):  # the task packs the rows it trains on itself (GRPO's completions)
+        return dataset
     if supervised is None:
         supervised = not isinstance(dataset, TokenizedDataset)
     mode = resolve_packing(requested, supervised)
