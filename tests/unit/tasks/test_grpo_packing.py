@@ -199,3 +199,38 @@ def test_the_run_never_packs_the_prompts_themselves():
     task = _task(model, packing="samples")
     prompts.packing_facts = task.packing.facts
     assert packing_facts(prompts)["mode"] == "samples" and packing_facts(prompts)["requested"] == "samples"
+
+
+def test_memfit_train_packed_reaches_the_padded_weights_through_an_oom_split(llama_dir, tmp_path):
+    """End to end under SGD without clipping (a 2x gradient moves the weights out of tolerance): --packing samples
+    with --beta 0.04 and --num-iterations 2, a training micro-batch split by an out-of-memory error, reaches the
+    weights of the padded run; the start record says what packed."""
+    import json
+
+    from fault_injection import SGD_NO_CLIPPING, assert_same_weights, final_weights, oom_in_backward_of_linear
+    from memfit.train.loop import train
+
+    rewards = tmp_path / "rewards.py"
+    rewards.write_text("def token_value(completions, completion_ids=None, **kwargs):\n"
+                       "    return [sum(t % 10 for t in ids) / (10 * max(1, len(ids))) for ids in completion_ids]\n")
+
+    prompts = tmp_path / "prompts.jsonl"  # lengths far apart: a short prompt's completions share a packed row
+    prompts.write_text("".join(json.dumps({"prompt": text}) + "\n" for text in
+                               ("Hi", "one two three four five six seven eight nine ten " * 3)))
+
+    def run(name: str, packing: str):
+        out = tmp_path / name
+        config = load_config(overrides=dict(
+            model=str(llama_dir), task="grpo", dataset=str(prompts), reward_function=f"{rewards}:token_value",
+            num_generations=2, max_completion_length=6, batch_size=4, max_steps=2, beta=0.04, num_iterations=2,
+            packing=packing, output_dir=str(out), lr=0.5, report=False, cache_dir=str(out / "cache"),
+            **SGD_NO_CLIPPING))
+        return final_weights(train(config)), [json.loads(line) for line in (out / "metrics.jsonl").open()]
+
+    padded, _ = run("padded", "off")
+    with oom_in_backward_of_linear(64, 128, above_batch=1) as raised:
+        packed, lines = run("packed", "samples")
+    assert raised["n"] > 0 and any(line.get("event") == "oom" for line in lines)
+    start = next(line for line in lines if line.get("packing"))
+    assert start["packing"]["mode"] == "samples", start["packing"]
+    assert_same_weights(padded, packed)
