@@ -15,7 +15,9 @@ What differs from causal-LM training on --batch-size windows, and what the estim
   keeps a frozen copy of the weights as loaded (no gradients, no optimizer state: `reference_copy_bytes`), whole on
   every rank whatever the sharding; `copy` and `adapters-off` run a no-grad forward of every row of the micro-batch
   after the policy's, while all the policy's activations are kept (`no_grad_forward_bytes`: its largest moment, a
-  block's MLP or the last chunk of logits); `cached` has no copy and no forward in the step, and `none` (SimPO,
+  block's MLP or the last chunk of logits); `host-copy` keeps the copy in host memory and runs the same forward
+  with one unit's weights beside it (`StreamedUnits`: a block, or the head during its chunks; two blocks where
+  CUDA prefetches); `cached` has no copy and no forward in the step, and `none` (SimPO,
   ORPO) no reference. KTO's policy runs its mismatched rows without a graph at the same moment.
 
 Every term was fitted to and checked against the tracked peak of memfit's real step on CPU
@@ -72,7 +74,7 @@ class PreferenceStep:
 
     task: str
     reference: str
-    """none, adapters-off, copy or cached (techniques.reference_model.choose_reference)."""
+    """none, adapters-off, copy, host-copy or cached (techniques.reference_model.choose_reference)."""
     reference_note: str
     """Why this reference, or why the one asked for cannot run and which was estimated instead."""
     trained_rows: int

@@ -13,7 +13,8 @@ step's loss (memfit.tasks.grpo_losses) times the step's completions, which the s
 
 The loss runs the policy's per-token log-probabilities a chunk of logits at a time
 (techniques/sequence_logprobs.py: never `[completions, length, vocabulary]`). The reference is the model with its
-LoRA adapters off under --lora-r (no second copy), else a frozen copy (techniques/reference_model.py).
+LoRA adapters off under --lora-r (no second copy), else a frozen copy (techniques/reference_model.py), on the device
+or, under --reference host-copy, in host memory and brought a unit at a time (techniques/streamed_reference.py).
 
 With --num-iterations N the rollout of a step is trained on for N optimizer steps (TRL's mu): steps k*N to k*N+N-1
 share the completions generated at step k*N, their old log-probabilities taken before the first of those updates.

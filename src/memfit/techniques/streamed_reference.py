@@ -109,7 +109,7 @@ class StreamedReference:
         return (f"{format_bytes(self.host_bytes)} frozen copy in host memory"
                 f"{' (pinned)' if self.streamer.side is not None else ''}, {len(self.streamer.layers)} units brought"
                 f" one at a time: {format_bytes(self.device_peak_bytes)} of its weights on the device at the peak"
-                f"{ahead}; one no-grad forward per micro-batch{timing}")
+                f"{ahead}; every unit crosses the host link once a reference pass{timing}")
 
     def _settle(self) -> None:
         for start, end in self._timings:

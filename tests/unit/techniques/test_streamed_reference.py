@@ -67,13 +67,14 @@ def test_the_streamed_copy_gives_the_whole_copys_log_probabilities_exactly(tied)
         streamed(ids)
 
 
-def _dpo_config(model_dir, data, out, reference):
-    return load_config(overrides=dict(model=str(model_dir), dataset=str(data), chat_template="chatml", task="dpo",
+def _train_config(model_dir, data, out, reference, task, layout):
+    return load_config(overrides=dict(model=str(model_dir), dataset=str(data), chat_template="chatml", task=task,
                                       seq_len=96, batch_size=4, max_steps=3, output_dir=str(out), lr=0.1, beta=0.5,
-                                      report=False, reference=reference, **SGD_NO_CLIPPING))
+                                      report=False, reference=reference, pair_layout=layout, **SGD_NO_CLIPPING))
 
 
-def test_dpo_with_the_host_copy_reaches_the_whole_copys_weights(llama_dir, tmp_path):
+@pytest.mark.parametrize(("task", "layout"), [("dpo", "two-rows"), ("dpo", "shared-prompt"), ("kto", "two-rows")])
+def test_training_with_the_host_copy_reaches_the_whole_copys_weights(llama_dir, tmp_path, task, layout):
     """Three SGD steps without clipping: a reference of any other value moves the weights elsewhere."""
     from memfit.train.loop import train
 
@@ -82,8 +83,8 @@ def test_dpo_with_the_host_copy_reaches_the_whole_copys_weights(llama_dir, tmp_p
                                         "chosen": [{"role": "assistant", "content": c}],
                                         "rejected": [{"role": "assistant", "content": r}]}) + "\n"
                             for p, c, r in PAIRS))
-    whole = final_weights(train(_dpo_config(llama_dir, data, tmp_path / "copy", "copy")))
-    result = train(_dpo_config(llama_dir, data, tmp_path / "host", "host-copy"))
+    whole = final_weights(train(_train_config(llama_dir, data, tmp_path / "copy", "copy", task, layout)))
+    result = train(_train_config(llama_dir, data, tmp_path / "host", "host-copy", task, layout))
     streamed = final_weights(result)
     from safetensors.torch import load_file
 
@@ -95,7 +96,40 @@ def test_dpo_with_the_host_copy_reaches_the_whole_copys_weights(llama_dir, tmp_p
     facts = next(r["task"]["reference"] for r in records if "task" in r)
     summary = [r["task"]["reference"] for r in records if "task" in r][-1]
     assert facts["mode"] == "host-copy" and facts["host_bytes"] > 2 * facts["device_peak_bytes"]
+    if task == "dpo":  # the layout asked for is the one that ran (the shared prompt: one row a pair, a 4D mask)
+        assert next(r["task"]["pair_layout"]["layout"] for r in records if "task" in r) == layout
     assert summary["passes"] >= 3 and summary["seconds_per_pass"] > 0  # each micro-batch's streamed pass, timed
+
+
+TOKEN_VALUE = """
+def token_value(completions, completion_ids=None, **kwargs):
+    return [sum(token % 10 for token in ids) / (10 * max(1, len(ids))) for ids in completion_ids]
+"""
+
+
+def test_grpo_with_a_kl_term_and_the_host_copy_reaches_the_whole_copys_weights(llama_dir, tmp_path):
+    """--beta > 0: each rollout's reference log-probabilities come from the streamed copy; the KL term's gradient
+    (nonzero once the policy has moved) reaches the same weights as with the whole copy."""
+    from memfit.train.loop import train
+
+    rewards = tmp_path / "rewards.py"
+    rewards.write_text(TOKEN_VALUE)
+
+    def run(reference):
+        out = tmp_path / reference
+        return train(load_config(overrides=dict(
+            model=str(llama_dir), task="grpo", chat_template="chatml", reward_function=f"{rewards}:token_value",
+            num_generations=2, max_completion_length=6, batch_size=4, max_steps=3, output_dir=str(out), lr=0.5,
+            beta=0.5, reference=reference, report=False, cache_dir=str(out / "cache"), **SGD_NO_CLIPPING)))
+
+    whole, streamed = final_weights(run("copy")), final_weights(run("host-copy"))
+    for name, tensor in whole.items():
+        torch.testing.assert_close(streamed[name], tensor, rtol=0, atol=1e-6, msg=name)
+    records = [json.loads(line) for line in (tmp_path / "host-copy" / "metrics.jsonl").read_text().splitlines()]
+    summary = [r["task"]["reference"] for r in records if "task" in r][-1]
+    assert summary["mode"] == "host-copy" and summary["passes"] == 3  # one streamed pass a rollout
+    kls = [r["kl"] for r in records if r.get("event") is None and "kl" in r]
+    assert max(kls) > 0  # the reference was read, and differed from the policy
 
 
 # ---------------------------------------------------------------- the memory, measured and estimated
