@@ -57,6 +57,8 @@ def run(argv: list[str]) -> int:
     if options.offload:
         config = config.replace(optimizer_offload=True)
     result = estimate(config, method=options.method, world_size=options.world_size)
+    if result.details.get("rl_step"):  # --task grpo: the step's predicted time, generation apart from training
+        result.details["rl_step"]["predicted_seconds"] = rl_step_time(config, result)
     if options.json:
         sys.stdout.write(json.dumps(result.to_dict()) + "\n")
         return 0
@@ -76,6 +78,37 @@ def _takes_length_from_data(config) -> bool:
     from memfit.data.samples import plain_text
 
     return config.task.task == "causal-lm" and not plain_text(config.data)
+
+
+def rl_step_time(config, result) -> dict[str, float | str]:
+    """A --task grpo step's predicted seconds by phase (prediction/rl_speed.py), on --gpu's preset, else on this
+    machine's CPU as calibrated here; each rank's share of the step under --world-size."""
+    from memfit.gpus import get_gpu
+    from memfit.models.presets import resolve_model_config
+    from memfit.prediction.speed_model import rl_step_seconds
+    from memfit.resolution.resolve import resolve
+
+    hf_config = resolve_model_config(config.model.model, config.model.trust_remote_code)
+    gpu = get_gpu(config.memory.gpu) if config.memory.gpu else None
+    device = "cuda" if gpu is not None else "cpu"
+    run = resolve(config.with_seq_len(), hf_config, device)
+    per_rank = max(1, config.training.gradient_accumulation_steps)
+    changes = {"batch_size": config.training.batch_size, "gradient_accumulation_steps": per_rank,
+               "gradient_checkpointing": next((m for m in ("full", "selective")
+                                               if str(run.checkpointing).startswith(m)), "off"),
+               "lora_r": run.lora_r, "quantize": run.quantize, "optimizer": run.optimizer,
+               "precision": config.memory.precision}
+    split = rl_step_seconds(changes, config.with_seq_len(), result, gpu, hf_config, device=device)
+    return {"generation": split.generation, "scoring": split.scoring, "training": split.training,
+            "step": split.total, "device": gpu.name if gpu is not None else "this machine's CPU (calibrated here)"}
+
+
+def describe_rl_time(seconds: dict[str, float | str]) -> str:
+    """The line of a GRPO step's predicted time: the step, then generation, scoring and training."""
+    step = float(seconds["step"]) or 1e-12
+    parts = [f"{name} {float(seconds[name]):.3g} s ({100 * float(seconds[name]) / step:.0f}%)"
+             for name in ("generation", "scoring", "training") if float(seconds[name]) or name != "scoring"]
+    return f"  predicted step time on {seconds['device']}: {float(seconds['step']):.3g} s = " + ", ".join(parts)
 
 
 def _count(n: int) -> str:
@@ -131,6 +164,8 @@ def render(result) -> str:
                      f"{' (with the reference copy ' + format_bytes(rl['reference_copy_bytes']) + ')' if rl['reference_copy_bytes'] else ''}"
                      f"{', scoring ' + format_bytes(rl['scoring_bytes']) if rl.get('scoring_bytes') else ''};"
                      f" the peak is {rl['peak_phase']}'s")
+        if rl.get("predicted_seconds"):
+            lines.append(describe_rl_time(rl["predicted_seconds"]))
     for name in d.get("not_traced", []):
         lines.append(f"  not traced: {name} (the traced step runs without it: an upper bound; see --method analytical)")
     if result.budget_bytes is not None:

@@ -15,6 +15,8 @@ from memfit.config import SMALL_STATE_OPTIMIZERS, TrainConfig
 from memfit.gpus import GpuSpec
 from memfit.prediction.context_parallel import ulysses_seconds
 from memfit.prediction.estimate_result import Estimate
+from memfit.prediction.rl_speed import RLStepSeconds
+from memfit.prediction.rl_step import is_rl
 from memfit.resolution.registry import speed_terms
 from memfit.resolution.resolve import resolve
 from memfit.techniques.resolved_run import ResolvedRun
@@ -181,24 +183,58 @@ def estimated_step_seconds(changes: dict[str, Any], config: TrainConfig, est: Es
     `device` is "cpu" or "cuda"; by default "cpu" without a GPU preset (a plan with only a
     memory budget runs where memory is the host's), "cuda" with one.
 
+    --task grpo adds generating and scoring its completions (`rl_step_seconds`).
+
     Planning for this machine's CPU (no GPU preset), the seconds are multiplied by what this
     device measured (`memfit.prediction.calibration`: trials and planned runs); `calibrate=False`
     gives the model's own figure.
     """
+    if is_rl(config):  # --task grpo: its generation and scoring beside the training pass
+        return rl_step_seconds(changes, config, est, gpu, hf_config, device=device, calibrate=calibrate).total
     device = device or ("cpu" if gpu is None else "cuda")
     compute = compute_dtype(changes, config, device)
-    tflops = gpu.peak_tflops if gpu is not None else NOMINAL_TFLOPS
-    rate = tflops * 1e12 * UTILISATION
-    compute_seconds = _compute_seconds(changes, config, est, hf_config, device, compute, rate)
-    context = changes.get("context_parallel", config.distributed.context_parallel)
-    if context > 1:  # each rank computes 1/N of every row, then waits for Ulysses' all-to-alls over the GPUs' link
-        compute_seconds = compute_seconds / context + ulysses_seconds(changes, config, hf_config, gpu, compute)
-    seconds = _with_host_transfers(compute_seconds, changes, config, est, gpu, hf_config, device, compute, rate)
+    seconds = _trained_step_seconds(changes, config, est, gpu, hf_config, device, compute, _rate(gpu))
     if calibrate and gpu is None and device == "cpu":  # measured here: the CPU that plans is the one that trains
         from memfit.prediction.calibration import correction
 
         seconds *= correction(changes, config, device, compute)
     return seconds
+
+
+def rl_step_seconds(changes: dict[str, Any], config: TrainConfig, est: Estimate, gpu: GpuSpec | None,
+                    hf_config: Any, *, device: str | None = None, calibrate: bool = True) -> RLStepSeconds:
+    """A --task grpo step's seconds split into generation, scoring and training (prediction/rl_speed.py), each
+    calibrated as `estimated_step_seconds` is."""
+    from memfit.prediction.rl_speed import rl_training_changes, rollout_seconds
+
+    device = device or ("cpu" if gpu is None else "cuda")
+    compute = compute_dtype(changes, config, device)
+    rate = _rate(gpu)
+    training = _trained_step_seconds(rl_training_changes(changes, config), config, est, gpu, hf_config, device,
+                                     compute, rate)
+    generation, scoring = rollout_seconds(changes, config, hf_config, gpu, device, compute, rate,
+                                          FEEDING_TOKENS[device])
+    split = RLStepSeconds(generation, scoring, training)
+    if calibrate and gpu is None and device == "cpu":
+        from memfit.prediction.calibration import correction
+
+        split = split.scaled(correction(changes, config, device, compute))
+    return split
+
+
+def _rate(gpu: GpuSpec | None) -> float:
+    """FLOPs a second a step computes at: the GPU's peak (NOMINAL_TFLOPS without one) times UTILISATION."""
+    return (gpu.peak_tflops if gpu is not None else NOMINAL_TFLOPS) * 1e12 * UTILISATION
+
+
+def _trained_step_seconds(changes: dict[str, Any], config: TrainConfig, est: Estimate, gpu: GpuSpec | None,
+                          hf_config: Any, device: str, compute: str, rate: float) -> float:
+    """The forward, backward and optimizer step over the step's rows, with context parallelism and host transfers."""
+    compute_seconds = _compute_seconds(changes, config, est, hf_config, device, compute, rate)
+    context = changes.get("context_parallel", config.distributed.context_parallel)
+    if context > 1:  # each rank computes 1/N of every row, then waits for Ulysses' all-to-alls over the GPUs' link
+        compute_seconds = compute_seconds / context + ulysses_seconds(changes, config, hf_config, gpu, compute)
+    return _with_host_transfers(compute_seconds, changes, config, est, gpu, hf_config, device, compute, rate)
 
 
 def _training_flops(changes: dict[str, Any], config: TrainConfig, hf_config: Any, device: str, compute: str) -> float:
