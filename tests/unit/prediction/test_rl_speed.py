@@ -69,6 +69,20 @@ def test_a_gpu_decodes_at_its_memory_bandwidth_where_that_is_slower():
     assert slow.generation > 3 * fast.generation  # the weights and the cache read 10x slower dominate decoding
 
 
+def test_memfit_plan_ranks_grpo_candidates_by_the_step_with_its_generation():
+    from memfit.prediction.planner import plan
+
+    hf_config = tiny_llama_config(hidden=256, layers=4, max_positions=4096)
+    config = load_config(overrides={"model": "tiny", "task": "grpo", "seq_len": 48, "max_completion_length": 512,
+                                    "num_generations": 4, "batch_size": 4, "gradient_accumulation_steps": 4})
+    gpu = GPUS["h100-80gb"]
+    best = plan(config, gpu=gpu.name, hf_config=hf_config, explain=False).ranked[0]
+    planned = config.replace(effective_batch_size=None, memory_budget=None, gpu=None, **best["plan"])
+    split = rl_step_seconds(best["plan"], config, estimate(planned, gpu=gpu, hf_config=hf_config), gpu, hf_config)
+    assert best["step_seconds"] == pytest.approx(split.total)
+    assert split.generation > split.training  # 512 decoding forwards of a small model against one training pass
+
+
 def test_memfit_estimate_prints_the_step_split(capsys):
     from memfit.cli.estimate import run
 
