@@ -139,7 +139,10 @@ def estimate(
     config = config.with_seq_len()  # not given: DEFAULT_SEQ_LEN
     config, world_size, split = context_split(config, world_size)  # --context-parallel N: one rank at seq/N tokens
     if is_rl(config):  # a row is a prompt and its completion; the task's log-probabilities are chunked
-        config = rl_training_config(config)
+        from memfit.models.presets import resolve_model_config
+
+        hf_config = hf_config or resolve_model_config(config.model.model, config.model.trust_remote_code)
+        config = rl_training_config(config, hf_config)
     request = _request(config, method, world_size, sharding, gpu, budget_bytes, hf_config)
     run = resolve_run(config, request.hf_config, request.gpu)
     inventory, parts, loaded_parameters = _state(request, run)
@@ -654,7 +657,16 @@ def _backward_phase(step: _Step, terms: ActivationTerms, forward: _Forward, grad
     released = terms.released_per_block
     fixed = forward.activations - arch.layers * released  # the embedding side, uncheckpointed or offloaded blocks
     block_grads = gradients.block
-    first_grads = block_grads if step.in_backward else max(block_grads, gradients.head_sums)
+    # A preference step's last block's MLP backward, uncheckpointed, holds two intermediate-wide activation
+    # gradients (a gated MLP's product's and one factor's) beside every kept activation, after the head's sums are
+    # gone: the larger of the two moments counts. Its log-probabilities' chunks are sized to the hidden states
+    # (sequence_logprobs.logprob_chunk_tokens), so this moment can be the larger (tracked on CPU, fp32: the 2-block
+    # DPO step of intermediate 512 at 512 tokens, tests/unit/prediction/test_preference_estimate.py). The causal-LM
+    # estimates, checked shape by shape against the tracker, keep their own terms.
+    mlp_backward = (2.0 * precision.compute * arch.intermediate * step.tokens
+                    if step.preference is not None and step.preference.forwards == 1 and run.checkpointing == "off"
+                    and run.mlp_tiles <= 1 and arch.gated_mlp else 0.0)
+    first_grads = block_grads if step.in_backward else max(block_grads + mlp_backward, gradients.head_sums)
     at_first_block = forward.activations + forward.cache + first_grads
     at_last_block = max(0.0, fixed) + released + forward.cache / max(1, arch.layers) + arch.layers * block_grads
     in_flight_grads = first_grads if at_first_block >= at_last_block else arch.layers * block_grads
@@ -665,6 +677,8 @@ def _backward_phase(step: _Step, terms: ActivationTerms, forward: _Forward, grad
     waiting = step.preference.waiting_gradient_bytes(step.parts["gradients"]) if step.preference else 0.0
     if waiting:  # --pair-layout split: the rejected rows' backward, every chosen-row gradient (the head's too) beside it
         head = waiting + (head if forward.accumulated else 0.0)
+        if step.preference.chunk_of(arch, step.tokens) < step.tokens:  # and the rejected rows' own in-place head
+            head += gradients.head  # gradient, summed over their chunks before it joins the chosen rows'
     total = forward.resident + forward.accumulated + activations + recompute + head + in_flight_grads
     if step.in_backward:
         total += largest_grad + step_temporaries

@@ -82,7 +82,8 @@ class PreferenceStep:
     untrained_rows: int
     """Rows a sample the policy runs without a graph (KTO's mismatched completions: 1)."""
     chunk_tokens: int
-    """Tokens a chunk of the log-probabilities (--loss-chunk-size, else DEFAULT_LOSS_CHUNK_TOKENS)."""
+    """Tokens a chunk of the log-probabilities: --loss-chunk-size, or 0 for the task's own rule
+    (techniques/sequence_logprobs.py `logprob_chunk_tokens`: a chunk's logits about the size of the hidden states)."""
     layout_note: str = "two rows a pair"
     """The pair layout estimated, and why where another was asked for."""
     forwards: int = 1
@@ -103,7 +104,13 @@ class PreferenceStep:
         """What one chunk holds while its log-probabilities are computed, of a pass over `tokens` tokens: the
         logits in the compute dtype, their fp32 copy (16-bit compute) and the fp32 log-softmax."""
         upcast = 4 if precision.compute != 4 else 0
-        return float((precision.compute + upcast + 4) * min(self.chunk_tokens, tokens) * arch.vocab)
+        return float((precision.compute + upcast + 4) * self.chunk_of(arch, tokens) * arch.vocab)
+
+    def chunk_of(self, arch: Architecture, tokens: int) -> int:
+        """Tokens of the largest chunk of a pass over `tokens` tokens, as the task sizes it."""
+        from memfit.techniques.sequence_logprobs import logprob_chunk_tokens
+
+        return min(logprob_chunk_tokens(arch.vocab, arch.hidden, tokens, self.chunk_tokens), tokens)
 
     def head_working_bytes(self, run: Any, arch: Architecture, precision: Precision, tokens: int, head_grad: float,
                            sharding: str) -> float:
@@ -121,7 +128,7 @@ class PreferenceStep:
         """
         in_place = head_grad and in_place_head_runs(run, sharding)
         per_entry = CHUNK_BACKWARD_BYTES + (precision.compute if in_place else 0)
-        working = float(per_entry * min(self.chunk_tokens, tokens) * arch.vocab)
+        working = float(per_entry * self.chunk_of(arch, tokens) * arch.vocab)
         working += precision.residual * arch.hidden * tokens  # the final hidden states' gradient
         if run.autocast and run.weight_bytes == 4:  # each chunk casts the fp32 head anew: no autocast cache there
             working += precision.compute * arch.vocab * arch.hidden
@@ -129,7 +136,7 @@ class PreferenceStep:
             return working
         if not in_place:
             return working + 2.0 * head_grad
-        return max(0.0, working - head_grad) if self.chunk_tokens >= tokens else working
+        return max(0.0, working - head_grad) if self.chunk_of(arch, tokens) >= tokens else working
 
     def forward_extra_bytes(self, arch: Architecture, precision: Precision, samples: int, seq_len: int) -> float:
         """The largest moment of the forward beyond the kept activations: the policy's chunk of logits, or later in
@@ -160,7 +167,6 @@ def preference_step(config: Any, run: Any) -> PreferenceStep | None:
     """The preference step of `config` as resolved to `run`, or None for a task that does not learn from pairs."""
     from memfit.tasks import TASK_CLASSES
     from memfit.tasks.pair_layout import SPLIT, TWO_ROWS
-    from memfit.techniques.loss import DEFAULT_LOSS_CHUNK_TOKENS
     from memfit.techniques.reference_model import choose_reference
 
     task_class = TASK_CLASSES[config.task.task]
@@ -177,7 +183,7 @@ def preference_step(config: Any, run: Any) -> PreferenceStep | None:
         choice = choose_reference("auto", False, lora, task_class.needs_reference)
         note = f"{error}: estimated with {choice.mode}"
     kto = task_class.name == "kto"
-    chunk = run.loss_chunk_size or config.memory.loss_chunk_size or DEFAULT_LOSS_CHUNK_TOKENS
+    chunk = config.memory.loss_chunk_size or 0  # the task's own (run.loss_chunk_size is the causal-LM loss's)
     requested = getattr(task, "pair_layout", TWO_ROWS)
     split = requested == SPLIT and not kto
     layout = "two rows a pair"

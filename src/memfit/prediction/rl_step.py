@@ -31,13 +31,20 @@ def is_rl(config: Any) -> bool:
     return config.task.task == "grpo"
 
 
-def rl_training_config(config: Any) -> Any:
+def rl_training_config(config: Any, hf_config: Any = None) -> Any:
     """`config` as the training pass of its RL step runs: rows of prompt + completion tokens, the log-probabilities
-    a chunk of logits at a time (the task's chunk: --loss-chunk-size, else the chunked loss's default)."""
+    a chunk of logits at a time (the task's chunk: --loss-chunk-size, else sized by `hf_config`'s vocabulary and
+    width as the task sizes it, techniques/sequence_logprobs.py `logprob_chunk_tokens`; the chunked loss's default
+    without `hf_config`)."""
     from memfit.techniques.loss import DEFAULT_LOSS_CHUNK_TOKENS
+    from memfit.techniques.sequence_logprobs import logprob_chunk_tokens
 
-    return config.replace(seq_len=rl_row_length(config, config.data.seq_len),
-                          loss_chunk_size=config.memory.loss_chunk_size or DEFAULT_LOSS_CHUNK_TOKENS)
+    row = rl_row_length(config, config.data.seq_len)
+    chunk = config.memory.loss_chunk_size or DEFAULT_LOSS_CHUNK_TOKENS
+    if hf_config is not None and not config.memory.loss_chunk_size:
+        text = getattr(hf_config, "get_text_config", lambda: hf_config)()
+        chunk = logprob_chunk_tokens(int(text.vocab_size), int(text.hidden_size), config.training.batch_size * row)
+    return config.replace(seq_len=row, loss_chunk_size=chunk)
 
 
 def rl_row_length(config: Any, prompt_tokens: int) -> int:
@@ -101,17 +108,40 @@ def _bytes_of(precision: Any) -> tuple[int, int]:
 
 
 def scoring_bytes(config: Any, arch: Any, precision: Any, row_tokens: int, completions_in_step: int,
-                  loss_chunk_tokens: int, streamed: Any = None) -> float:
+                  loss_chunk_tokens: int, streamed: Any = None, attention: str = "sdpa") -> float:
     """The no-grad forward over every completion of the step at once that scores them before training: the
     reference's log-probabilities (--beta > 0) and the generating policy's (--num-iterations > 1); 0 without.
-    `streamed`: a host-copy reference's units (preference_step.StreamedUnits), on the device beside its forward."""
+    `streamed`: a host-copy reference's units (preference_step.StreamedUnits), on the device beside its forward.
+    Packed (--packing samples), the forward also holds SDPA's block mask over its rows (`packed_rows_mask_bytes`)."""
     from memfit.prediction.preference_step import PreferenceStep, no_grad_forward_bytes
 
     if config.task.beta <= 0 and config.rl.num_iterations <= 1:
         return 0.0
     step = PreferenceStep("grpo", "copy", "", 1, 0, loss_chunk_tokens)
     return no_grad_forward_bytes(step, arch, precision, completions_in_step * row_tokens,
-                                 streamed if config.task.beta > 0 else None)
+                                 streamed if config.task.beta > 0 else None) + packed_rows_mask_bytes(
+        config, arch, precision, completions_in_step, row_tokens, attention, layers_holding=1)
+
+
+def packed_rows_mask_bytes(config: Any, arch: Any, precision: Any, completions: int, row_tokens: int,
+                           attention: str, layers_holding: int) -> int:
+    """What packed completions add to a forward over `completions` of them under --packing samples: SDPA's
+    block-diagonal mask and its per-layer copies (techniques/packed_attention.py `block_mask_bytes`; 0 for
+    flash-attn and eager, and without packing).
+
+    The rows themselves: packing puts the completions end to end in rows as wide as the longest, so a micro-batch
+    holds its completions' summed length rounded up to whole rows. An estimate does not know the completions'
+    lengths and counts each at --max-completion-length, where packing saves no row: the rows are the padded
+    ones, and the mask is what packing adds. (The training pass's mask is counted for every causal-LM step that
+    packs: estimator.py `packed_mask_estimate`; this is the scoring forward's, over all of a step's completions,
+    one layer's copy at a time.) --packing auto pads a micro-batch whose packing saves no row: nothing added."""
+    from memfit.techniques.packed_attention import block_mask_bytes
+
+    if getattr(config.data, "packing", "off") != "samples":
+        return 0
+    element = int(getattr(precision, "attention", None) or _bytes_of(precision)[0])
+    expanded = 2 * max(0, arch.q_width - arch.kv_width) * element
+    return block_mask_bytes(completions, row_tokens, attention, layers_holding, element, expanded)
 
 
 def reference_bytes(config: Any, run: Any, hf_config: Any, loaded_parameters: float) -> tuple[float, Any]:

@@ -253,7 +253,7 @@ class GRPOTask(SampleLossTask):
         batch = self.collate(samples, self._tokenizer.pad_token_id)  # packed rows when the training pass packs
         device = next(self._model.parameters()).device
         rows = {k: v.to(device) for k, v in batch.items() if k in MODEL_INPUTS or k in PLACEMENT_KEYS}
-        chunk = self._chunk_size(0)
+        chunk = self._chunk_size(0, self._model, rows["input_ids"].numel())
         with torch.no_grad():
             if needs_old:
                 old = self._per_token(self._model, rows, chunk)[0]
@@ -331,7 +331,7 @@ class GRPOTask(SampleLossTask):
         completions, tokens = self._step_counts
         rows = {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask,
                 "position_ids": position_ids} | {k: v for k, v in placement.items() if k in PLACEMENT_KEYS}
-        per_token, labels = self._per_token(model, rows, self._chunk_size(chunk_size))
+        per_token, labels = self._per_token(model, rows, self._chunk_size(chunk_size, model, input_ids.numel()))
         # per_token[t] is the log-probability of the token at t + 1 (labels are shifted inside): the same shift for
         # the mask and the stored log-probabilities, which were computed the same way
         mask = torch.nn.functional.pad(labels[:, 1:] != IGNORE_INDEX, (0, 1), value=False).float()
@@ -347,10 +347,11 @@ class GRPOTask(SampleLossTask):
             self._stats[name] = self._stats.get(name, 0.0) + float(value)
         return loss * completions
 
-    def _chunk_size(self, chunk_size: int) -> int:
-        from memfit.techniques.loss import DEFAULT_LOSS_CHUNK_TOKENS
+    def _chunk_size(self, chunk_size: int, model: torch.nn.Module, tokens: int) -> int:
+        """--loss-chunk-size, else a chunk whose logits are about the size of the rows' hidden states."""
+        from memfit.techniques.sequence_logprobs import model_logprob_chunk_tokens
 
-        return chunk_size or self.config.memory.loss_chunk_size or DEFAULT_LOSS_CHUNK_TOKENS
+        return chunk_size or model_logprob_chunk_tokens(model, tokens, self.config.memory.loss_chunk_size)
 
     # -- what the run says -----------------------------------------------------------------------------------------
 

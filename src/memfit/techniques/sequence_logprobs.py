@@ -43,6 +43,37 @@ from memfit.techniques.loss import (
 
 Postprocess = Callable[[torch.Tensor], torch.Tensor]
 
+SMALLEST_CHUNK_TOKENS = 32
+"""The fewest tokens `logprob_chunk_tokens` gives a chunk: smaller chunks would spend more on launching the head's
+matrix product than its logits cost."""
+
+
+def logprob_chunk_tokens(vocab_size: int, hidden_size: int, tokens: int, chosen: int | None = None) -> int:
+    """Tokens a chunk of the log-probabilities over `tokens` tokens: `chosen` (--loss-chunk-size) when given, else
+    as many as make one chunk's `[chunk, vocabulary]` logits about the size of the `[tokens, hidden]` hidden states
+    they are computed from (the tokens over vocabulary / hidden, rounded up to a power of two, between
+    SMALLEST_CHUNK_TOKENS and DEFAULT_LOSS_CHUNK_TOKENS).
+
+    Why not always DEFAULT_LOSS_CHUNK_TOKENS: a preference or RL micro-batch of a few hundred to a few thousand tokens
+    is then one or two chunks, and its logits (with their fp32 log-softmax, and in backward their gradient) are the
+    largest tensors of the step: at 768 tokens and a 32,000-token vocabulary, four copies of 94 MiB against 1 MiB of
+    hidden states. Sized by the hidden states, the chunk's logits never dwarf the activations, and a large model
+    (Llama-3.1-8B: 4,096 wide, 128K vocabulary) still gets chunks of hundreds of tokens, which keep a GPU's matrix
+    units busy. The estimator sizes the chunk with the same rule (prediction/preference_step.py, rl_step.py).
+    """
+    if chosen:
+        return int(chosen)
+    per_hidden = -(-max(vocab_size, 1) // max(hidden_size, 1))
+    chunk = 1 << max(0, (-(-max(tokens, 1) // per_hidden) - 1).bit_length())
+    return int(min(DEFAULT_LOSS_CHUNK_TOKENS, max(SMALLEST_CHUNK_TOKENS, chunk)))
+
+
+def model_logprob_chunk_tokens(model: torch.nn.Module, tokens: int, chosen: int | None = None) -> int:
+    """`logprob_chunk_tokens` for `model` (its vocabulary and width read from its config)."""
+    lm_config = unwrap_causal_lm(model).config
+    text_config = getattr(lm_config, "get_text_config", lambda: lm_config)()
+    return logprob_chunk_tokens(int(text_config.vocab_size), int(text_config.hidden_size), tokens, chosen)
+
 
 @dataclass
 class SequenceLogprobs:

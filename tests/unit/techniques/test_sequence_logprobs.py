@@ -210,3 +210,27 @@ def test_the_peak_grows_with_the_vocabulary_by_its_weights_not_by_the_logits():
     assert chunked_growth <= 1.5 * weights_growth + 6 * chunk_copy_growth, chunked_growth / MIB
     assert chunked_growth < logits_copy_growth  # not even one copy of the batch's logits
     assert materialized_growth >= weights_growth + 2 * logits_copy_growth, materialized_growth / MIB
+
+
+def test_the_default_chunk_makes_its_logits_about_the_size_of_the_hidden_states():
+    from memfit.techniques.sequence_logprobs import SMALLEST_CHUNK_TOKENS, logprob_chunk_tokens
+
+    # Llama-3.1-8B: 4,096 wide, 128,256 entries (32 a hidden unit); 8 rows of 2,048 tokens -> 512-token chunks
+    assert logprob_chunk_tokens(128_256, 4096, 8 * 2048) == 512
+    assert logprob_chunk_tokens(128_256, 4096, 1 << 20) == 1024  # never above the chunked loss's default
+    assert logprob_chunk_tokens(32_000, 384, 768) == SMALLEST_CHUNK_TOKENS  # 768 / 84 -> 16, raised to the floor
+    assert logprob_chunk_tokens(32_000, 384, 4096) == 64  # 4096 / 84 = 48.8 -> 64
+    assert logprob_chunk_tokens(32_000, 384, 4096, chosen=300) == 300  # --loss-chunk-size wins
+
+
+def test_the_default_chunk_holds_less_than_the_chunked_losss_1024_tokens():
+    """512 tokens of a 32K vocabulary, 64 wide: the rule's 32-token chunks against one 1,024-token chunk (the whole
+    batch). The difference is at least two fp32 copies of the batch's logits less a few of a chunk's."""
+    from memfit.techniques.sequence_logprobs import logprob_chunk_tokens
+
+    chunk = logprob_chunk_tokens(SMALL_VOCAB, 64, TOKENS)
+    assert chunk == 32
+    by_rule, whole = tracked_peak(SMALL_VOCAB, chunk), tracked_peak(SMALL_VOCAB, 1024)
+    logits_copy = TOKENS * SMALL_VOCAB * 4
+    assert whole.peak_bytes - by_rule.peak_bytes >= 2 * logits_copy - 6 * chunk * SMALL_VOCAB * 4, (
+        (whole.peak_bytes - by_rule.peak_bytes) / MIB)
