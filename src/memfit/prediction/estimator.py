@@ -267,7 +267,7 @@ def _with_rl_generation(request: _Request, run: RunShape, moment: dict[str, floa
     arch, precision = architecture_for(request.hf_config), precision_of(run)
     phase = generation_phase(config, arch, precision, config.data.seq_len, completions)
     scoring = rl_scoring_bytes(config, arch, precision, config.data.seq_len, completions, run.loss_chunk_size,
-                               streamed)
+                               streamed, run.attention)  # packed rows: SDPA's block mask in the scoring forward
     moment = with_generation_phase(moment, {}, phase, copy, notes, scoring)
     if streamed is not None:  # --reference host-copy: its copy in host memory, a unit at a time on the device
         notes["rl_step"] |= streamed.details()
