@@ -19,7 +19,6 @@ from memfit.tasks.heads import (
     TokenClassificationTask,
 )
 from memfit.tasks.metrics import METRIC_LABELS
-from memfit.tasks.preference import PreferenceTask
 from memfit.tasks.preference_objectives import PREFERENCE_TASK_CLASSES
 
 TASK_CLASSES: dict[str, type[Task]] = {
@@ -49,10 +48,11 @@ def build_task(config: Any) -> Task:
             # encoder must not see two samples in one row. What "auto" means for a table, not a fallback: the
             # task's facts (the report's task row) say so; --packing samples/wrapped on a table is refused.
             config.data.packing = "off"
-    if isinstance(task, PreferenceTask | GRPOTask) and config.data.packing == "auto":
-        # A pair is two rows that share their prompt and are scored together: never packed with other samples.
-        # What "auto" means for preference data (the task's facts say so); samples/wrapped are refused above.
+    if isinstance(task, GRPOTask) and config.data.packing == "auto":
+        # Each completion is a row of its own: what "auto" means for GRPO (the task's facts say so).
         config.data.packing = "off"
+    # A preference task decides --packing itself (auto included: tasks/pair_packing.py), over each micro-batch's
+    # sequences; its samples are never packed into windows (PreferenceSamples.packed_by_task).
     return task
 
 

@@ -30,14 +30,16 @@ from torch.utils.checkpoint import checkpoint
 from memfit.techniques.sequence_logprobs import SequenceLogprobs
 
 
-def logprobs_in_two_forwards(score: Callable[[slice], SequenceLogprobs], pairs: int) -> SequenceLogprobs:
+def logprobs_in_two_forwards(score: Callable[[slice], SequenceLogprobs], chosen_rows: int) -> SequenceLogprobs:
     """The log-probabilities of a two-row batch (`[2 x pairs]`: every chosen row, then every rejected row) as one
     forward gives them, computed in two (module docstring). `score(rows)` runs the policy over the rows `rows` of
-    the batch. Without gradients (evaluation, the reference) there is nothing to keep: one forward."""
+    the batch; the first `chosen_rows` rows are the chosen sides' (`pairs`, or the packed rows the chosen sequences
+    fill: tasks/pair_packing.py). Without gradients (evaluation, the reference) there is nothing to keep: one
+    forward."""
     if not torch.is_grad_enabled():
         return score(slice(None))
-    rejected = checkpoint(score, slice(pairs, None), use_reentrant=False)  # first: its backward comes last
-    chosen = score(slice(0, pairs))
+    rejected = checkpoint(score, slice(chosen_rows, None), use_reentrant=False)  # first: its backward comes last
+    chosen = score(slice(0, chosen_rows))
     per_token = (None if chosen.per_token is None else torch.cat([chosen.per_token, rejected.per_token]))
     return SequenceLogprobs(torch.cat([chosen.sums, rejected.sums]),
                             torch.cat([chosen.token_counts, rejected.token_counts]), per_token)

@@ -55,6 +55,13 @@ from memfit.tasks.pair_layout import (
     shared_prompt_attention_mask,
     side_labels,
 )
+from memfit.tasks.pair_packing import (
+    PackedPairs,
+    PairPacking,
+    choose_pair_packing,
+    collate_packed_pairs,
+    lengths_differ,
+)
 from memfit.tasks.pair_split import logprobs_in_two_forwards, split_refusals
 from memfit.tasks.preference_losses import (
     PreferenceLoss,
@@ -65,9 +72,10 @@ from memfit.tasks.preference_samples import (  # noqa: F401
     collate_preference,
     kl_partners,
     per_sample_values,
+    two_row_sequences,
 )
 from memfit.tasks.sample_loss_task import SampleLossTask
-from memfit.techniques.loss import DEFAULT_LOSS_CHUNK_TOKENS, IGNORE_INDEX, unwrap_causal_lm
+from memfit.techniques.loss import IGNORE_INDEX, unwrap_causal_lm
 from memfit.techniques.reference_model import (
     COPY_MODES,
     NO_REFERENCE,
@@ -86,7 +94,7 @@ from memfit.techniques.reference_model import (
     timed,
 )
 from memfit.techniques.reference_model import _peft_model as peft_model_of  # the PEFT model under any engine wrapper
-from memfit.techniques.sequence_logprobs import sequence_logprobs
+from memfit.techniques.sequence_logprobs import SequenceLogprobs, model_logprob_chunk_tokens, sequence_logprobs
 from memfit.techniques.streamed_reference import HOST_COPY, host_copy_problem, reference_pass
 
 log = logging.getLogger("memfit")
@@ -113,6 +121,8 @@ class ScoredRows:
     """shared-prompt rows: each token's branch (pair_layout.TRUNK, ...); None for two rows a pair."""
     mask_kind: str = ""
     """shared-prompt rows: the 4D mask the attention kernel takes (pair_layout.BOOLEAN_MASK, ADDITIVE_MASK)."""
+    packing: PackedPairs | None = None
+    """packed rows (tasks/pair_packing.py): where each sequence of the two-row layout lies; None when padded."""
     _shared_mask: torch.Tensor | None = field(default=None, init=False, repr=False)
 
     @property
@@ -120,9 +130,29 @@ class ScoredRows:
         return self.branches is not None
 
     @property
+    def packed(self) -> bool:
+        return self.packing is not None
+
+    @property
     def pairs(self) -> int:
-        """Samples in the batch: two rows each, or one shared-prompt row each."""
+        """Samples in the batch: two rows each (two sequences packed), or one shared-prompt row each."""
+        if self.packing is not None:
+            return self.packing.sequences // 2
         return self.input_ids.shape[0] if self.shared else self.input_ids.shape[0] // 2
+
+    def sides(self) -> tuple[ScoredRows, ScoredRows]:
+        """Every sample's first row, and every second row, as batches of their own (KTO's matched and mismatched
+        completions); packed rows were packed a side apart for it (tasks/pair_packing.py)."""
+        count = self.pairs
+        if self.packing is None:
+            first, second = slice(0, count), slice(count, None)
+            return (ScoredRows(self.input_ids[first], self.labels[first], _part(self.attention_mask, first),
+                               self.chunk_size),
+                    ScoredRows(self.input_ids[second], self.labels[second], _part(self.attention_mask, second),
+                               self.chunk_size))
+        return tuple(ScoredRows(self.input_ids[part], self.labels[part], None, self.chunk_size,
+                                packing=self.packing.side(second))
+                     for second, part in ((False, self.packing.side_rows(False)), (True, self.packing.side_rows(True))))
 
     def shared_mask(self, model: torch.nn.Module) -> torch.Tensor:
         """The shared-prompt rows' 4D attention mask, built once a micro-batch (the policy's and the reference's
@@ -138,6 +168,8 @@ class ScoredRows:
         """Labels that score every real token (ORPO's NLL reads them), in the rows' own layout."""
         if self.shared:
             return every_token_labels(self.input_ids, self.branches)
+        if self.packing is not None:
+            return self.packing.every_token_labels(self.input_ids)
         if self.attention_mask is None:
             return self.input_ids
         return self.input_ids.masked_fill(self.attention_mask == 0, IGNORE_INDEX)
@@ -145,7 +177,9 @@ class ScoredRows:
     @property
     def answer_labels(self) -> torch.Tensor:
         """The answers' targets in the two-row layout's order, `[2 x pairs, length]` (chosen rows first): what
-        `SequenceLogprobs.restricted_to` reads of `policy_logprobs`'s per-token values in either layout."""
+        `SequenceLogprobs.restricted_to` reads of `policy_logprobs`'s per-token values in any layout."""
+        if self.packing is not None:
+            return self.packing.unpacked(self.labels, IGNORE_INDEX)
         return side_labels(self.labels, self.branches) if self.shared else self.labels
 
 
@@ -206,6 +240,10 @@ class PreferenceTask(SampleLossTask):
         self.pair_layout: PairLayout = choose_pair_layout(self.requested_pair_layout, None, self.name != "kto", None)
         """How the pairs are laid out (tasks/pair_layout.py): chosen when the training data is loaded, two rows until
         then."""
+        self.requested_packing = str(config.data.packing) if config is not None else "off"
+        self.pair_packing: PairPacking = choose_pair_packing(self.requested_packing, None, False)
+        """Whether the micro-batches' sequences are packed (tasks/pair_packing.py): checked against the model when it
+        is loaded and against the pair layout when the training data is."""
 
     # -- settings and refusals ------------------------------------------------------------------------------------
 
@@ -213,9 +251,9 @@ class PreferenceTask(SampleLossTask):
         found = [self.reference_problem] if self.reference_problem else []
         if self.reference_choice.mode == HOST_COPY and host_copy_problem(config.distributed):
             found.append(host_copy_problem(config.distributed))
-        if config.data.packing in ("samples", "wrapped"):
-            found.append(f"--packing {config.data.packing} puts several samples in one row; --task {self.name} runs"
-                         " each pair as two rows of their own: use --packing off")
+        if config.data.packing == "wrapped":
+            found.append(f"--packing wrapped cuts samples across rows; --task {self.name} packs whole sequences: use"
+                         " --packing samples, auto or off")
         if config.training.auto_batch_size:
             found.append(f"--auto-batch-size probes with causal-LM windows, not pairs; give --task {self.name} a"
                          " --batch-size (out-of-memory recovery splits it if it does not fit)")
@@ -233,6 +271,7 @@ class PreferenceTask(SampleLossTask):
         # The loaded model, before any technique wraps it: the frozen copy is made of it, and the cached pass runs it.
         self._model = model
         self._pad_token_id = getattr(tokenizer, "pad_token_id", None)
+        self.pair_packing = choose_pair_packing(self.requested_packing, model, False)
         if self.reference_choice.mode in COPY_MODES:
             self._copy = reference_copy(model, self.reference_cost)
         if self.reference_choice.mode not in ("cached", NO_REFERENCE):  # cached: said when its pass has run
@@ -245,6 +284,7 @@ class PreferenceTask(SampleLossTask):
                                      min_samples=min_samples, rope_positions=rope_positions, say=say)
         partners = None if items.paired else kl_partners(len(items), self.config.training.batch_size)
         samples = PreferenceSamples(items, partners)
+        samples.packing_facts = self._packing_facts
         if role == "training":
             self._choose_pair_layout(items, say)
         if self.reference_choice.mode == "cached":
@@ -259,8 +299,10 @@ class PreferenceTask(SampleLossTask):
             return
         self.pair_layout = choose_pair_layout(self.requested_pair_layout, self._model, items.paired,
                                               getattr(items, "segment_lengths", None))
+        self.pair_packing = choose_pair_packing(self.requested_packing, self._model, self.pair_layout.shared)
         if say:
             (log.warning if self.pair_layout.fell_back else log.info)("memfit: %s", self.pair_layout.describe())
+            (log.warning if self.pair_packing.fell_back else log.info)("memfit: %s", self.pair_packing.describe())
 
     def _cache_reference(self, samples: PreferenceSamples, cache_dir: Path, role: str, say: bool) -> None:
         """Set `samples.reference` from the cache file when its key matches, else from one no-grad pass (saved); under
@@ -318,7 +360,8 @@ class PreferenceTask(SampleLossTask):
         precision = run_precision(self.config, device)
         return precompute_logprobs(
             model, end - start, lambda first, last: self._rows_of(samples, start + first, start + last), 2,
-            batch_size=self.config.training.batch_size, chunk_size=self._chunk_size(0),
+            batch_size=self.config.training.batch_size,
+            chunk_size=self._chunk_size(0, model, 2 * self.config.training.batch_size * (self.config.data.seq_len or 1)),
             autocast=lambda: precision.autocast(device))
 
     def _set_reference(self, samples: PreferenceSamples, values: torch.Tensor, cost: ReferenceCost, role: str,
@@ -353,6 +396,11 @@ class PreferenceTask(SampleLossTask):
             samples = self.prepare(list(samples), range(len(samples)), 0)  # not prepared (a probe): this micro-batch's
         if self.pair_layout.shared and samples and "chosen_ids" in samples[0]:
             return collate_shared_prompt(samples, pad_token_id) | per_sample_values(samples)
+        rows = two_row_sequences(samples) if self.pair_packing.packed and samples else []
+        if lengths_differ(rows):
+            # a side a packing where the sides run apart: split's two forwards, KTO's mismatched rows without a graph
+            sides_apart = self.pair_layout.split or "chosen_ids" not in samples[0]
+            return collate_packed_pairs(rows, pad_token_id, sides_apart) | per_sample_values(samples)
         return collate_preference(samples, pad_token_id)
 
     # -- the loss --------------------------------------------------------------------------------------------------
@@ -362,7 +410,8 @@ class PreferenceTask(SampleLossTask):
                  position_ids: torch.Tensor | None = None, **inputs: torch.Tensor) -> torch.Tensor:
         """The micro-batch's summed per-pair losses (the step divides by the effective batch's pairs); its metrics
         go to the step's stream (`step_metrics`)."""
-        rows = self._rows(input_ids, labels, attention_mask, self._chunk_size(chunk_size), position_ids, inputs)
+        rows = self._rows(input_ids, labels, attention_mask, self._chunk_size(chunk_size, model, input_ids.numel()), position_ids,
+                          inputs)
         total, result, weights = self.objective(model, rows, **inputs)
         self.step_metric_stream.add(pair_index, result.metrics, weights)
         return total
@@ -371,6 +420,9 @@ class PreferenceTask(SampleLossTask):
               chunk_size: int, position_ids: torch.Tensor | None, inputs: dict[str, Any]) -> ScoredRows:
         """The micro-batch's rows; a shared-prompt batch's branches and positions are taken out of `inputs`."""
         branches, positions = layout_inputs(inputs)
+        packing = PackedPairs.taken_from(inputs)
+        if packing is not None:
+            return ScoredRows(input_ids, labels, None, chunk_size, packing=packing)
         if branches is None:
             return ScoredRows(input_ids, labels, attention_mask, chunk_size, position_ids)
         return ScoredRows(input_ids, labels, None, chunk_size, positions, branches, self.pair_layout.mask)
@@ -391,16 +443,18 @@ class PreferenceTask(SampleLossTask):
     def eval_loss_sum(self, model: torch.nn.Module, batch: dict, stream: PreferenceMetrics) -> torch.Tensor:
         """An eval batch's summed per-pair losses, its metrics added to `stream`."""
         inputs = {name: value for name, value in self.loss_inputs(batch).items() if name != "pair_index"}
-        rows = self._rows(batch["input_ids"], batch["labels"], batch.get("attention_mask"), self._chunk_size(0),
+        rows = self._rows(batch["input_ids"], batch["labels"], batch.get("attention_mask"),
+                          self._chunk_size(0, model, batch["input_ids"].numel()),
                           batch.get("position_ids"), inputs)
         total, result, weights = self.objective(model, rows, **inputs)
         stream.add(batch["pair_index"], result.metrics, weights)
         return total
 
-    def _chunk_size(self, given: int) -> int:
-        # Always chunked: a preference batch is two rows a pair, and its vocabulary logits are never built whole.
+    def _chunk_size(self, given: int, model: torch.nn.Module, tokens: int) -> int:
+        # Always chunked: a preference batch is two rows a pair, and its vocabulary logits are never built whole;
+        # unless --loss-chunk-size says, a chunk's logits are about the size of the batch's hidden states.
         configured = self.config.memory.loss_chunk_size if self.config is not None else None
-        return given if given > 0 else (configured or DEFAULT_LOSS_CHUNK_TOKENS)
+        return given if given > 0 else model_logprob_chunk_tokens(model, tokens, configured)
 
     def policy_logprobs(self, model: torch.nn.Module, rows: ScoredRows, labels: torch.Tensor | None = None,
                         per_token: bool = False):
@@ -408,6 +462,8 @@ class PreferenceTask(SampleLossTask):
         rows' layout: `[2 x pairs]`, every chosen row then every rejected row (shared-prompt rows always carry the
         per-token values: `pair_layout.as_two_rows` splits them)."""
         labels = rows.labels if labels is None else labels
+        if rows.packing is not None:
+            return self._packed_logprobs(model, rows, labels)
         if not rows.shared:
             def score(part: slice):
                 return sequence_logprobs(model, rows.input_ids[part], labels[part], _part(rows.attention_mask, part),
@@ -419,15 +475,30 @@ class PreferenceTask(SampleLossTask):
                                    position_ids=rows.position_ids, per_token=True)
         return as_two_rows(scored.per_token, labels, rows.branches)
 
+    def _packed_logprobs(self, model: torch.nn.Module, rows: ScoredRows, labels: torch.Tensor) -> SequenceLogprobs:
+        """`policy_logprobs` of packed rows: scored packed (each side's rows in a forward of its own under split),
+        laid out in the two-row order with their per-token values (tasks/pair_packing.py)."""
+        def score(part: slice) -> SequenceLogprobs:
+            return sequence_logprobs(model, rows.input_ids[part], labels[part], None, chunk_size=rows.chunk_size,
+                                     position_ids=rows.packing.position_ids[part], per_token=True)
+
+        first_side_rows = rows.packing.first_side_rows
+        if self.pair_layout.split and first_side_rows is not None:
+            scored = logprobs_in_two_forwards(score, first_side_rows)
+        else:
+            scored = score(slice(None))
+        return rows.packing.two_rows(scored.per_token, labels)
+
     def reference_sums(self, model: torch.nn.Module, rows: ScoredRows, cached: torch.Tensor | None) -> torch.Tensor:
         """`[2 x pairs]` reference log-probabilities of the batch's answers, in the two-row order (no gradient)."""
         if cached is not None:  # [samples, 2] -> every sample's first row, then every second
             return cached.t().reshape(-1).float()
         mode = self.reference_choice.mode
-        if rows.shared and mode == "adapters-off":
+        own_layout = rows.shared or rows.packed  # rows the plain reference functions do not read: scored as the policy's
+        if own_layout and mode == "adapters-off":
             with torch.no_grad(), peft_model_of(model).disable_adapter():
                 return self.policy_logprobs(model, rows).sums
-        if rows.shared and mode in COPY_MODES and self._copy is not None:
+        if own_layout and mode in COPY_MODES and self._copy is not None:
             with torch.no_grad(), reference_pass(self._copy):
                 return self.policy_logprobs(self._copy, rows).sums
         if mode == "adapters-off":
@@ -444,14 +515,25 @@ class PreferenceTask(SampleLossTask):
             "settings": {name: getattr(self.config.task, name) for name in self.settings_read
                          if name not in REFERENCE_SETTINGS} if self.config is not None else {},
             "reference": self.reference_cost.facts(),
-            "packing": ("off: each pair runs as one row of its own (the prompt once, both answers), padded to the"
-                        " longest of its micro-batch" if self.pair_layout.shared else
-                        "off: each pair runs as two rows of their own, padded to the longest of its micro-batch"),
+            "packing": self._packing_words(),
             "pair_layout": self.pair_layout.facts(),
         }
         if self.eval_reference_cost is not None:
             facts["eval_reference"] = self.eval_reference_cost.facts()
         return facts
+
+    def _packing_words(self) -> str:
+        """The task facts' packing entry: packed (tasks/pair_packing.py), or padded and why."""
+        if self.pair_packing.packed:
+            return self.pair_packing.facts()
+        rows = "one row of its own (the prompt once, both answers)" if self.pair_layout.shared else "two rows of their own"
+        return f"off ({self.pair_packing.reason}): each pair runs as {rows}, padded to the longest of its micro-batch"
+
+    def _packing_facts(self) -> dict[str, Any]:
+        """The run's packing facts (techniques/packed_attention.py `packing_facts`): what packed the micro-batches."""
+        packing = self.pair_packing
+        return {"mode": packing.mode, "requested": packing.requested, "reason": packing.reason,
+                "unit": "each micro-batch's sequences"}
 
     def describe(self) -> str:
         return f"{self.name} ({self.auto_class}; loss per {self.unit.removesuffix('s')}; {self.reference_cost.describe()})"

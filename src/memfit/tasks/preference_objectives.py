@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from memfit.tasks.preference import REFERENCE_SETTINGS, PreferenceTask, ScoredRows
+from memfit.tasks.preference import REFERENCE_SETTINGS, PreferenceTask
 from memfit.tasks.preference_losses import (
     DPOSettings,
     KTOSettings,
@@ -106,10 +106,7 @@ class KTOTask(PreferenceTask):
     def objective(self, model, rows, *, desirable, reference_logps=None, **_):
         task = self.config.task
         count = rows.pairs
-        matched = ScoredRows(rows.input_ids[:count], rows.labels[:count],
-                        None if rows.attention_mask is None else rows.attention_mask[:count], rows.chunk_size)
-        mismatched = ScoredRows(rows.input_ids[count:], rows.labels[count:],
-                           None if rows.attention_mask is None else rows.attention_mask[count:], rows.chunk_size)
+        matched, mismatched = rows.sides()
         policy = self.policy_logprobs(model, matched).sums
         with torch.no_grad():  # z is a detached baseline: its rows need no graph (TRL's no_grad too)
             policy_mismatched = self.policy_logprobs(model, mismatched).sums

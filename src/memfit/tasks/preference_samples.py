@@ -37,11 +37,17 @@ class PreferenceSamples(torch.utils.data.Dataset):
     data_facts, policy, ...) are the PreferenceDataset's.
     """
 
+    packed_by_task = True
+    """The run never packs these items into windows (techniques/packed_attention.py `pack_for_model`): --packing is
+    the task's, over the sequences of each micro-batch (tasks/pair_packing.py)."""
+
     def __init__(self, items: PreferenceDataset, kl_partner: np.ndarray | None = None):
         self.items = items
         self.kl_partner = kl_partner
         self.reference: torch.Tensor | None = None
         """`[items, 2]` cached reference log-probabilities, or None (another reference, or none)."""
+        self.packing_facts: Any = None
+        """`() -> dict`: how the task packs its micro-batches (set by the task; the run's packing facts read it)."""
 
     def __len__(self) -> int:
         return len(self.items)
@@ -76,6 +82,10 @@ class PreferenceSamples(torch.utils.data.Dataset):
         whole = self.items.whole(int(self.items.policy.kept[partner]))
         return whole.completion_ids[: max(1, self.items.seq_len - prompt_length)]
 
+    def facts(self) -> dict[str, Any]:
+        """The run's packing facts (techniques/packed_attention.py `packing_facts`): how the micro-batches ran."""
+        return self.packing_facts() if self.packing_facts is not None else {"mode": "off"}
+
     def fingerprint(self) -> str:
         """A digest of every token (and label) of every item: the data part of a cached reference's key."""
         digest = hashlib.sha256(f"{len(self)}".encode())
@@ -95,11 +105,7 @@ def collate_preference(samples: Sequence[dict], pad_token_id: int | None) -> dic
     """Two rows a sample, every sample's first row then every sample's second (module docstring), right-padded to the
     longest row (input_ids the pad id, 0 without one; labels IGNORE_INDEX; attention_mask 0), labels IGNORE_INDEX on
     the prompt too; and the per-sample values: pair_index, reference_logps, desirable, nll_weights where present."""
-    if not samples:
-        raise ValueError("collate needs at least one sample")
-    paired = "chosen_ids" in samples[0]
-    sides = ("chosen_ids", "rejected_ids") if paired else ("completion_ids", "kl_completion_ids")
-    rows = [(sample["prompt_ids"], sample[side]) for side in sides for sample in samples]
+    rows = two_row_sequences(samples)
     length = max(len(prompt) + len(completion) for prompt, completion in rows)
     pad = 0 if pad_token_id is None else int(pad_token_id)
     input_ids = torch.full((len(rows), length), pad, dtype=torch.long)
@@ -112,6 +118,16 @@ def collate_preference(samples: Sequence[dict], pad_token_id: int | None) -> dic
         labels[row, len(prompt) : end] = completion
         attention_mask[row, :end] = 1
     return {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask} | per_sample_values(samples)
+
+
+def two_row_sequences(samples: Sequence[dict]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(prompt, completion) of each row of the two-row layout: every sample's first row, then every second (a pair's
+    chosen then rejected answer; a KTO item's completion then its mismatched one)."""
+    if not samples:
+        raise ValueError("collate needs at least one sample")
+    paired = "chosen_ids" in samples[0]
+    sides = ("chosen_ids", "rejected_ids") if paired else ("completion_ids", "kl_completion_ids")
+    return [(sample["prompt_ids"], sample[side]) for side in sides for sample in samples]
 
 
 def per_sample_values(samples: Sequence[dict]) -> dict[str, torch.Tensor]:

@@ -120,7 +120,7 @@ def test_token_mean_nll_terms_are_exact_across_micro_batches_and_equal_the_batch
 
     def loss_of(pieces) -> torch.Tensor:
         batch = handler.collate(pieces, pad_token_id=0)
-        return handler.loss_sum(model, batch["input_ids"], batch["labels"], batch["attention_mask"], 8,
+        return handler.loss_sum(model, batch["input_ids"], batch["labels"], batch.get("attention_mask"), 8,
                                 **handler.loss_inputs(batch))
 
     whole = loss_of(samples)
@@ -221,7 +221,7 @@ def test_the_reference_is_adapters_off_under_lora_else_a_copy_unless_cached(requ
     ("simpo", {"reference": "copy"}, "--reference does not apply to --task simpo"),
     ("orpo", {"precompute_ref_log_probs": True}, "does not apply to --task orpo"),
     ("kto", {"batch_size": 1}, "--batch-size 2 or more"),
-    ("dpo", {"packing": "samples"}, "use --packing off"),
+    ("dpo", {"packing": "wrapped"}, "packs whole sequences"),
 ])
 def test_what_an_objective_cannot_honour_is_refused(task, flags, message):
     config = load_config(overrides={"task": task, "dataset": "builtin:preferences"} | flags)
@@ -229,10 +229,11 @@ def test_what_an_objective_cannot_honour_is_refused(task, flags, message):
         build_task(config)
 
 
-def test_auto_packing_means_off_for_pairs():
+def test_auto_packing_packs_each_micro_batchs_sequences_never_the_samples_into_windows():
     config = load_config(overrides={"task": "dpo", "dataset": "builtin:preferences"})
-    build_task(config)
-    assert config.data.packing == "off"
+    task = build_task(config)
+    assert config.data.packing == "auto" and task.pair_packing.packed  # tasks/pair_packing.py decides auto
+    assert PreferenceSamples.packed_by_task  # techniques/packed_attention.py `pack_for_model` leaves them whole
 
 
 def test_a_cached_reference_whose_key_differs_is_not_read(tmp_path):
