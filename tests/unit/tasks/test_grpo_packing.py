@@ -234,3 +234,86 @@ def test_memfit_train_packed_reaches_the_padded_weights_through_an_oom_split(lla
     start = next(line for line in lines if line.get("packing"))
     assert start["packing"]["mode"] == "samples", start["packing"]
     assert_same_weights(padded, packed)
+
+
+ESTIMATED = dict(sizes=dict(hidden=64, layers=2, vocab=256),
+                 settings=dict(max_completion_length=48, num_generations=4, batch_size=8, gradient_accumulation_steps=1,
+                               generation_batch_size=2))
+"""Training-bound: eight rows of 16 + 48 tokens trained at once, two completions generated at a time."""
+
+
+def _estimate_config(packing: str, beta: float):
+    from tests.unit.prediction.test_rl_step import PROMPT as ESTIMATE_PROMPT
+
+    return load_config(overrides={"model": "tiny", "task": "grpo", "reward_function": "length",
+                                  "seq_len": ESTIMATE_PROMPT, "max_prompt_length": ESTIMATE_PROMPT, "beta": beta,
+                                  "packing": packing, **ESTIMATED["settings"]})
+
+
+def _tracked_packed_step(beta: float) -> int:
+    """The tracked peak of the second of two real packed GRPO steps, rollout included (as test_rl_step measures:
+    every completion runs to its length, the estimate's case)."""
+    from tests.unit.prediction.test_rl_step import PROMPT as ESTIMATE_PROMPT
+    from tests.unit.prediction.test_rl_step import _runner
+    from tests.unit.prediction.test_rl_step import _Tokenizer as NoEosTokenizer
+
+    from memfit.data.prompts import PromptItem
+
+    config = _estimate_config("samples", beta)
+    model = tiny_llama(seed=0, **ESTIMATED["sizes"])
+    model.config.use_cache = False
+    model.train()
+    task = GRPOTask(config)
+    task.prepare_model(model, NoEosTokenizer())
+    assert task.packing.mode == "samples"
+    runner = _runner(config, model, task)
+    prompts = config.training.batch_size // config.rl.num_generations
+    generator = torch.Generator().manual_seed(1)
+    task._prompts = PromptSamples([PromptItem("q", torch.randint(3, 256, (ESTIMATE_PROMPT,), generator=generator)
+                                              .tolist(), {}) for _ in range(prompts)], 48, "test prompts")
+    indices = list(range(prompts))
+    runner.run(task.prepare([task._prompts[i] for i in indices], indices, 0))
+    tracker = MemoryTracker(torch.device("cpu"))
+    tracker.attach(runner.model, runner.engine.optimizer)
+    runner.tracker = tracker
+    with tracker:
+        if task._copy is not None:
+            for parameter in task._copy.parameters():
+                parameter.sum()
+        runner.run(task.prepare([task._prompts[i] for i in indices], indices, 1))
+        peak = tracker.end_step().peak_bytes
+    tracker.detach()
+    runner.close()
+    return peak
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+def test_the_estimate_of_a_packed_step_is_within_10_percent_and_counts_the_block_mask(beta):
+    from memfit.prediction.estimator import estimate
+    from memfit.techniques.packed_attention import block_mask_bytes
+    from tiny_llama import tiny_llama_config
+
+    hf_config = tiny_llama_config(**ESTIMATED["sizes"])
+    truth = _tracked_packed_step(beta)
+    packed = estimate(_estimate_config("samples", beta), hf_config=hf_config)
+    padded = estimate(_estimate_config("off", beta), hf_config=hf_config)
+    print(f"beta {beta}: measured {truth / 2**20:.3f} MiB, estimated {packed.peak_bytes / 2**20:.3f} MiB"
+          f" ({packed.peak_bytes / truth - 1:+.2%}; padded estimate {padded.peak_bytes / 2**20:.3f} MiB)")
+    assert packed.details["rl_step"]["peak_phase"] == "training"
+    assert abs(packed.peak_bytes / truth - 1) <= 0.10
+    rows, width, heads_bytes = 8, 16 + 48, 2 * (64 - 32) * 4  # fp32; 4 query heads of 16, 2 key-value heads
+    assert packed.details["packed_mask_bytes"] == block_mask_bytes(rows, width, "sdpa", 2, 4, heads_bytes)
+    assert packed.peak_bytes - padded.peak_bytes == packed.details["packed_mask_bytes"]
+
+
+def test_the_scoring_forward_of_packed_completions_holds_one_layers_mask():
+    from memfit.prediction.activations import Precision, architecture_of
+    from memfit.prediction.rl_step import scoring_bytes
+    from memfit.techniques.packed_attention import block_mask_bytes
+    from tiny_llama import tiny_llama_config
+
+    arch = architecture_of(tiny_llama_config(**ESTIMATED["sizes"]))
+    packed, padded = (scoring_bytes(_estimate_config(p, 0.04), arch, Precision(4, 4), 64, 32, 64)
+                      for p in ("samples", "off"))
+    assert packed - padded == block_mask_bytes(32, 64, "sdpa", 1, 4, 2 * (arch.q_width - arch.kv_width) * 4)
+    assert scoring_bytes(_estimate_config("samples", 0.0), arch, Precision(4, 4), 64, 32, 64) == 0.0
