@@ -398,7 +398,7 @@ def _plan_result(search: _Search, chosen: list[Candidate], searched: _Searched, 
         load_host_bytes=est.load_host_bytes,
         trades=trade_offs(best, config, hf_config, gpu_spec, search.host_limit, memory_seq_len)
         + [line for line in [_paged_comparison(best, searched.everything, search)] if line]
-        + generation_trades(best, config, maximize, trained_positions), maximize=maximize,
+        + generation_trades(best, config, maximize, trained_positions, gpu_spec, hf_config), maximize=maximize,
         memory_limit_seq_len=memory_seq_len or (seq_len if maximize == "seq-len" else None),
         max_positions=trained_positions, device=gpu_spec.name if gpu_spec is not None else "cpu", ranked=ranked,
         rope_scale_to_memory_limit=suggested_scale(

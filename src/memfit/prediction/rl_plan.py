@@ -119,13 +119,16 @@ def describe_generation(changes: dict[str, Any]) -> str:
     return ", ".join(parts)
 
 
-def generation_trades(best: Candidate, config: Any, maximize: str | None, trained_positions: int | None
-                      ) -> list[str]:
-    """What an RL plan's generation trades: rounds of generation where the step's completions do not fit at once,
-    and, for the longest completion, whether the model's positions rather than memory bound it."""
+def generation_trades(best: Candidate, config: Any, maximize: str | None, trained_positions: int | None,
+                      gpu: Any = None, hf_config: Any = None) -> list[str]:
+    """What an RL plan's generation trades: the step's predicted time split into generation and training (with
+    `hf_config`), rounds of generation where the step's completions do not fit at once, and, for the longest
+    completion, whether the model's positions rather than memory bound it."""
     if not is_rl(config):
         return []
     changes, lines = best.changes, []
+    if hf_config is not None:
+        lines.append(step_split_line(best, config, gpu, hf_config))
     completions = changes["batch_size"] * changes["gradient_accumulation_steps"]
     size = changes.get("generation_batch_size") or completions
     if size < completions:
@@ -138,3 +141,14 @@ def generation_trades(best: Candidate, config: Any, maximize: str | None, traine
         lines.append(f"completions of {length:,} tokens: the model's {trained_positions:,} positions less the"
                      f" {prompt:,}-token prompt bound them, not memory")
     return lines
+
+
+def step_split_line(best: Candidate, config: Any, gpu: Any, hf_config: Any) -> str:
+    """The plan's predicted step in words: generation, scoring and training (prediction/rl_speed.py), as ranked."""
+    from memfit.prediction.speed_model import rl_step_seconds
+
+    split = rl_step_seconds(best.changes, config, best.estimate, gpu, hf_config)
+    parts = [f"{name} {seconds:.3g} s ({100 * seconds / max(split.total, 1e-12):.0f}%)"
+             for name, seconds in (("generation", split.generation), ("scoring", split.scoring),
+                                   ("training", split.training)) if seconds or name != "scoring"]
+    return f"predicted step {split.total:.3g} s: " + ", ".join(parts)

@@ -76,11 +76,13 @@ def test_memfit_plan_ranks_grpo_candidates_by_the_step_with_its_generation():
     config = load_config(overrides={"model": "tiny", "task": "grpo", "seq_len": 48, "max_completion_length": 512,
                                     "num_generations": 4, "batch_size": 4, "gradient_accumulation_steps": 4})
     gpu = GPUS["h100-80gb"]
-    best = plan(config, gpu=gpu.name, hf_config=hf_config, explain=False).ranked[0]
+    result = plan(config, gpu=gpu.name, hf_config=hf_config, explain=False)
+    best = result.ranked[0]
     planned = config.replace(effective_batch_size=None, memory_budget=None, gpu=None, **best["plan"])
     split = rl_step_seconds(best["plan"], config, estimate(planned, gpu=gpu, hf_config=hf_config), gpu, hf_config)
     assert best["step_seconds"] == pytest.approx(split.total)
     assert split.generation > split.training  # 512 decoding forwards of a small model against one training pass
+    assert f"predicted step {split.total:.3g} s: generation {split.generation:.3g} s" in "\n".join(result.trades)
 
 
 def test_memfit_estimate_prints_the_step_split(capsys):
