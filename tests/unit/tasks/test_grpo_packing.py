@@ -121,27 +121,44 @@ def test_a_moved_policy_changes_the_packed_loss():
     assert not torch.allclose(first[0], other[0], rtol=1e-3)
 
 
-def _tracked_training_pass(packing: str) -> int:
+MIXED = [60, 4, 6, 8, 5, 7, 3, 9]
+"""One long completion and seven short ones: padded, 8 rows of 64 tokens; packed, 3."""
+
+
+def _tracked_training_pass(packing: str, lengths: list[int] = MIXED) -> tuple[int, float]:
+    """(tracked peak, fastest of three wall times) of one training pass over completions of `lengths`."""
+    import time
+
     model = tiny_llama(seed=0, hidden=64, layers=2, vocab=256)
     task = _task(model, packing=packing)
-    samples = _completions(task, lengths=[60, 4, 6, 8, 5, 7, 3, 9])
+    samples = _completions(task, lengths=lengths)
     task._step_counts = (len(samples), sum(len(s["input_ids"]) - PROMPT for s in samples))
-    tracker = MemoryTracker(torch.device("cpu"))
-    tracker.attach(model)
-    with tracker:
-        batch = task.collate(samples, 0)
-        loss = task.loss_sum(model, batch["input_ids"], batch["labels"], batch.get("attention_mask"), 0,
-                             position_ids=batch.get("position_ids"), **task.loss_inputs(batch))
-        loss.backward()
-        peak = tracker.end_step().peak_bytes
-    tracker.detach()
-    return peak
+    peak, seconds = 0, []
+    for _ in range(3):
+        tracker = MemoryTracker(torch.device("cpu"))
+        tracker.attach(model)
+        started = time.perf_counter()
+        with tracker:
+            batch = task.collate(samples, 0)
+            loss = task.loss_sum(model, batch["input_ids"], batch["labels"], batch.get("attention_mask"), 0,
+                                 position_ids=batch.get("position_ids"), **task.loss_inputs(batch))
+            loss.backward()
+            peak = tracker.end_step().peak_bytes
+        seconds.append(time.perf_counter() - started)
+        tracker.detach()
+        model.zero_grad(set_to_none=True)
+    return peak, min(seconds)
 
 
 def test_packed_mixed_lengths_hold_less_than_padded():
-    padded, packed = _tracked_training_pass("off"), _tracked_training_pass("samples")
-    print(f"training pass: padded {padded / 2**20:.3f} MiB, packed {packed / 2**20:.3f} MiB")
+    (padded, padded_s), (packed, packed_s) = _tracked_training_pass("off"), _tracked_training_pass("samples")
+    print(f"training pass: padded {padded / 2**20:.3f} MiB {padded_s * 1e3:.1f} ms,"
+          f" packed {packed / 2**20:.3f} MiB {packed_s * 1e3:.1f} ms")
     assert packed < 0.8 * padded
+    (even, _), (even_packed, _) = (_tracked_training_pass(p, [60] * 8) for p in ("off", "samples"))
+    print(f"one length: padded {even / 2**20:.3f} MiB, packed {even_packed / 2**20:.3f} MiB (no row saved:"
+          " auto pads these)")
+    assert even_packed >= even
 
 
 def test_a_model_that_cannot_pack_runs_padded_and_says_why(caplog):
