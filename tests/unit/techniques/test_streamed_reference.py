@@ -179,3 +179,27 @@ def test_auto_never_picks_the_host_copy():
         assert choose_reference("auto", False, lora, True).mode != "host-copy"
         assert choose_reference("host-copy", False, lora, True).mode == "host-copy"
     assert "host-copy" in REFERENCE_MODES  # a choice of --reference, shown in its help
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_copy_is_pinned_the_next_unit_prefetched_and_the_allocator_holds_about_two_units():
+    """The CUDA path: pinned host weights, the side stream's prefetch, the whole copy's numbers, and
+    `max_memory_allocated` during a streamed pass above the policy's by about two units, not the copy."""
+    device = torch.device("cuda")
+    model = tiny_llama(**DEEP).to(device)
+    whole, copy_bytes = frozen_copy(model)
+    streamed, stream = streamed_copy(model)
+    assert all(p.device.type == "cpu" and p.is_pinned() for p in streamed.parameters())
+    assert stream.streamer.side is not None and stream.facts()["prefetch"]
+    ids = torch.randint(0, 256, (3, 40), device=device, generator=torch.Generator(device).manual_seed(0))
+    expected = copy_logprobs(whole, ids, ids, None, 16)
+    del whole
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    assert torch.equal(copy_logprobs(streamed, ids, ids, None, 16), expected)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - before
+    units = sorted(layer.nbytes for layer in stream.streamer.layers)
+    assert units[-1] <= extra < copy_bytes  # the running unit at least, never the whole copy's weights
+    assert stream.facts()["seconds"] > 0 and stream.held is None
