@@ -46,7 +46,7 @@ from memfit.techniques.loss import IGNORE_INDEX
 from memfit.techniques.reference_model import COPY_MODES, ReferenceCost, choose_reference, reference_copy
 from memfit.techniques.reference_model import _peft_model as peft_model_of
 from memfit.techniques.sequence_logprobs import sequence_logprobs
-from memfit.techniques.streamed_reference import HOST_COPY, host_copy_problem, reference_pass
+from memfit.techniques.streamed_reference import HOST_COPY, host_copy_problem, note_step, reference_pass
 
 log = logging.getLogger("memfit")
 
@@ -179,6 +179,7 @@ class GRPOTask(SampleLossTask):
 
     def prepare(self, samples: list[dict], indices: Sequence[int], step: int) -> list[dict]:
         """The completions the step trains on (module docstring): the rollout of its prompts, or the one it shares."""
+        note_step(self._copy, step)  # host-copy: its streamed passes' time is reported a step
         mu = self.config.rl.num_iterations
         first = step - step % mu
         if self._rollout is not None and self._rollout[0] == first:

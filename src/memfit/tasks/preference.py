@@ -95,7 +95,7 @@ from memfit.techniques.reference_model import (
 )
 from memfit.techniques.reference_model import _peft_model as peft_model_of  # the PEFT model under any engine wrapper
 from memfit.techniques.sequence_logprobs import SequenceLogprobs, model_logprob_chunk_tokens, sequence_logprobs
-from memfit.techniques.streamed_reference import HOST_COPY, host_copy_problem, reference_pass
+from memfit.techniques.streamed_reference import HOST_COPY, host_copy_problem, note_step, reference_pass
 
 log = logging.getLogger("memfit")
 
@@ -381,6 +381,7 @@ class PreferenceTask(SampleLossTask):
     def prepare(self, samples: list[dict], indices: Sequence[int], step: int) -> list[dict]:
         """The step's samples, each with its NLL weight where the objective has a token-mean NLL (module docstring):
         pairs / NLL targets of all of them, so the step's sum over pairs, divided by its pairs, is that token mean."""
+        note_step(self._copy, step)  # host-copy: its streamed passes' time is reported a step
         tokens = sum(self.nll_targets(sample) for sample in samples)
         if not tokens:
             return samples

@@ -64,6 +64,8 @@ class StreamedReference:
     """Wall seconds of the streamed passes so far (CUDA: between events on the compute stream)."""
     passes: int = 0
     """Streamed passes so far (one a reference call: a micro-batch's, or a rollout's)."""
+    steps: set[int] = field(default_factory=set)
+    """Training steps whose samples were prepared so far (`note_step`): the passes' time is divided by them."""
     _timings: list[tuple[Any, Any]] = field(default_factory=list)
     """CUDA: (start, end) events of passes not read yet; read when the facts are asked for, not in the step."""
 
@@ -96,16 +98,20 @@ class StreamedReference:
         """For the metrics' reference record: host and device bytes, the units, the passes' time so far."""
         self._settle()
         per_pass = self.seconds / self.passes if self.passes else 0.0
+        per_step = self.seconds / len(self.steps) if self.steps else 0.0
         return {"host_bytes": self.host_bytes, "device_peak_bytes": self.device_peak_bytes,
                 "units": len(self.streamer.layers), "prefetch": self.streamer.side is not None,
                 "pinned": self.streamer.side is not None, "passes": self.passes,
                 "seconds": round(self.seconds, 4), "seconds_per_pass": round(per_pass, 5),
+                "seconds_per_step": round(per_step, 5),
                 "streamed_bytes": self.streamer.streamed_bytes}
 
     def describe(self) -> str:
         """The cost in words, for the log line."""
         ahead = "; the next unit prefetched on a side stream" if self.streamer.side is not None else ""
         timing = f"; {self.seconds / self.passes:.3f} s a streamed pass so far" if self.passes else ""
+        if self.passes and self.steps:
+            timing += f" ({self.seconds / len(self.steps):.3f} s a step)"
         return (f"{format_bytes(self.host_bytes)} frozen copy in host memory"
                 f"{' (pinned)' if self.streamer.side is not None else ''}, {len(self.streamer.layers)} units brought"
                 f" one at a time: {format_bytes(self.device_peak_bytes)} of its weights on the device at the peak"
@@ -222,12 +228,31 @@ def streamed(reference: nn.Module | None) -> StreamedReference | None:
     return getattr(reference, STREAMED_ATTRIBUTE, None) if reference is not None else None
 
 
+def _free_gathered_root(reference: nn.Module | None) -> None:
+    """A copy sharded by FSDP2 (distributed/reference_shards.py) keeps its root unit (embeddings, final norm, head)
+    gathered after its forward, for the head's chunks that run after it: freed once the pass is done."""
+    reshard = getattr(reference, "reshard", None)  # FSDPModule.reshard; a plain module has none
+    if callable(reshard):
+        reshard()
+
+
+def note_step(reference: nn.Module | None, step: int) -> None:
+    """Count training step `step` (not an evaluation's, which is negative) for a streamed copy's time a step."""
+    stream = streamed(reference)
+    if stream is not None and step >= 0:
+        stream.steps.add(step)
+
+
 @contextlib.contextmanager
 def reference_pass(reference: nn.Module | None) -> Iterator[None]:
-    """Around one reference call: for a streamed copy, time it and put back the head at its end; else nothing."""
+    """Around one reference call: for a streamed copy, time it and put back the head at its end; for a copy sharded
+    by FSDP2, free its gathered root unit at its end; else nothing."""
     stream = streamed(reference)
     if stream is None:
-        yield
+        try:
+            yield
+        finally:
+            _free_gathered_root(reference)
         return
     device = stream.streamer.device
     events = None

@@ -98,7 +98,9 @@ def test_training_with_the_host_copy_reaches_the_whole_copys_weights(llama_dir, 
     assert facts["mode"] == "host-copy" and facts["host_bytes"] > 2 * facts["device_peak_bytes"]
     if task == "dpo":  # the layout asked for is the one that ran (the shared prompt: one row a pair, a 4D mask)
         assert next(r["task"]["pair_layout"]["layout"] for r in records if "task" in r) == layout
-    assert summary["passes"] >= 3 and summary["seconds_per_pass"] > 0  # each micro-batch's streamed pass, timed
+    assert summary["passes"] == 3 and summary["seconds_per_pass"] > 0  # each micro-batch's streamed pass, timed
+    # three steps of one micro-batch each: a step's time is its pass's
+    assert summary["seconds_per_step"] == pytest.approx(summary["seconds_per_pass"], rel=1e-3)
 
 
 TOKEN_VALUE = """
@@ -128,6 +130,7 @@ def test_grpo_with_a_kl_term_and_the_host_copy_reaches_the_whole_copys_weights(l
     records = [json.loads(line) for line in (tmp_path / "host-copy" / "metrics.jsonl").read_text().splitlines()]
     summary = [r["task"]["reference"] for r in records if "task" in r][-1]
     assert summary["mode"] == "host-copy" and summary["passes"] == 3  # one streamed pass a rollout
+    assert summary["seconds_per_step"] == pytest.approx(summary["seconds_per_pass"], rel=1e-3)
     kls = [r["kl"] for r in records if r.get("event") is None and "kl" in r]
     assert max(kls) > 0  # the reference was read, and differed from the policy
 
