@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from memfit.data.micro_batch_packing import PackedRows, pack_padded_rows
+from memfit.distributed.reference_shards import shard_reference_copy
 from memfit.tasks.grpo_losses import STAT_NAMES, group_advantages, grpo_loss
 from memfit.tasks.rewards import load_reward_functions, score_completions
 from memfit.tasks.rollout import Sampling, completion_seed, sample_completions
@@ -151,8 +152,9 @@ class GRPOTask(SampleLossTask):
 
     def prepare_model(self, model: torch.nn.Module, tokenizer: Any) -> None:
         self._model, self._tokenizer = model, tokenizer
-        if self.reference_choice.mode in COPY_MODES:
-            self._copy = reference_copy(model, self.reference_cost)
+        if self.reference_choice.mode in COPY_MODES:  # sharded like the policy under FSDP2 and ZeRO-3
+            self._copy = shard_reference_copy(reference_copy(model, self.reference_cost), self.reference_cost,
+                                              self.config)
         if self.beta > 0:
             log.info("memfit: %s", self.reference_cost.describe())
         self.packing = decide_completion_packing(self.packing.requested, model)

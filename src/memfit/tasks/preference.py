@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from memfit.data.preferences import PreferenceDataset, load_preference_data
+from memfit.distributed.reference_shards import shard_reference_copy
 from memfit.tasks.pair_layout import (
     ADDITIVE_MASK,
     TWO_ROWS,
@@ -272,8 +273,9 @@ class PreferenceTask(SampleLossTask):
         self._model = model
         self._pad_token_id = getattr(tokenizer, "pad_token_id", None)
         self.pair_packing = choose_pair_packing(self.requested_packing, model, False)
-        if self.reference_choice.mode in COPY_MODES:
-            self._copy = reference_copy(model, self.reference_cost)
+        if self.reference_choice.mode in COPY_MODES:  # sharded like the policy under FSDP2 and ZeRO-3
+            self._copy = shard_reference_copy(reference_copy(model, self.reference_cost), self.reference_cost,
+                                              self.config)
         if self.reference_choice.mode not in ("cached", NO_REFERENCE):  # cached: said when its pass has run
             log.info("memfit: %s", self.reference_cost.describe())
 

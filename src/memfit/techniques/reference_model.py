@@ -108,7 +108,14 @@ class ReferenceCost:
     reason: str
     """Why this mode (ReferenceChoice.reason)."""
     copy_bytes: int = 0
-    """copy: bytes of the frozen copy's weights and buffers on the device."""
+    """copy: bytes of the frozen copy's weights and buffers on the device (the whole copy's, sharded or not)."""
+    copy_sharding: str = ""
+    """copy: fsdp or zero-3 when the copy is sharded over the ranks like the policy (distributed/reference_shards.py),
+    '' when every rank holds it whole."""
+    copy_ranks: int = 1
+    """copy: ranks the copy is sharded over (1: whole)."""
+    copy_rank_bytes: int = 0
+    """copy: bytes of the copy one rank holds between passes (its shards and buffers); copy_bytes when whole."""
     stream: StreamedReference | None = None
     """host-copy: the streamed copy's units and passes, read for its bytes and time when the facts are asked for."""
     seconds: float = 0.0
@@ -127,6 +134,9 @@ class ReferenceCost:
         facts: dict[str, Any] = {"mode": self.mode, "reason": self.reason, "cost": self.describe_cost()}
         if self.mode == "copy":
             facts["copy_bytes"] = self.copy_bytes
+            facts["copy_rank_bytes"] = self.copy_rank_bytes or self.copy_bytes
+            if self.copy_sharding:
+                facts |= {"copy_sharding": self.copy_sharding, "copy_ranks": self.copy_ranks}
         if self.mode == HOST_COPY and self.stream is not None:
             facts |= self.stream.facts()
         if self.mode == "cached":
@@ -135,6 +145,10 @@ class ReferenceCost:
         return facts
 
     def describe_cost(self) -> str:
+        if self.mode == "copy" and self.copy_sharding:
+            return (f"{self.copy_rank_bytes / 2**20:,.1f} MiB a rank for the frozen copy of"
+                    f" {self.copy_bytes / 2**20:,.1f} MiB, sharded over {self.copy_ranks} ranks ({self.copy_sharding}:"
+                    " each block's weights gathered only while it runs), one no-grad forward per micro-batch")
         if self.mode == "copy":
             return f"{self.copy_bytes / 2**20:,.1f} MiB for the frozen copy, one no-grad forward per micro-batch"
         if self.mode == "adapters-off":
