@@ -27,17 +27,23 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-DECODE_DISPATCH_CPU_FLOPS = 0.6e8
+DECODE_FEEDING_TOKENS = {"cpu": 28}
+"""Tokens at which a decoding forward runs at half the matmul rate on a CPU (`tokens / (tokens + this)`); absent:
+speed_model.FEEDING_TOKENS, which training micro-batches were measured with. Fitted with DECODE_DISPATCH_CPU_FLOPS
+to the measurements below (about 4.5x the FLOPs' time for 8 completions at once; training's 80 gave 11x)."""
+DECODE_DISPATCH_CPU_FLOPS = 2e7
 """What one decoding forward costs a CPU per block beyond its FLOPs, in FLOPs at the step's matmul rate.
 
 A decoding forward runs every operator of every block for one token a completion, so the operators' dispatch, not
-only their arithmetic, takes a CPU's time. Measured with `memfit train --task grpo` (8 completions a step, generated
-at once, prompts of at most 48 tokens, one thread, 4 steps, the median `generation_seconds` of steps 2 to 4, 2-core
-AMD EPYC dev machine at a load average of 5 to 6, 2026-11-28; matmul probe 102 GFLOP/s, so a rate of 71): a Llama of
-width 256 and 4 blocks decoded at 9.7 ms a token (64 tokens), one of width 512 and 4 blocks at 33 ms (32 tokens).
-Their FLOPs at the rate 8 tokens feed (FEEDING_TOKENS: 8 / 88 of it) are 5.5 and 23 ms; the rest is 0.8 to 2 ms a
-block (the head and the draw counted as one more, DECODE_HEAD_CPU_BLOCKS), and 0.8e8 FLOPs (1.1 ms) puts the two
-models' predicted generation at 1.2x and 0.9x of the measured.
+only their arithmetic, takes a CPU's time, and its matmuls of a few rows run well below the probe's rate. Measured
+with `memfit train --task grpo` (8 completions a step, generated at once, prompts of at most 48 tokens, one thread,
+the fastest `generation_seconds` of steps 2 to 4, 2-core AMD EPYC dev machine at a load average of about 3.5,
+2026-11-28; matmul probe 104 GFLOP/s, so a rate of 73): Llamas of width 256 with 4 blocks decoded at 3.7 ms a token,
+width 256 with 8 blocks at 9.0 ms, width 512 with 4 blocks at 10.8 ms, where their FLOPs at the full rate take
+0.53, 1.05 and 2.1 ms. 28 feeding tokens (4.5x the FLOPs' time) and 2e7 FLOPs (0.27 ms) a block, the head and the
+draw counted as one more (DECODE_HEAD_CPU_BLOCKS), predict 1.1x, 0.8x and 1.0x of the measured ratio of generation
+to the rest of the step. Under heavier load (5 to 6) the same steps took 2 to 3x as long, generation and training
+alike.
 """
 DECODE_HEAD_CPU_BLOCKS = 1.0
 """The final norm, the output projection and the sampler's draw of a decoding step on a CPU, in blocks' dispatch."""
@@ -114,7 +120,8 @@ def rollout_seconds(changes: dict[str, Any], config: Any, hf_config: Any, gpu: A
     prefill_tokens = shape.at_once * shape.prompt_tokens
     prefill = shape.rounds * prefill_tokens * forward / (rate * prefill_tokens / (prefill_tokens + feeding))
     decode = shape.rounds * shape.completion_tokens * decode_step_seconds(
-        changes, config, hf_config, gpu, device, compute, rate, shape.at_once / (shape.at_once + feeding), shape)
+        changes, config, hf_config, gpu, device, compute, rate,
+        shape.at_once / (shape.at_once + DECODE_FEEDING_TOKENS.get(device, feeding)), shape)
     passes = int(config.task.beta > 0) + int(shape.iterations > 1)
     rows = shape.completions * shape.row_tokens
     scoring = passes * rows * forward / (rate * rows / (rows + feeding))
