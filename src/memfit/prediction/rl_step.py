@@ -35,7 +35,8 @@ def rl_training_config(config: Any, hf_config: Any = None) -> Any:
     """`config` as the training pass of its RL step runs: rows of prompt + completion tokens, the log-probabilities
     a chunk of logits at a time (the task's chunk: --loss-chunk-size, else sized by `hf_config`'s vocabulary and
     width as the task sizes it, techniques/sequence_logprobs.py `logprob_chunk_tokens`; the chunked loss's default
-    without `hf_config`)."""
+    without `hf_config`). --packing auto runs off here: every completion at its length saves no row, and auto pads
+    a micro-batch whose packing saves none (tasks/grpo.py); samples packs, and the estimate adds its mask."""
     from memfit.techniques.loss import DEFAULT_LOSS_CHUNK_TOKENS
     from memfit.techniques.sequence_logprobs import logprob_chunk_tokens
 
@@ -44,7 +45,8 @@ def rl_training_config(config: Any, hf_config: Any = None) -> Any:
     if hf_config is not None and not config.memory.loss_chunk_size:
         text = getattr(hf_config, "get_text_config", lambda: hf_config)()
         chunk = logprob_chunk_tokens(int(text.vocab_size), int(text.hidden_size), config.training.batch_size * row)
-    return config.replace(seq_len=row, loss_chunk_size=chunk)
+    packing = "samples" if config.data.packing == "samples" else "off"
+    return config.replace(seq_len=row, loss_chunk_size=chunk, packing=packing)
 
 
 def rl_row_length(config: Any, prompt_tokens: int) -> int:

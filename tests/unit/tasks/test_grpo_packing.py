@@ -334,3 +334,14 @@ def test_the_scoring_forward_of_packed_completions_holds_one_layers_mask():
                       for p in ("samples", "off"))
     assert packed - padded == block_mask_bytes(32, 64, "sdpa", 1, 4, 2 * (arch.q_width - arch.kv_width) * 4)
     assert scoring_bytes(_estimate_config("samples", 0.0), arch, Precision(4, 4), 64, 32, 64) == 0.0
+
+
+def test_the_estimate_under_auto_counts_no_mask_even_for_conversational_prompts():
+    """Every completion at its length saves no row, so auto pads: no mask, whatever the prompts' format."""
+    from memfit.prediction.estimator import estimate
+    from tiny_llama import tiny_llama_config
+
+    hf_config = tiny_llama_config(**ESTIMATED["sizes"])
+    auto = _estimate_config("auto", 0.0).replace(dataset_format="conversational")
+    assert "packed_mask_bytes" not in estimate(auto, hf_config=hf_config).details
+    assert estimate(_estimate_config("samples", 0.0), hf_config=hf_config).details["packed_mask_bytes"] > 0
