@@ -41,7 +41,7 @@ the fastest `generation_seconds` of steps 2 to 4, 2-core AMD EPYC dev machine at
 2026-11-28; matmul probe 104 GFLOP/s, so a rate of 73): Llamas of width 256 with 4 blocks decoded at 3.7 ms a token,
 width 256 with 8 blocks at 9.0 ms, width 512 with 4 blocks at 10.8 ms, where their FLOPs at the full rate take
 0.53, 1.05 and 2.1 ms. 28 feeding tokens (4.5x the FLOPs' time) and 2e7 FLOPs (0.27 ms) a block, the head and the
-draw counted as one more (DECODE_HEAD_CPU_BLOCKS), predict 1.1x, 0.8x and 1.0x of the measured ratio of generation
+draw counted as one more (DECODE_HEAD_CPU_BLOCKS), predict 1.1x, 0.9x and 1.0x of the measured ratio of generation
 to the rest of the step. Under heavier load (5 to 6) the same steps took 2 to 3x as long, generation and training
 alike.
 """
