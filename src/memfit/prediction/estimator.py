@@ -29,6 +29,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from memfit.config import TrainConfig
+from memfit.distributed.reference_shards import copy_bytes_per_rank
 from memfit.errors import UsageError
 from memfit.gpus import GpuSpec, get_gpu
 from memfit.memory.categories import CATEGORIES
@@ -228,7 +229,8 @@ def _step_moment(request: _Request, run: RunShape, inventory: ParameterInventory
                  loaded_parameters: int) -> tuple[dict[str, float], float, dict[str, Any]]:
     """The step's peak moment by the request's method, divided over the ranks, with what neither method counts
     itself: the balancing loss's router logits (analytical only) and a packed micro-batch's masks; and a preference
-    run's frozen reference copy (analytical: the traced step holds it), whole on every rank."""
+    run's frozen reference copy (analytical: the traced step holds it), a share a rank under fsdp and zero3, as the
+    policy's weights (distributed/reference_shards.py), else whole on every rank."""
     config, hf_config, method = request.config, request.hf_config, request.method
     preference = with_streamed_reference(preference_step(config, run), request.hf_config, loaded_parameters,
                                          parts["trainable_count"], run)  # None but for a preference task
@@ -241,12 +243,15 @@ def _step_moment(request: _Request, run: RunShape, inventory: ParameterInventory
                             notes.get("autocast_weight_copies_bytes", 0))
     packed_mask = packed_mask_estimate(config.data, config.training.batch_size, run.attention, run.checkpointing,
                                        architecture_for(hf_config), precision_of(run).attention,
-                                       config.model.attention, run.device_type, hf_config)
+                                       config.model.attention, run.device_type, hf_config) if preference is None else (
+        preference.packed_mask_bytes(run, architecture_for(hf_config), precision_of(run).attention,
+                                     config.data.seq_len))  # a preference step's packed rows (its own micro-batch)
     if method == "analytical":  # every MoE layer's router logits, kept for the balancing loss (traced: in the step)
         rows = micro_batch_rows(config.training.batch_size, preference)
         moment["activations"] += balancing_loss_bytes(hf_config, rows * config.data.seq_len, precision_of(run).compute)
-        if preference is not None:  # its copy is never sharded (prediction/preference_step.py)
-            copy = reference_copy_bytes(preference, loaded_parameters, parts["trainable_count"], run.lora_r)
+        if preference is not None:  # its copy, sharded as the policy's weights are
+            copy = copy_bytes_per_rank(reference_copy_bytes(preference, loaded_parameters, parts["trainable_count"],
+                                                            run.lora_r), request.sharding, request.world_size)
             moment["parameters"] += copy
             notes.update(preference.details(copy))
     if packed_mask:  # --packing samples under SDPA: the block-diagonal mask and its per-layer copies
@@ -261,6 +266,7 @@ def _with_rl_generation(request: _Request, run: RunShape, moment: dict[str, floa
     no-grad forward that scores every completion of the step (prediction/rl_step.py)."""
     config = request.config
     copy, streamed = rl_reference_bytes(config, run, request.hf_config, loaded_parameters)
+    copy = copy_bytes_per_rank(copy, request.sharding, request.world_size)  # sharded as the policy's weights are
     moment = dict(moment)
     moment["parameters"] += copy
     completions = config.training.batch_size * config.training.gradient_accumulation_steps

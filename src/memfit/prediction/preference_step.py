@@ -31,6 +31,14 @@ both sides in one no-grad forward. `--pair-layout shared-prompt` (or auto) compu
 less, by how much the prompts' lengths decide, which an estimate does not read; two rows is the larger case. The
 planner tries split where one forward does not fit (`pair_layout_lever`).
 
+Packed (`--packing samples` or auto, tasks/pair_packing.py), a micro-batch's sequences lie end to end in rows as wide
+as its longest. With --dataset the estimate reads the pair lengths (`data_pair_lengths`), takes the micro-batch of the
+--batch-size pairs with the most tokens, places its sequences by best-fit decreasing into rows of --seq-len tokens
+(`packed_pair_rows`; each side apart under split and for KTO, as the run does) and counts those rows where it counts
+`2 x pairs` padded ones, with SDPA's block mask over them (`packed_mask_bytes`). Without --dataset every sequence is
+taken at --seq-len, which leaves nothing to pack: the padded rows. Within 5 % of the tracked peak of the real packed
+step on pairs of mixed lengths (tests/unit/tasks/test_preference_packing.py).
+
 The traced estimate and the tests' measured step run the real task on pairs of --seq-len rows
 (`traced_sample_maker`), the frozen copy made as a training run makes it (`prepare_traced_model`). On fake tensors a trained head's chunk backward is counted one
 `[chunk, vocabulary]` tensor short of what the real CPU kernels hold (the causal LM's chunked loss alike), so the
@@ -44,6 +52,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from memfit.prediction.activations import Architecture, Precision
@@ -90,6 +99,8 @@ class PreferenceStep:
     """Forwards a pair's rows take: 1, or 2 under --pair-layout split (the chosen rows', then the rejected rows')."""
     streamed: StreamedUnits | None = None
     """--reference host-copy: the weight bytes its streamed forward brings to the device (`with_streamed_reference`)."""
+    packed: PackedPairRows | None = None
+    """--packing samples with the data's pair lengths known: the packed rows of a micro-batch; None: padded rows."""
 
     @property
     def reference_rows(self) -> int:
@@ -98,7 +109,24 @@ class PreferenceStep:
 
     def rows(self, samples: int) -> int:
         """Rows the policy keeps activations for in a micro-batch of `samples` pairs (or KTO examples)."""
-        return samples * self.trained_rows
+        return self.packed.trained if self.packed is not None else samples * self.trained_rows
+
+    def _no_grad_rows(self, samples: int) -> tuple[int, int]:
+        """(rows of the reference's forward, rows the policy runs without a graph) in a micro-batch of `samples`."""
+        if self.packed is None:
+            return samples * self.reference_rows, samples * self.untrained_rows
+        return (self.packed.every if self.reference in PER_STEP_REFERENCES else 0), self.packed.untrained
+
+    def packed_mask_bytes(self, run: Any, arch: Architecture, element_bytes: int, seq_len: int) -> int:
+        """What SDPA's block mask of the packed rows adds (techniques/packed_attention.py `block_mask_bytes`), over
+        the rows the policy keeps: 0 when padded, or when no row holds two sequences (no mask is built then)."""
+        from memfit.techniques.packed_attention import block_mask_bytes
+
+        if self.packed is None or not self.packed.shares_rows:
+            return 0
+        holding = 1 if run.checkpointing == "full" else arch.layers
+        expanded = 2 * max(0, arch.q_width - arch.kv_width) * element_bytes
+        return block_mask_bytes(self.packed.trained, seq_len, run.attention, holding, element_bytes, expanded)
 
     def chunk_forward_bytes(self, arch: Architecture, precision: Precision, tokens: int) -> float:
         """What one chunk holds while its log-probabilities are computed, of a pass over `tokens` tokens: the
@@ -143,9 +171,9 @@ class PreferenceStep:
         the same loss the reference's no-grad forward (and KTO's mismatched rows), all of the policy's activations
         kept meanwhile; the estimator's forward "logits" term."""
         policy = self.chunk_forward_bytes(arch, precision, self.rows(samples) * seq_len)
-        reference = no_grad_forward_bytes(self, arch, precision, samples * self.reference_rows * seq_len,
-                                          self.streamed)
-        untrained = no_grad_forward_bytes(self, arch, precision, samples * self.untrained_rows * seq_len)
+        reference_rows, untrained_rows = self._no_grad_rows(samples)
+        reference = no_grad_forward_bytes(self, arch, precision, reference_rows * seq_len, self.streamed)
+        untrained = no_grad_forward_bytes(self, arch, precision, untrained_rows * seq_len)
         return max(policy, reference, untrained)
 
     def waiting_gradient_bytes(self, gradients: float) -> float:
@@ -160,7 +188,8 @@ class PreferenceStep:
                                "rows_per_sample": 2 if self.forwards == 2 else self.trained_rows + self.untrained_rows,
                                "forwards": self.forwards, "layout": self.layout_note,
                                "logprob_chunk_tokens": self.chunk_tokens, "reference_copy_bytes": int(copy),
-                               **(self.streamed.details() if self.streamed is not None else {})}}
+                               **(self.streamed.details() if self.streamed is not None else {}),
+                               **(self.packed.details() if self.packed is not None else {})}}
 
 
 def preference_step(config: Any, run: Any) -> PreferenceStep | None:
@@ -193,8 +222,97 @@ def preference_step(config: Any, run: Any) -> PreferenceStep | None:
         layout += (f" (--pair-layout {task.pair_layout} shares long prompts: less, by what the prompts' lengths"
                    " decide, which an estimate does not read)")
     trained = 1 if kto or split else 2
+    packed = packed_pair_rows(config, task_class.name, split or kto)
+    if packed is not None:
+        layout += f", packed: {packed.describe()}"
     return PreferenceStep(task_class.name, choice.mode, note, trained, 1 if kto else 0, chunk, layout,
-                          2 if split else 1)
+                          2 if split else 1, packed=packed)
+
+
+@dataclass(frozen=True)
+class PackedPairRows:
+    """A packed micro-batch as the estimate counts it (tasks/pair_packing.py): the sequences of the --batch-size
+    pairs of the data with the most tokens (the micro-batch that holds the most), placed by best-fit decreasing into
+    rows of --seq-len tokens; each side apart under --pair-layout split and for KTO, as the run packs them."""
+
+    trained: int
+    """Rows the policy keeps a graph for: every row, or the larger side's rows where the sides run apart."""
+    every: int
+    """Rows of both sides (what the reference's no-grad forward runs)."""
+    untrained: int
+    """KTO: the mismatched completions' rows, run without a graph; else 0."""
+    sequences: int
+    """Sequences in the micro-batch (two a pair)."""
+    tokens: int
+    """Their tokens, the sum of the sequences' lengths."""
+
+    @property
+    def shares_rows(self) -> bool:
+        """Whether some row holds two sequences (only then does the model build a block mask)."""
+        return self.every < self.sequences
+
+    def describe(self) -> str:
+        return (f"{self.sequences} sequences ({self.tokens:,} tokens) in {self.every} rows, the policy keeping"
+                f" {self.trained}")
+
+    def details(self) -> dict[str, int]:
+        return {"packed_rows": self.trained, "packed_rows_every_side": self.every, "packed_sequences": self.sequences,
+                "packed_tokens": self.tokens}
+
+
+def packed_pair_rows(config: Any, task: str, sides_apart: bool,
+                     pair_lengths: np.ndarray | None = None) -> PackedPairRows | None:
+    """The packed rows of `config`'s preference micro-batch (`PackedPairRows`), or None where the run pads: --packing
+    off, or the pair lengths unknown (no --dataset: every sequence taken at --seq-len, which leaves nothing to pack).
+    `pair_lengths`: `[pairs, 3]` prompt, chosen and rejected (KTO: `[items, 2]` prompt, completion) token counts;
+    default: read from --dataset (`data_pair_lengths`)."""
+    from memfit.data.packing import best_fit_decreasing
+
+    packing = config.data.packing
+    if packing is False or packing in ("off", "wrapped"):
+        return None
+    lengths = data_pair_lengths(config, task) if pair_lengths is None else np.asarray(pair_lengths, dtype=np.int64)
+    if lengths is None or not len(lengths):
+        return None
+    width, batch = int(config.data.seq_len), max(1, int(config.training.batch_size))
+    if lengths.shape[1] == 2:  # KTO: each item's mismatched completion is its neighbour's (tasks/preference_samples.py)
+        lengths = np.stack([lengths[:, 0], lengths[:, 1], np.roll(lengths[:, 1], 1)], axis=1)
+    heaviest = lengths[np.argsort(-(2 * lengths[:, 0] + lengths[:, 1] + lengths[:, 2]), kind="stable")[:batch]]
+    first = np.minimum(heaviest[:, 0] + heaviest[:, 1], width)
+    second = np.minimum(heaviest[:, 0] + heaviest[:, 2], width)
+    if sides_apart:
+        first_rows, second_rows = len(best_fit_decreasing(first, width)), len(best_fit_decreasing(second, width))
+        every = first_rows + second_rows
+        trained, untrained = (first_rows, second_rows) if task == "kto" else (max(first_rows, second_rows), 0)
+    else:
+        every = trained = len(best_fit_decreasing(np.concatenate([first, second]), width))
+        untrained = 0
+    return PackedPairRows(trained, every, untrained, 2 * len(heaviest), int(first.sum() + second.sum()))
+
+
+_PAIR_LENGTHS: dict[str, np.ndarray | None] = {}
+"""The pair lengths read for an estimate, by what they were read from (the planner estimates many candidates)."""
+
+
+def data_pair_lengths(config: Any, task: str) -> np.ndarray | None:
+    """The token counts of the pairs of --dataset (`PreferenceDataset.segment_lengths`), read with the model's
+    tokenizer as training reads them; None without a dataset or where it cannot be read here."""
+    data = config.data
+    if not data.dataset:
+        return None
+    key = repr((data, config.model.model, config.model.tokenizer, task))
+    if key not in _PAIR_LENGTHS:
+        from memfit.data.preferences import load_preference_data
+        from memfit.errors import UsageError
+        from memfit.models.loader import load_tokenizer
+
+        name = config.model.tokenizer or config.model.model
+        try:
+            tokenizer = load_tokenizer("tiny" if name.startswith("preset") else name, config.model.trust_remote_code)
+            _PAIR_LENGTHS[key] = load_preference_data(data, tokenizer, task=task, say=False).segment_lengths
+        except (OSError, ValueError, UsageError):  # the estimate then counts padded rows, every one --seq-len long
+            _PAIR_LENGTHS[key] = None
+    return _PAIR_LENGTHS[key]
 
 
 def reference_lever(config: Any, mode: str, given: Callable[[str], bool]) -> dict[str, Any]:

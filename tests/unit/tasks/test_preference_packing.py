@@ -24,6 +24,7 @@ from test_preference_task import preference_config, write_pairs
 
 from fault_injection import assert_same_weights, final_weights, largest_update
 from memfit.memory.tracker import MemoryTracker
+from memfit.prediction import preference_step as preference_step_module
 from memfit.tasks import build_task
 from memfit.tasks import pair_packing as packing_module
 from memfit.tasks.pair_layout import SHARED_PROMPT, SPLIT, TWO_ROWS, PairLayout
@@ -238,3 +239,69 @@ def test_packing_pairs_of_mixed_lengths_lowers_the_tracked_peak_of_a_dpo_step(tm
     assert packed_loss == pytest.approx(loss, abs=1e-4)
     # 16 rows of 250 positions against 8 (2,016 tokens); SDPA's block mask is the padded rows' padding mask, halved
     assert packed_rows[0] <= padded_rows[0] // 2 and packed_peak < 0.65 * padded_peak
+
+
+# ---------------------------------------------------------------- the estimate
+
+
+ESTIMATE_SHAPES = {"head-bound": dict(hidden=128, layers=2, vocab=4096),
+                   "mlp-bound": dict(hidden=64, layers=2, vocab=256, intermediate=512)}
+# 4 pairs (prompt, chosen, rejected) whose 8 sequences fill 5 rows of 128 tokens (the longest is 128)
+ESTIMATE_LENGTHS = [(60, 68, 20), (30, 40, 90), (10, 20, 12), (40, 8, 50)]
+PLAIN_SAMPLE_MAKER = preference_step_module.traced_sample_maker
+
+
+def _mixed_pairs_maker(task):
+    """`traced_sample_maker`'s stand-in: the ESTIMATE_LENGTHS pairs in turn, whatever row it is handed."""
+    plain = PLAIN_SAMPLE_MAKER(task)
+    pairs = random_pairs(ESTIMATE_LENGTHS, seed=3)
+    made = [0]
+
+    def make_sample(input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        pair = pairs[made[0] % len(pairs)]
+        made[0] += 1
+        sample = plain(input_ids)
+        return {**sample, **{name: pair[name] for name in ("prompt_ids", "chosen_ids", "rejected_ids", "input_ids")}}
+
+    return make_sample
+
+
+@pytest.mark.parametrize("shape", list(ESTIMATE_SHAPES))
+@pytest.mark.parametrize("task", ["dpo", "simpo"])
+def test_the_estimate_of_a_packed_step_is_within_5_percent_of_its_tracked_peak(monkeypatch, shape, task):
+    import numpy as np
+
+    import memfit.train.traced  # noqa: F401  (registers the traced step)
+    from memfit.config_loading import load_config
+    from memfit.prediction.estimator import estimate, resolve_run
+    from memfit.prediction.traced import StepSetup
+    from memfit.train.traced import measure_step_with_tracker
+    from tiny_llama import tiny_llama_config
+
+    config = load_config(overrides={"seq_len": 128, "batch_size": 4, "task": task, "packing": "samples"})
+    hf_config = tiny_llama_config(**ESTIMATE_SHAPES[shape])
+    monkeypatch.setattr(preference_step_module, "data_pair_lengths", lambda config, task: np.array(ESTIMATE_LENGTHS))
+    monkeypatch.setattr(preference_step_module, "traced_sample_maker", _mixed_pairs_maker)
+    result = estimate(config, hf_config=hf_config)
+    run = resolve_run(config, hf_config, None)
+    setup = StepSetup(4, 128, torch.float32, None, run.attention, run.checkpointing, run.checkpoint_every,
+                      run.loss_chunk_size, torch.device("cpu"))
+    truth = measure_step_with_tracker(hf_config, config, setup)
+    padded = estimate(config.replace(packing="off"), hf_config=hf_config).peak_bytes
+    print(f"{shape} {task}: measured {truth / 2**20:.3f} MiB, estimated {result.peak_bytes / 2**20:.3f} MiB"
+          f" ({result.peak_bytes / truth - 1:+.2%}, {result.details['peak_phase']}); padded estimate"
+          f" {padded / 2**20:.3f} MiB")
+    assert result.details["preference"]["packed_rows"] == 5 and result.details.get("packed_mask_bytes", 0) > 0
+    assert abs(result.peak_bytes / truth - 1) <= 0.05
+    assert padded / truth - 1 > 0.05  # counting the padded rows misses it
+
+
+def test_memfit_estimate_reads_the_pair_lengths_of_the_dataset(llama_dir, tmp_path):
+    from memfit.prediction.estimator import estimate
+
+    config = preference_config(llama_dir, write_pairs(tmp_path / "pairs.jsonl", count=6), tmp_path / "out",
+                               packing="samples", seq_len=192)
+    facts = estimate(config).details["preference"]
+    # the 4 pairs with the most tokens: their 8 sequences (72 to 92 tokens each) share rows of 192, two a row
+    assert facts["packed_sequences"] == 8 and facts["packed_rows"] < 8 and "packed: 8 sequences" in facts["layout"]
+    assert "packed_rows" not in estimate(config.replace(packing="off")).details["preference"]
