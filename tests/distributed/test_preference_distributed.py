@@ -1,15 +1,17 @@
 """DPO under torchrun (2 CPU ranks, gloo): DDP, FSDP2 and DeepSpeed ZeRO-2 give the one-process update of the same
-effective batch, with the reference as a frozen copy and as log-probabilities cached before training.
+effective batch, with the reference as a frozen copy and as log-probabilities cached before training; FSDP2 and
+ZeRO-3 shard the frozen copy like the policy (each rank holds about half of it) and still give that update.
 
 The DPO loss is a mean over the pairs of the whole effective batch (8 pairs: 4 a rank, or 4 x 2 accumulation in one
 process), so under SGD without clipping the final weights compare the summed gradients. Each engine's twin has every
 backward pass halved (the pair count not divided by the world size) and must then differ. All the 2-rank runs share
-one launch (starting the ranks costs more than these 3-step runs); the ZeRO-2 runs come last, marked "record": a
-DeepSpeed that cannot build its CPU op ends the launch there, and their tests say why and skip.
+one launch (starting the ranks costs more than these 3-step runs); the ZeRO-2 runs and the ZeRO-3 copy run come
+last, marked "record": a DeepSpeed that cannot build its CPU op ends the launch there, and their tests say why and skip.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -27,6 +29,10 @@ FAULT = 0.5  # every gradient halved: the pairs of the effective batch not divid
 REFERENCES = ("copy", "cached")
 ENGINES = {"ddp": ["--batch-size", "4", "--sharding", "ddp"], "fsdp": ["--batch-size", "4", "--sharding", "fsdp"]}
 ZERO = ["--batch-size", "2", "--gradient-accumulation-steps", "2", "--zero-stage", "2"]
+ZERO3_FILE = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "train_batch_size": "auto",
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+"""ZeRO-3 partitioning every parameter: the tiny model's tensors are all under DeepSpeed's default threshold (1e5
+elements), below which a parameter stays whole on every rank, the copy's as the policy's."""
 BUILD_FAILED = re.compile(r"Error building extension|ninja: build stopped|CalledProcessError|fatal error:")
 """What a failed build of DeepSpeed's CPU op (torch.utils.cpp_extension) leaves in the log."""
 
@@ -41,7 +47,7 @@ def _dpo_args(model: Path) -> list[str]:
 @pytest.fixture(scope="module")
 def launches(llama_dir, tmp_path_factory) -> dict:
     """The one-process references (4 pairs x 2 accumulation), then one 2-rank launch: per engine and reference the
-    run, per engine a twin with the fault (copy reference), and last the ZeRO-2 runs when DeepSpeed imports."""
+    run, per engine a twin with the fault (copy reference), and last the ZeRO-2 runs and the ZeRO-3 copy run when DeepSpeed imports."""
     root = tmp_path_factory.mktemp("dpo-ranks")
     args = _dpo_args(llama_dir)
     single = [{"name": f"one-{reference}", "args": [*args, "--reference", reference, "--batch-size", "4",
@@ -59,6 +65,10 @@ def launches(llama_dir, tmp_path_factory) -> dict:
         runs += [{"name": f"zero2-{reference}", "args": [*args, *ZERO, "--reference", reference], "record": True}
                  for reference in REFERENCES]
         runs.append({"name": "zero2-fault", "args": [*args, *ZERO, "--reference", "copy"], "grad_scale": FAULT,
+                     "record": True})
+        ds_file = root / "zero3.json"
+        ds_file.write_text(json.dumps(ZERO3_FILE))
+        runs.append({"name": "zero3-copy", "args": [*args, *ZERO[:4], "--deepspeed", str(ds_file), "--reference", "copy"],
                      "record": True})
     for run in runs:
         run["args"] = [*run["args"], "--output-dir", str(root / run["name"])]
@@ -119,7 +129,7 @@ def test_the_cached_reference_holds_the_one_process_numbers(engine, launches):
 
 
 def _zero_run(launches, name: str) -> Path:
-    """The ZeRO-2 run NAME's output, or a skip that says why it has none."""
+    """The ZeRO run NAME's output, or a skip that says why it has none."""
     if not launches["zero"]:
         pytest.skip("deepspeed is not installed (pip install memfit[deepspeed])")
     code = exit_code(launches["root"], name)
@@ -147,3 +157,30 @@ def test_zero2_check_fails_on_a_2x_normalisation_error(launches):
     run = _zero_run(launches, "zero2-fault")
     with pytest.raises(AssertionError):
         assert_same_weights(final_weights(launches["dirs"]["one-copy"]), final_weights(run))
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_the_copy_is_sharded_where_the_policy_is(engine, launches):
+    """FSDP2 holds about half of the frozen copy on each of 2 ranks (its shards, plus the whole rotary buffers); DDP
+    holds the whole copy, as one process does. A copy left whole under FSDP2 fails the first check."""
+    facts, one = _reference_facts(launches["dirs"][f"{engine}-copy"]), _reference_facts(launches["dirs"]["one-copy"])
+    assert facts["copy_bytes"] == one["copy_bytes"] == one["copy_rank_bytes"] > 0
+    if engine == "fsdp":
+        assert facts["copy_sharding"] == "fsdp" and facts["copy_ranks"] == 2
+        assert 0.45 < facts["copy_rank_bytes"] / facts["copy_bytes"] < 0.55
+        assert "MiB a rank for the frozen copy" in launches["logs"]["fsdp-copy"]
+    else:
+        assert "copy_sharding" not in facts and facts["copy_rank_bytes"] == facts["copy_bytes"]
+
+
+@pytest.mark.slow
+def test_zero3_shards_the_copy_and_equals_one_process(launches):
+    """ZeRO-3 partitions the frozen copy as it partitions the policy (deepspeed.initialize without an optimizer): each
+    rank holds about half of it, and the update is the one-process update with a whole copy."""
+    run = _zero_run(launches, "zero3-copy")
+    one = launches["dirs"]["one-copy"]
+    assert_same_weights(final_weights(one), final_weights(run))
+    assert _losses(run) == pytest.approx(_losses(one), abs=1e-5)
+    facts = _reference_facts(run)
+    assert facts["copy_sharding"] == "zero-3" and facts["copy_ranks"] == 2
+    assert 0.45 < facts["copy_rank_bytes"] / facts["copy_bytes"] < 0.55

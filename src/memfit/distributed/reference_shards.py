@@ -50,6 +50,16 @@ class CopySharding:
                 f" {self.whole_bytes / 2**20:,.1f} MiB")
 
 
+SHARDED_WEIGHTS = ("fsdp", "zero3")
+"""The estimator's sharding modes (prediction/run_shape.py) whose ranks each hold a share of the weights."""
+
+
+def copy_bytes_per_rank(copy_bytes: float, sharding: str, world_size: int) -> float:
+    """The estimate of a frozen copy's bytes on each rank: its share under the estimator's `sharding` fsdp or zero3
+    (the copy sharded as the policy is), the whole copy under none, ddp, zero1 and zero2."""
+    return copy_bytes / world_size if sharding in SHARDED_WEIGHTS and world_size > 1 else copy_bytes
+
+
 def copy_sharding_engine(distributed: Any, world_size: int) -> str | None:
     """fsdp or zero-3 when the run's engine shards the weights over `world_size` ranks, else None (a whole copy)."""
     if world_size < 2:
