@@ -133,7 +133,7 @@ def host_copy_problem(distributed: Any) -> str:
     else:
         return ""
     return (f"--reference host-copy streams a whole copy of the loaded model, which {engine} shards: use --reference"
-            " copy (a whole copy on each rank's device) or cached (no copy, computed before training)")
+            " copy (sharded like the policy there) or cached (no copy, computed before training)")
 
 
 def _file_stage(path: str | None) -> int | None:
