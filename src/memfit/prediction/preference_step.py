@@ -12,8 +12,8 @@ What differs from causal-LM training on --batch-size windows, and what the estim
   and the fp32 log-softmax (`chunk_forward_bytes`); backward holds a chunk's log-softmax and two gradients of its
   size, and the in-place head gradient's backward its recomputed logits too (`head_working_bytes`).
 - **The reference** (techniques/reference_model.py), the one the run would choose (`choose_reference`): `copy`
-  keeps a frozen copy of the weights as loaded (no gradients, no optimizer state: `reference_copy_bytes`), whole on
-  every rank whatever the sharding; `copy` and `adapters-off` run a no-grad forward of every row of the micro-batch
+  keeps a frozen copy of the weights as loaded (no gradients, no optimizer state: `reference_copy_bytes`), a share a
+  rank under fsdp and zero3 as the policy's (the estimator divides it), else whole on every rank; `copy` and `adapters-off` run a no-grad forward of every row of the micro-batch
   after the policy's, while all the policy's activations are kept (`no_grad_forward_bytes`: its largest moment, a
   block's MLP or the last chunk of logits); `host-copy` keeps the copy in host memory and runs the same forward
   with one unit's weights beside it (`StreamedUnits`: a block, or the head during its chunks; two blocks where
