@@ -86,6 +86,11 @@ class Task:
     def collate(self, samples: Sequence[dict], pad_token_id: int | None) -> dict[str, torch.Tensor]:
         return collate(samples, pad_token_id)
 
+    def row_positions(self, samples: Sequence[dict]) -> int:
+        """Positions the model runs for a micro-batch of `samples`, padding included (the step's padding_tokens):
+        one row a sample, as wide as the longest. A task that packs its micro-batches counts its packed rows."""
+        return len(samples) * max(int(s["input_ids"].numel()) for s in samples)
+
     # -- the loss --------------------------------------------------------------
 
     def count(self, sample: dict) -> int:

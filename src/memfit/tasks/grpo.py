@@ -303,6 +303,18 @@ class GRPOTask(SampleLossTask):
             return batch  # no row saved: padded rows keep SDPA's causal path, with no block mask to hold
         return packed
 
+    def row_positions(self, samples: Sequence[dict]) -> int:
+        """Positions the training pass runs for `samples` as `collate` lays them out: packed rows when it packs."""
+        padded = super().row_positions(samples)
+        if self.packing.mode != "samples":
+            return padded
+        from memfit.data.packing import best_fit_decreasing
+
+        lengths = [int(s["input_ids"].numel()) for s in samples]
+        rows = len(best_fit_decreasing(lengths, max(lengths)))
+        keeps_padding = self.packing.requested == "auto" and rows == len(samples)  # auto pads: no row saved
+        return padded if keeps_padding else rows * max(lengths)
+
     def padded(self, samples: Sequence[dict], pad_token_id: int | None) -> dict[str, torch.Tensor]:
         """Completions right-padded to the longest of the micro-batch; their advantages and log-probabilities."""
         length = max(len(s["input_ids"]) for s in samples)

@@ -181,7 +181,7 @@ class StepRunner:
             self._upcoming = pending[0].samples if pending else (next_samples or [])[: self.micro_batch_size]
             try:
                 loss_sum += self._forward_backward(piece, normalizer, last_micro_batch=not pending)
-                positions += len(piece.samples) * max(int(s["input_ids"].numel()) for s in piece.samples)
+                positions += self.task.row_positions(piece.samples)
                 continue
             except Exception as error:  # only out-of-memory is handled; the rest propagates
                 if not is_out_of_memory(error) or not self.oom_recovery:

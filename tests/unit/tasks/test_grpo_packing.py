@@ -244,13 +244,16 @@ def test_memfit_train_packed_reaches_the_padded_weights_through_an_oom_split(lla
             **SGD_NO_CLIPPING))
         return final_weights(train(config)), [json.loads(line) for line in (out / "metrics.jsonl").open()]
 
-    padded, _ = run("padded", "off")
+    padded, padded_lines = run("padded", "off")
     with oom_in_backward_of_linear(64, 128, above_batch=1) as raised:
         packed, lines = run("packed", "samples")
     assert raised["n"] > 0 and any(line.get("event") == "oom" for line in lines)
     start = next(line for line in lines if line.get("packing"))
     assert start["packing"]["mode"] == "samples", start["packing"]
     assert_same_weights(padded, packed)
+    padding = [sum(line["padding_tokens"] for line in found if "padding_tokens" in line)
+               for found in (padded_lines, lines)]
+    assert padding[1] < padding[0]  # the step's metrics count the packed rows' positions
 
 
 ESTIMATED = dict(sizes=dict(hidden=64, layers=2, vocab=256),
@@ -345,3 +348,12 @@ def test_the_estimate_under_auto_counts_no_mask_even_for_conversational_prompts(
     auto = _estimate_config("auto", 0.0).replace(dataset_format="conversational")
     assert "packed_mask_bytes" not in estimate(auto, hf_config=hf_config).details
     assert estimate(_estimate_config("samples", 0.0), hf_config=hf_config).details["packed_mask_bytes"] > 0
+
+
+def test_the_steps_positions_are_the_rows_collate_lays_out():
+    model = tiny_llama(seed=0)
+    for packing, lengths in (("samples", COMPLETION_LENGTHS), ("samples", [6] * 4), ("auto", [6] * 4),
+                             ("auto", COMPLETION_LENGTHS), ("off", COMPLETION_LENGTHS)):
+        task = _task(model, packing=packing)
+        samples = _completions(task, lengths=lengths)
+        assert task.row_positions(samples) == task.collate(samples, 0)["input_ids"].numel(), (packing, lengths)
