@@ -49,3 +49,39 @@ def metrics_of_each_rank():
         yield
     finally:
         grpo._summed_over_ranks = original
+
+
+@contextlib.contextmanager
+def counted_collectives():
+    """Not a fault: counts the collective calls memfit.tasks.grpo makes itself (all_gather_object, all_reduce, from
+    grpo.py or from distributed/context.py's helpers it calls), written as JSON to $GRPO_COLLECTIVES_FILE.rankR."""
+    import json
+    import os
+    import sys
+
+    counts = {"all_gather_object": 0, "all_reduce": 0}
+    originals = {name: getattr(torch.distributed, name) for name in counts}
+
+    def made_by_grpo() -> bool:
+        caller = sys._getframe(2)  # the frame that called the collective
+        if caller.f_code.co_filename.endswith("distributed/context.py"):
+            caller = caller.f_back
+        return caller is not None and caller.f_code.co_filename.endswith("tasks/grpo.py")
+
+    def counting(name):
+        def collective(*args, **kwargs):
+            if made_by_grpo():
+                counts[name] += 1
+            return originals[name](*args, **kwargs)
+        return collective
+
+    for name in counts:
+        setattr(torch.distributed, name, counting(name))
+    try:
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(torch.distributed, name, original)
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        with open(f"{os.environ['GRPO_COLLECTIVES_FILE']}.rank{rank}", "w", encoding="utf-8") as file:
+            json.dump(counts, file)

@@ -12,6 +12,7 @@ not. One launch holds every 2-rank run.
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -60,7 +61,8 @@ def launches(llama_dir, tmp_path_factory) -> dict:
     single = [{"name": "one", "args": [*one, "--output-dir", str(root / "one")]},
               {"name": "one-kl", "args": [*one, *LOSS_FLAGS, "--output-dir", str(root / "one-kl")]}]
     run_many(single, root / "single", nproc=1)
-    runs = [{"name": "kl", "args": [*args, *ENGINES["fsdp"], *LOSS_FLAGS]},
+    counted = {"fault": "grpo_faults:counted_collectives", "env": {"GRPO_COLLECTIVES_FILE": str(root / "collectives")}}
+    runs = [{"name": "kl", "args": [*args, *ENGINES["fsdp"], *LOSS_FLAGS], **counted},
             {"name": "kl-rank0", "args": [*args, *ENGINES["fsdp"], *LOSS_FLAGS], "fault": "grpo_faults:metrics_of_each_rank"}]
     for engine, flags in ENGINES.items():
         runs.append({"name": engine, "args": [*args, *flags]})
@@ -121,6 +123,16 @@ def test_loss_metrics_are_over_both_ranks_tokens(launches):
     assert _loss_metrics(dirs["kl"]) == pytest.approx(expected, rel=1e-4, abs=1e-7)
     with pytest.raises(AssertionError):
         assert _loss_metrics(dirs["kl-rank0"]) == pytest.approx(expected, rel=1e-4, abs=1e-7)
+
+
+def test_grpo_makes_one_gather_a_rollout_and_one_all_reduce_a_step(launches):
+    """The kl run (3 steps, --num-iterations 2: rollouts at steps 1 and 3): the task's own collectives on each rank are
+    one all_gather_object a rollout (rewards, lengths, counts) and one all_reduce a step's metrics, plus the one that
+    forgets what came before the first step."""
+    steps = len(steps_of(launches["dirs"]["kl"]))
+    for rank in (0, 1):
+        counts = json.loads((launches["dirs"]["kl"].parent / f"collectives.rank{rank}").read_text())
+        assert counts == {"all_gather_object": 2, "all_reduce": steps + 1}, counts
 
 
 def _zero_run(launches, name: str) -> Path:
