@@ -7,7 +7,8 @@ weights compare the summed gradients. Two twins must differ: completions seeded 
 and the loss normalised by each rank's own completions and tokens (grpo_faults.counted_by_rank). With a reference
 (--beta) and each rollout trained twice (--num-iterations 2) the loss's metrics (kl, clip_ratio/*) of the 2 ranks are
 over both ranks' tokens, so they equal one process's; rank 0's tokens alone (grpo_faults.metrics_of_each_rank) must
-not. One launch holds every 2-rank run.
+not; that run also counts the task's collectives (grpo_faults.counted_collectives). One launch holds every 2-rank
+run.
 """
 
 from __future__ import annotations
