@@ -7,7 +7,8 @@ training. Three ways to have it, chosen by --reference (`choose_reference`):
   `disable_adapter()`), under `torch.no_grad`. The base weights never train, so this is the model before training,
   exactly; no second copy of anything. Costs one extra no-grad forward per micro-batch.
 - copy (the default without LoRA): a frozen copy of the loaded model on the device, in eval mode (`frozen_copy`).
-  Costs the model's bytes once more, and one extra no-grad forward per micro-batch.
+  Costs the model's bytes once more, and one extra no-grad forward per micro-batch. Under FSDP2 and ZeRO-3 the
+  task shards it like the policy (distributed/reference_shards.py): 1/N of those bytes a rank.
 - host-copy (asked for, never chosen by auto): the same frozen copy kept in host memory and brought to the device one
   block at a time while it runs (techniques/streamed_reference.py). Costs the model's bytes in host memory, about one
   block's on the device, and the copy's bytes over the host link every micro-batch.
