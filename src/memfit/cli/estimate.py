@@ -100,7 +100,8 @@ def rl_step_time(config, result) -> dict[str, float | str]:
                "precision": config.memory.precision}
     split = rl_step_seconds(changes, config.with_seq_len(), result, gpu, hf_config, device=device)
     return {"generation": split.generation, "scoring": split.scoring, "training": split.training,
-            "step": split.total, "device": gpu.name if gpu is not None else "this machine's CPU (calibrated here)"}
+            "step": split.total, "device": gpu.name if gpu is not None
+            else "this CPU (a nominal rate times what this machine measured, if anything: read the split; or give --gpu)"}
 
 
 def describe_rl_time(seconds: dict[str, float | str]) -> str:
