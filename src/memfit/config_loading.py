@@ -199,7 +199,8 @@ def convert_value(name: str, raw: Any, flag_style: bool = True) -> Any:
     text = ",".join(map(str, raw)) if isinstance(raw, list) else str(raw)
     choices = f.metadata.get("choices")
     if choices:
-        text = VALUE_ALIASES.get(name, {}).get(text.lower(), text.lower().replace("_", "-"))
+        lowered = text.lower()  # a choice spelled with underscores (TRL's dr_grpo) stays as it is
+        text = VALUE_ALIASES.get(name, {}).get(lowered, lowered if lowered in choices else lowered.replace("_", "-"))
         if isinstance(raw, bool):
             text = VALUE_ALIASES.get(name, {}).get(str(raw).lower(), text)
         if text not in choices:

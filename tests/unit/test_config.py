@@ -139,3 +139,18 @@ def test_reward_function_given_several_times_is_one_setting():
     assert config.rl.reward_function == "answer-match,format"
     assert config.optimizer.lr == 2e-4
     assert parse_command_line(["--task", "grpo", "--reward-function", "length"])[0].rl.reward_function == "length"
+
+
+def test_a_choice_spelled_with_an_underscore_is_taken_as_given():
+    """TRL's `dr_grpo` is a --loss-type choice as it is spelled; a hyphenated choice still takes underscores."""
+    assert load_config(overrides={"task": "grpo", "loss_type": "dr_grpo"}).task.loss_type == "dr_grpo"
+    assert load_config(overrides={"task": "grpo", "loss_type": "DR_GRPO"}).task.loss_type == "dr_grpo"
+    assert load_config(overrides={"task": "dpo", "pair_layout": "shared_prompt"}).task.pair_layout == "shared-prompt"
+
+
+def test_preset_tiny_points_at_the_built_in_model():
+    from memfit.errors import UsageError
+    from memfit.models.model_names import check_model_name
+
+    with pytest.raises(UsageError, match="give --model tiny"):
+        check_model_name("preset:tiny")

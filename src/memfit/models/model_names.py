@@ -65,6 +65,8 @@ def check_model_name(name: str, weights: bool = True, flag: str = "--model") -> 
     what = "tokenizer" if flag == "--tokenizer" else "model"
     if name.startswith(PRESET_PREFIX):
         preset = name.removeprefix(PRESET_PREFIX)
+        if preset == "tiny":
+            raise UsageError("'tiny' is memfit's built-in model, not a preset: give --model tiny")
         if not is_preset(preset):
             raise UsageError(f"unknown preset {preset!r}{_did_you_mean(preset, presets_only=True)}:"
                              " memfit presets models lists them")
