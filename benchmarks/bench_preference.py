@@ -253,7 +253,8 @@ def memfit_worker(spec: dict[str, Any]) -> dict[str, Any]:
         "lr_schedule": "constant", "warmup_steps": 0, "beta1": BETAS[0], "beta2": BETAS[1], "eps": EPS,
         "weight_decay": 0.0, "max_grad_norm": MAX_GRAD_NORM, "optimizer": "adamw", "precision": "fp32",
         "beta": spec["beta"], "loss_type": spec["loss_type"], "output_dir": spec["output_dir"],
-        "cache_dir": spec["cache_dir"], "log_every": 10**6, **spec["settings"],
+        "cache_dir": spec["cache_dir"], "log_every": 10**6, "packing": spec.get("packing", "auto"),
+        **spec["settings"],
     }
     with instrumented_loop(loop, watch, on_record):
         result = loop.train(load_config(overrides={k: str(v) for k, v in overrides.items()}))
@@ -338,6 +339,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--beta", type=float, default=0.1, help="DPO's beta, both tools (default 0.1)")
     parser.add_argument("--loss-type", default="sigmoid", choices=("sigmoid", "hinge", "ipo", "robust"),
                         help="DPO's loss type, both tools (default sigmoid)")
+    parser.add_argument("--packing", default="auto", choices=("auto", "samples", "off"),
+                        help="memfit's --packing of each micro-batch's sequences (default auto: packed where their"
+                             " lengths differ; TRL pads them); the synthetic pairs are all one length")
     parser.add_argument("--repeats", type=int, default=2,
                         help="runs of TRL's defaults and of memfit's defaults, alternated (default 2)")
     parser.add_argument("--only", help="comma-separated runs (default all): " + ", ".join(c[0] for c in CONFIGURATIONS)
@@ -380,7 +384,7 @@ def run_plan(args: argparse.Namespace, workdir: Path, model_dir: Path, data: Pat
     order = schedule_order(pairs, args.batch_size, args.steps)
     specs = [{"name": name, "tool": tool, "settings": settings, "model_dir": str(model_dir), "data": str(data),
               "order": order, "seq_len": args.seq_len, "batch_size": args.batch_size, "steps": args.steps,
-              "warmup": args.warmup, "beta": args.beta, "loss_type": args.loss_type,
+              "warmup": args.warmup, "beta": args.beta, "loss_type": args.loss_type, "packing": args.packing,
               "output_dir": str(workdir / f"run-{number}-{name}"), "cache_dir": str(workdir / f"cache-{number}")}
              for number, (name, _, tool, settings) in enumerate(plan, 1)]
     results: dict[str, list[dict]] = {c[0]: [] for c in configurations}
