@@ -80,13 +80,14 @@ class PairPacking:
         if self.packed:
             return (f"samples ({self.reason}): each micro-batch's sequences end to end in rows as wide as its longest,"
                     " attention within each sequence")
-        return f"off ({self.reason}): each sequence a row of its own, padded to the longest of its micro-batch"
+        return f"off ({self.reason}): rows padded to the longest of each micro-batch"
 
     def describe(self) -> str:
         return f"packing {self.facts()}"
 
 
-AUTO_RULE = "auto: packed where the model can pack and the pairs run as rows of their own (docs/preference.md)"
+AUTO_RULE = "auto: the model can pack, and the pairs run as rows of their own"
+"""Why auto packs (docs/preference.md, "Packed pairs": never more positions, a mask no larger than padding's)."""
 
 
 def choose_pair_packing(requested: str, model: torch.nn.Module | None, shared_prompt: bool) -> PairPacking:

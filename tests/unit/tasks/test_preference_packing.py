@@ -144,6 +144,22 @@ def test_an_out_of_memory_split_halves_the_pairs_and_the_halves_add_up_to_the_wh
         torch.testing.assert_close(halves[0][1][name] + halves[1][1][name], gradient, rtol=0, atol=1e-5, msg=name)
 
 
+def test_evaluation_reads_the_same_metrics_packed(tmp_path):
+    from memfit.tasks.preference import PreferenceMetrics
+
+    handler, model = _policy_and_task("dpo", "sdpa", tmp_path)
+    samples = random_pairs(MIXED_LENGTHS)
+    results = []
+    for packing in (PADDED, PACKED):
+        handler.pair_packing = packing
+        stream = PreferenceMetrics()
+        with torch.no_grad():
+            total = handler.eval_loss_sum(model, handler.collate(samples, 0), stream)
+        results.append((total.item(), stream.result()))
+    assert results[1][0] == pytest.approx(results[0][0], abs=1e-5)
+    assert results[1][1] == pytest.approx(results[0][1], abs=1e-5)
+
+
 def test_a_micro_batch_of_one_length_runs_padded_without_a_mask(tmp_path):
     handler, _ = _policy_and_task("dpo", "sdpa", tmp_path)
     handler.pair_packing = PACKED
