@@ -66,7 +66,7 @@ class DataConfig:
     stride: int = 0
     """Tokens shared by consecutive windows of a long document (0: no overlap)."""
     packing: str = field(default="auto", metadata=_choices(*PACKING_MODES))
-    """samples: several whole samples per window, attention and positions restart at each (no padding); off: one sample per row, padded; wrapped: plain text laid end to end and cut (attention crosses documents); auto: samples for chat/instruction data, wrapped for plain text. --packing/--no-packing: auto/off."""
+    """samples: several whole samples per window, attention and positions restart at each (no padding); off: one sample per row, padded; wrapped: plain text laid end to end and cut (attention crosses documents); auto: samples for chat/instruction data, wrapped for plain text. --packing/--no-packing: auto/off. dpo, simpo, orpo, kto: samples and auto pack each micro-batch's sequences end to end without padding, off pads them (docs/preference.md)."""
     cache_dir: str | None = None
     """Where tokenized datasets are cached. Default: <output-dir>/cache; share one between runs to tokenize once."""
     dataset_format: str = field(default="auto", metadata=_choices(*DATASET_FORMATS))
