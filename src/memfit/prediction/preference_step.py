@@ -155,8 +155,14 @@ class PreferenceStep:
         loss.
         """
         in_place = head_grad and in_place_head_runs(run, sharding)
+        chunk = self.chunk_of(arch, tokens)
         per_entry = CHUNK_BACKWARD_BYTES + (precision.compute if in_place else 0)
-        working = float(per_entry * self.chunk_of(arch, tokens) * arch.vocab)
+        if not head_grad and chunk < tokens:
+            # a frozen head's checkpointed chunks, one after another: the recomputed chunk's log-softmax and its
+            # gradient, the NLL's gradient already gone (tracked on CPU, fp32, 64-token chunks of a 4,096-entry head:
+            # 8 bytes; tests/unit/prediction/test_preference_estimate.py, adapters-off)
+            per_entry = CHUNK_BACKWARD_BYTES - 4
+        working = float(per_entry * chunk * arch.vocab)
         working += precision.residual * arch.hidden * tokens  # the final hidden states' gradient
         if run.autocast and run.weight_bytes == 4:  # each chunk casts the fp32 head anew: no autocast cache there
             working += precision.compute * arch.vocab * arch.hidden

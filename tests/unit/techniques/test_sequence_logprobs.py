@@ -219,17 +219,17 @@ def test_the_default_chunk_makes_its_logits_about_the_size_of_the_hidden_states(
     assert logprob_chunk_tokens(128_256, 4096, 8 * 2048) == 512
     assert logprob_chunk_tokens(128_256, 4096, 1 << 20) == 1024  # never above the chunked loss's default
     assert logprob_chunk_tokens(32_000, 384, 768) == SMALLEST_CHUNK_TOKENS  # 768 / 84 -> 16, raised to the floor
-    assert logprob_chunk_tokens(32_000, 384, 4096) == 64  # 4096 / 84 = 48.8 -> 64
+    assert logprob_chunk_tokens(32_000, 384, 16384) == 256  # 16384 / 84 = 195 -> 256
     assert logprob_chunk_tokens(32_000, 384, 4096, chosen=300) == 300  # --loss-chunk-size wins
 
 
 def test_the_default_chunk_holds_less_than_the_chunked_losss_1024_tokens():
-    """512 tokens of a 32K vocabulary, 64 wide: the rule's 32-token chunks against one 1,024-token chunk (the whole
+    """512 tokens of a 32K vocabulary, 64 wide: the rule's 64-token chunks against one 1,024-token chunk (the whole
     batch). The difference is at least two fp32 copies of the batch's logits less a few of a chunk's."""
     from memfit.techniques.sequence_logprobs import logprob_chunk_tokens
 
     chunk = logprob_chunk_tokens(SMALL_VOCAB, 64, TOKENS)
-    assert chunk == 32
+    assert chunk == 64
     by_rule, whole = tracked_peak(SMALL_VOCAB, chunk), tracked_peak(SMALL_VOCAB, 1024)
     logits_copy = TOKENS * SMALL_VOCAB * 4
     assert whole.peak_bytes - by_rule.peak_bytes >= 2 * logits_copy - 6 * chunk * SMALL_VOCAB * 4, (
