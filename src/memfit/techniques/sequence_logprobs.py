@@ -15,7 +15,9 @@ A trained plain-Linear head runs all chunks in one autograd function that adds e
 head gradient into one head-sized buffer in place (as techniques/chunked_head_loss.py does for
 the loss); any other head (LoRA-wrapped, quantized, sharded, frozen) runs each chunk under
 non-reentrant checkpointing. Under `torch.no_grad()` (a reference model) the chunks simply run.
-Costs: the output projection runs a second time in backward, as for the chunked loss.
+Only the positions with a target reach the head (the prompt, padding and each row's last position are scored 0):
+with a third of a row prompt, a third of the head's work is skipped. Costs: the output projection runs a second
+time in backward, as for the chunked loss; the scored positions' hidden states are gathered into one tensor.
 Numerics: the same per-token values as the materialized log-softmax and gather, up to float
 summation order; log-probabilities and their sums are fp32 whatever the model's dtype.
 
@@ -171,19 +173,42 @@ def _chunked_token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, tar
         raise ValueError(f"{type(lm).__name__} has no output embeddings; use chunk_size=0")
     hidden, empty_logits = final_hidden_states(model, lm, head, input_ids, attention_mask, position_ids)
     hidden = hidden.reshape(-1, hidden.size(-1))
-    postprocess = logit_postprocessing(lm.config)
     anchor = empty_logits.float().sum()  # exactly 0; keeps the wrappers' backward hooks in the graph
+    # Only the positions with a target go through the head: a prompt, padding and each row's last position are
+    # scored 0 anyway, and the head's matrix product (three times: forward, recomputed, backward) is the largest
+    # of a small model's step (a third of a GRPO row of 32 prompt and 64 completion tokens is prompt).
+    if _shape_unknown(targets):  # a traced estimate's fake tensors: no data-dependent shape; every position runs
+        return anchor + _head_logprobs(model, lm, head, hidden, targets, chunk_size, in_place_head)
+    scored = (targets != IGNORE_INDEX).nonzero().squeeze(1)
+    if scored.numel() in (0, targets.numel()):  # none scored: the head still runs, so every rank's graph has it
+        return anchor + _head_logprobs(model, lm, head, hidden, targets, chunk_size, in_place_head)
+    values = _head_logprobs(model, lm, head, hidden.index_select(0, scored), targets.index_select(0, scored),
+                            chunk_size, in_place_head)
+    return anchor + torch.zeros(targets.numel(), dtype=values.dtype, device=values.device).index_copy(0, scored, values)
+
+
+def _shape_unknown(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` is a fake tensor (prediction/traced.py's step), whose values, and so a selection's size, are
+    unknown."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return is_fake(tensor)
+
+
+def _head_logprobs(model: torch.nn.Module, lm: torch.nn.Module, head: torch.nn.Module, hidden: torch.Tensor,
+                   targets: torch.Tensor, chunk_size: int, in_place_head: bool) -> torch.Tensor:
+    """`[tokens]` log-probabilities of `targets` from the `[tokens, hidden]` final hidden states, a chunk at a time."""
+    postprocess = logit_postprocessing(lm.config)
     if not torch.is_grad_enabled():  # a reference model: no graph, so nothing to recompute
-        return anchor + torch.cat([token_target_logprobs(head(hidden_chunk), target_chunk, postprocess)
-                                   for hidden_chunk, target_chunk in zip(hidden.split(chunk_size),
-                                                                         targets.split(chunk_size), strict=True)])
+        return torch.cat([token_target_logprobs(head(hidden_chunk), target_chunk, postprocess)
+                          for hidden_chunk, target_chunk in zip(hidden.split(chunk_size), targets.split(chunk_size),
+                                                                strict=True)])
     if in_place_head and not in_place_head_problem(head, model):
-        return anchor + _InPlaceHeadTokenLogprobs.apply(hidden, head.weight, head.bias, targets, chunk_size,
-                                                        postprocess)
+        return _InPlaceHeadTokenLogprobs.apply(hidden, head.weight, head.bias, targets, chunk_size, postprocess)
     # Non-reentrant checkpointing keeps only each chunk's inputs; backward rebuilds its logits.
     chunks = [checkpoint(_chunk_logprobs, head, postprocess, hidden_chunk, target_chunk, use_reentrant=False)
               for hidden_chunk, target_chunk in zip(hidden.split(chunk_size), targets.split(chunk_size), strict=True)]
-    return anchor + torch.cat(chunks)
+    return torch.cat(chunks)
 
 
 def _chunk_logprobs(head: torch.nn.Module, postprocess: Postprocess, hidden_chunk: torch.Tensor,

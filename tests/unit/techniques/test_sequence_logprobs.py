@@ -234,3 +234,23 @@ def test_the_default_chunk_holds_less_than_the_chunked_losss_1024_tokens():
     logits_copy = TOKENS * SMALL_VOCAB * 4
     assert whole.peak_bytes - by_rule.peak_bytes >= 2 * logits_copy - 6 * chunk * SMALL_VOCAB * 4, (
         (whole.peak_bytes - by_rule.peak_bytes) / MIB)
+
+
+@pytest.mark.parametrize("grad", [True, False], ids=["policy", "reference"])
+def test_only_the_scored_positions_reach_the_head(grad):
+    """The prompt, padding and each row's last position are scored 0: the head's matrix product skips them, and the
+    values (and, for the policy, the gradients: the other tests here) are those of every position."""
+    model = tiny_llama(seed=3)
+    input_ids, labels = completion_batch(model.config.vocab_size)
+    rows_seen: list[int] = []
+    handle = model.lm_head.register_forward_pre_hook(lambda module, args: rows_seen.append(args[0].shape[0]))
+    try:
+        with torch.set_grad_enabled(grad):
+            values = sequence_logprobs(model, input_ids, labels, chunk_size=16, per_token=True, in_place_head=False)
+    finally:
+        handle.remove()
+    scored = int((labels[:, 1:] != IGNORE_INDEX).sum())
+    assert sum(rows_seen) == scored
+    assert scored < input_ids.numel()
+    torch.testing.assert_close(values.sums.detach(), materialized_logprobs(model, input_ids, labels).detach(),
+                               rtol=1e-5, atol=1e-5)
