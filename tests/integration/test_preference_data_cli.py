@@ -66,3 +66,28 @@ def test_the_real_command(warm_memfit, llama_dir):
     assert as_json.returncode == 0, as_json.stderr
     report = json.loads(as_json.stdout.strip().splitlines()[-1])
     assert report["preference"] and len(report["shown"]) == 3 and report["lengths"]["item"]["count"] == 50
+
+
+@pytest.mark.parametrize("task", ["dpo", "kto", "grpo"])
+def test_memfit_plan_takes_the_length_from_pairs_and_prompts(llama_dir, task):
+    """`memfit plan --dataset` reads a preference file's pairs (the prompt and the longer answer) and a GRPO file's
+    prompts as those tasks read them, where the causal-LM reader finds none of its fields."""
+    from memfit.cli.data import plan_from_dataset
+    from memfit.data.preferences import load_preference_data
+    from memfit.data.prompts import load_prompts
+    from memfit.models.loader import load_tokenizer
+
+    dataset = "builtin:prompts" if task == "grpo" else "builtin:preferences"
+    config = load_config(None, [("dataset", dataset), ("model", str(llama_dir)), ("chat-template", "chatml"),
+                                ("task", task)])
+    planned, facts = plan_from_dataset(config)
+    tokenizer = load_tokenizer(str(llama_dir), False)
+    unlimited = dataclasses.replace(config.data, seq_len=1 << 30, truncate=False)
+    if task == "grpo":
+        lengths = [len(item.prompt_ids) for item in load_prompts(unlimited, tokenizer, say=False)]
+    else:  # KTO reads each pair as two unpaired completions
+        segments = load_preference_data(unlimited, tokenizer, task=task, say=False).segment_lengths
+        lengths = (segments[:, 0] + segments[:, 1:].max(axis=1)).tolist()
+    assert facts["max"] == max(lengths) and facts["samples"] == len(lengths)
+    longest = max(lengths)
+    assert planned.data.seq_len >= min(longest, 256)

@@ -308,6 +308,29 @@ def plan_from_dataset(config: Any) -> tuple[Any, dict[str, Any]]:
     return config.with_seq_len(seq_len), facts
 
 
+def _task_sample_lengths(config: Any, data_cfg: Any, tokenizer: Any) -> tuple[Any, Any, bool] | None:
+    """A preference task's pair lengths (the prompt and the longer answer; the answers' tokens as targets) or GRPO's
+    prompt lengths (a row's prompt part: --max-completion-length is added to it), read as those tasks read their
+    data; None for the tasks that read causal-LM samples."""
+    import numpy as np
+
+    from memfit.config_sections import PREFERENCE_TASKS
+
+    task = config.task.task
+    if task in PREFERENCE_TASKS:
+        from memfit.data.preferences import load_preference_data
+
+        segments = load_preference_data(data_cfg, tokenizer, task=task, say=False).segment_lengths
+        return segments[:, 0] + segments[:, 1:].max(axis=1), segments[:, 1:].sum(axis=1), True
+    if task == "grpo":
+        from memfit.data.prompts import load_prompts
+
+        items = load_prompts(data_cfg, tokenizer, max_prompt_length=config.rl.max_prompt_length, say=False)
+        lengths = np.asarray([len(item.prompt_ids) for item in items], dtype=np.int64)
+        return lengths, lengths, True
+    return None
+
+
 def describe_plan_basis(dataset: str, facts: dict[str, Any]) -> str:
     line = (f"planned at --seq-len {facts['seq_len']:,}: {facts['basis']} of {dataset} ({facts['samples']:,} samples;"
             f" p50 {facts['p50']:,}, p90 {facts['p90']:,}, p99 {facts['p99']:,}, max {facts['max']:,} tokens)")
@@ -332,6 +355,9 @@ def _sample_lengths(config: Any) -> tuple[Any, Any, bool]:
         # No length policy and one document a window: every sample is seen whole.
         data_cfg = dataclasses.replace(config.data, cache_dir=config.data.cache_dir or scratch, seq_len=1 << 30,
                                        stride=0, packing="off", truncate=False)
+        task_lengths = _task_sample_lengths(config, data_cfg, tokenizer)
+        if task_lengths is not None:
+            return task_lengths
         dataset = load_training_data(data_cfg, tokenizer, say=False)
         if getattr(dataset, "supervised", False):
             return np.diff(np.asarray(dataset.store.offsets)), np.asarray(dataset.store.targets).copy(), True

@@ -171,7 +171,7 @@ class PreferenceDataset:
         self.template_name = template_name
         self.prompt_boundary_mismatches = prompt_boundary_mismatches
         self.stride = 0
-        self.packing = "off"  # a pair is two rows that share a prompt: never packed with other samples
+        self.packing = "off"  # not packed as a dataset: the task packs a micro-batch's sequences (tasks/pair_packing.py)
         self.preference = True
 
     # -- items ------------------------------------------------------------------------------------------------
