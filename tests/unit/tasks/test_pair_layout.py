@@ -331,6 +331,12 @@ def _tracked_dpo_step(layout: PairLayout, tmp_path: Path) -> tuple[int, float]:
     model = tiny_llama(vocab=VOCAB, hidden=128, layers=4, attn_implementation="sdpa")
     handler.pair_layout = layout
     batch = handler.collate(random_pairs([(192, 32, 32)] * 4, cached=True), 0)
+    step, loss = tracked_task_step(handler, model, batch)
+    return step.peak_bytes, loss.item()
+
+
+def tracked_task_step(handler, model: torch.nn.Module, batch: dict):
+    """(the tracker's StepMemory, the loss) of one forward and backward of `handler`'s loss on a collated batch."""
     tracker = MemoryTracker(torch.device("cpu"))
     tracker.attach(model)
     try:
@@ -340,10 +346,9 @@ def _tracked_dpo_step(layout: PairLayout, tmp_path: Path) -> tuple[int, float]:
                                         **handler.loss_inputs(batch))
             with tracker.phase("backward"):
                 loss.backward()
-            step = tracker.end_step()
+            return tracker.end_step(), loss
     finally:
         tracker.detach()
-    return step.peak_bytes, loss.item()
 
 
 def test_sharing_a_long_prompt_lowers_the_tracked_peak_of_a_dpo_step(tmp_path):

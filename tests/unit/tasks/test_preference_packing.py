@@ -19,11 +19,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from test_pair_layout import EDGE_LENGTHS, VOCAB, _policy_and_task, random_pairs
+from test_pair_layout import EDGE_LENGTHS, VOCAB, _policy_and_task, random_pairs, tracked_task_step
 from test_preference_task import preference_config, write_pairs
 
 from fault_injection import assert_same_weights, final_weights, largest_update
-from memfit.memory.tracker import MemoryTracker
 from memfit.prediction import preference_step as preference_step_module
 from memfit.tasks import build_task
 from memfit.tasks import pair_packing as packing_module
@@ -234,18 +233,7 @@ def _tracked_peak(packing: PairPacking, tmp_path: Path, width: int) -> tuple[int
     lengths = [(24, 40, 180), (120, 16, 24), (8, 64, 32), (60, 100, 12), (16, 8, 20), (200, 30, 50), (40, 24, 16),
                (10, 90, 70)]
     batch = handler.collate(random_pairs(lengths, cached=True), 0)
-    tracker = MemoryTracker(torch.device("cpu"))
-    tracker.attach(model)
-    try:
-        with tracker:
-            with tracker.phase("forward"):
-                loss = handler.loss_sum(model, batch["input_ids"], batch["labels"], batch.get("attention_mask"), 0,
-                                        **handler.loss_inputs(batch))
-            with tracker.phase("backward"):
-                loss.backward()
-            step = tracker.end_step()
-    finally:
-        tracker.detach()
+    step, loss = tracked_task_step(handler, model, batch)
     model.zero_grad(set_to_none=True)
     started = time.perf_counter()  # printed, not checked: the time of a step depends on the machine's load
     handler.loss_sum(model, batch["input_ids"], batch["labels"], batch.get("attention_mask"), 0,
