@@ -27,8 +27,9 @@ Runs and what each side does:
 - TRL's defaults: `gradient_checkpointing=True` (GRPOConfig's default; off while generating), the policy's
   log-probabilities from its fused LM head (`fused_lm_head=True`: in tiles, no full logits). `bf16=False` set (its
   default is bf16 autocast), to compare fp32 with fp32.
-- memfit's defaults (`memfit train --task grpo`): no checkpointing, the log-probabilities a chunk of 1024 tokens'
-  logits at a time (at the default sizes, 8 completions of 96 tokens, the whole step is one chunk).
+- memfit's defaults (`memfit train --task grpo`): no checkpointing, the log-probabilities in chunks whose logits are
+  about the size of the batch's hidden states (at the default sizes, 8 completions of 96 tokens: 64-token chunks),
+  over the completions' positions only.
 - The same settings on both sides: memfit `--gradient-checkpointing full` beside TRL's defaults; TRL
   `gradient_checkpointing=False` beside memfit's defaults.
 
@@ -602,7 +603,7 @@ def report(args: argparse.Namespace, summary: dict[str, dict[str, Any]], ladder:
         "",
         "TRL's defaults: `gradient_checkpointing=True` (off while generating), the log-probabilities from its fused"
         " LM head (in tiles, no full logits); `bf16=False` set (its default is bf16). memfit's defaults: no"
-        " checkpointing, the log-probabilities a chunk of 1024 tokens' logits at a time."
+        " checkpointing, the log-probabilities in chunks whose logits are about the size of the batch's hidden states (64 tokens here), over the completions' positions only."
         + ((" Each row a fresh process; the two default runs alternate and their figures are medians."
             if args.repeats > 1 else " Each row one run, a fresh process.")
            if not args.quick else " --quick: every row in this script's process, one after another, so a row's peak"

@@ -473,6 +473,8 @@ def longest_report(args: argparse.Namespace, ladder: dict[str, list[dict]]) -> l
 
 def report(args: argparse.Namespace, summary: dict[str, dict[str, Any]], ladder: dict[str, list[dict]] | None,
            parameters: int, pair_facts: str, command: str, load_start: tuple[float, ...]) -> str:
+    if not summary and ladder is not None:  # --only none: the ladder alone (write_longest's subsection)
+        return "\n".join([*longest_report(args, ladder), *provenance(command, load_start)])
     shape = MODEL_SHAPES["quick" if args.quick else "20m"]
     rows = []
     for name, label, _, _ in CONFIGURATIONS:
@@ -507,7 +509,8 @@ def report(args: argparse.Namespace, summary: dict[str, dict[str, Any]], ladder:
         "",
         "TRL's defaults: its reference a full frozen copy (`precompute_ref_log_probs=False`) and"
         " `gradient_checkpointing=True`, its fused LM head; `bf16=False` set (its default is bf16). memfit's"
-        " defaults: the reference a frozen copy, no checkpointing, log-probabilities in chunks of 1024 tokens."
+        " defaults: the reference a frozen copy, no checkpointing, log-probabilities in chunks whose logits are"
+        " about the size of the batch's hidden states (64 tokens here), over the answers' positions only."
         + (" Each row a fresh process; the two default runs alternate and their figures are medians."
            if not args.quick else " --quick: every row in this script's process, one after another, so a row's peak"
            " is the highest so far."),
@@ -577,7 +580,10 @@ def main(argv: list[str] | None = None) -> int:
     print(body)
     print(f"\n(benchmark took {time.perf_counter() - started:.0f} s)", file=sys.stderr)
     if args.out:
-        write_section(args.out, SECTION, body, args.label or default_label("cpu"))
+        label = args.label or default_label("cpu")
+        if not results and ladder is not None:  # the runs' subsection is kept; the ladder gets one of its own
+            label += f", longest pair within {args.longest}"
+        write_section(args.out, SECTION, body, label)
     save_json(args, {"summary": summary})
     return 0
 
