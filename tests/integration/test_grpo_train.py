@@ -9,6 +9,7 @@ same completions and reaches the same weights; a reward the model can raise rise
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -68,8 +69,10 @@ def test_memfit_train_task_grpo_writes_trls_metrics_and_samples(llama_dir, rewar
     assert "memfit: reference: copy" in result.stderr
     steps = step_lines(out)
     assert len(steps) == 2
-    for name in (*TRL_NAMES, "kl"):
+    for name in (*TRL_NAMES, "kl", "entropy"):
         assert all(name in step for step in steps), name
+    # a tiny random model's distributions are near uniform over its 257 tokens: the entropy is near log 257
+    assert all(0 < step["entropy"] <= math.log(257) + 1e-4 for step in steps)
     samples = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
     assert {sample["step"] for sample in samples} == {1, 2} and all("reward" in sample for sample in samples)
 

@@ -274,21 +274,24 @@ class GRPOTask(SampleLossTask):
         with reference_pass(self._copy):  # a streamed copy: timed, its head put back after the pass
             return self._per_token(self._copy, rows, chunk)[0]
 
-    def _per_token(self, model: torch.nn.Module, rows: dict[str, torch.Tensor], chunk: int
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(`[completions, longest]` per-token log-probabilities, the labels) one completion a row, as the loss
-        reads them: computed on the packed rows and laid back out when the batch is packed (`collate`)."""
+    def _per_token(self, model: torch.nn.Module, rows: dict[str, torch.Tensor], chunk: int, entropy: bool = False
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(`[completions, longest]` per-token log-probabilities, the labels, the per-token entropies when asked)
+        one completion a row, as the loss reads them: computed on the packed rows and laid back out when the batch
+        is packed (`collate`). The logits are divided by the sampling temperature first, as TRL's GRPOTrainer does."""
+        scoring = {"temperature": self.config.rl.temperature, "entropy": entropy, "per_token": True}
         if "packed_row_of" not in rows:
             scored = sequence_logprobs(model, rows["input_ids"], rows["labels"], rows.get("attention_mask"),
-                                       chunk_size=chunk, per_token=True)
-            return scored.per_token, rows["labels"]
+                                       chunk_size=chunk, **scoring)
+            return scored.per_token, rows["labels"], scored.entropy
         packed = PackedRows(rows["input_ids"], rows["labels"], rows["position_ids"], rows["packed_row_of"],
                             rows["packed_start_of"], rows["packed_length_of"])
         # no attention mask: transformers restricts attention to each completion from the restarting positions
         scored = sequence_logprobs(model, packed.input_ids, packed.labels, None, chunk_size=chunk,
-                                   position_ids=packed.position_ids, per_token=True)
+                                   position_ids=packed.position_ids, **scoring)
         # a completion's last position scores the next one's first label, which packing ignores: 0, as padding is
-        return packed.unpack(scored.per_token), packed.unpack(packed.labels, fill=IGNORE_INDEX)
+        return (packed.unpack(scored.per_token), packed.unpack(packed.labels, fill=IGNORE_INDEX),
+                None if scored.entropy is None else packed.unpack(scored.entropy))
 
     # -- the batch and the loss ------------------------------------------------------------------------------------
 
@@ -346,7 +349,8 @@ class GRPOTask(SampleLossTask):
         completions, tokens = self._step_counts
         rows = {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask,
                 "position_ids": position_ids} | {k: v for k, v in placement.items() if k in PLACEMENT_KEYS}
-        per_token, labels = self._per_token(model, rows, self._chunk_size(chunk_size, model, input_ids.numel()))
+        per_token, labels, entropies = self._per_token(model, rows, self._chunk_size(chunk_size, model,
+                                                                                      input_ids.numel()), entropy=True)
         # per_token[t] is the log-probability of the token at t + 1 (labels are shifted inside): the same shift for
         # the mask and the stored log-probabilities, which were computed the same way
         mask = torch.nn.functional.pad(labels[:, 1:] != IGNORE_INDEX, (0, 1), value=False).float()
@@ -357,7 +361,8 @@ class GRPOTask(SampleLossTask):
             ref_per_token_logps=None if ref_per_token_logps is None else ref_per_token_logps.to(mask.device),
             loss_type=self.config.task.loss_type, beta=self.beta, epsilon_low=rl.epsilon,
             epsilon_high=rl.epsilon if rl.epsilon_high is None else rl.epsilon_high,
-            max_completion_length=rl.max_completion_length, completions_in_step=completions, tokens_in_step=tokens)
+            max_completion_length=rl.max_completion_length, completions_in_step=completions, tokens_in_step=tokens,
+            entropies=entropies)
         for name, value in stats.items():
             self._stats[name] = self._stats.get(name, 0.0) + float(value)
         return loss * completions

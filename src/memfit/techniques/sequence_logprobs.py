@@ -27,7 +27,8 @@ labels[t + 1], and IGNORE_INDEX (-100) marks tokens that are not scored (the pro
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -89,6 +90,9 @@ class SequenceLogprobs:
     per_token: torch.Tensor | None = None
     """`[rows, length]` fp32 when asked for: position t holds log p(labels[t + 1] | tokens up to t), 0 where
     labels[t + 1] is ignored and at the last position (it predicts nothing)."""
+    entropy: torch.Tensor | None = None
+    """`[rows, length]` fp32, no gradient, when asked for: the entropy of the distribution position t predicts
+    from (at the given temperature), 0 where position t scores nothing (TRL's GRPO `entropy` metric)."""
 
     @property
     def means(self) -> torch.Tensor:
@@ -118,6 +122,8 @@ def sequence_logprobs(
     position_ids: torch.Tensor | None = None,
     per_token: bool = False,
     in_place_head: bool = True,
+    temperature: float = 1.0,
+    entropy: bool = False,
 ) -> SequenceLogprobs:
     """Summed (and optionally per-token) log-probabilities of each row's target tokens (module docstring).
 
@@ -129,20 +135,75 @@ def sequence_logprobs(
     `per_token`: also return the `[rows, length]` values (SequenceLogprobs.per_token).
     `in_place_head`: accumulate a trained plain-Linear head's gradient in place across chunks; False
     checkpoints each chunk instead (an engine that reduces gradients through hooks of its own).
+    `temperature`: the logits are divided by it first (GRPO scores completions at their sampling temperature, as
+    TRL's GRPOTrainer does).
+    `entropy`: also return each scored position's entropy (SequenceLogprobs.entropy), computed from the chunks'
+    logits as the forward makes them (no further pass over the head).
     """
     rows, length = labels.shape
     targets = _shifted_targets(labels).reshape(-1)
-    if chunk_size > 0:
-        token_logprobs = _chunked_token_logprobs(model, input_ids, targets, attention_mask, chunk_size, position_ids,
-                                                 in_place_head)
-    else:
-        positions = {} if position_ids is None else {"position_ids": position_ids}
-        logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **positions).logits
-        # the model's forward has post-processed its logits already
-        token_logprobs = token_target_logprobs(logits.reshape(-1, logits.size(-1)), targets, _unchanged)
+    scoring = _Scoring(temperature, entropy)
+    with scoring.recording():
+        if chunk_size > 0:
+            token_logprobs = _chunked_token_logprobs(model, input_ids, targets, attention_mask, chunk_size,
+                                                     position_ids, in_place_head, scoring)
+        else:
+            positions = {} if position_ids is None else {"position_ids": position_ids}
+            logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **positions).logits
+            # the model's forward has post-processed its logits already
+            token_logprobs = token_target_logprobs(logits.reshape(-1, logits.size(-1)), targets,
+                                                   scoring.after(_unchanged))
+            scoring.scored = None
     token_logprobs = token_logprobs.view(rows, length)
     counts = (targets != IGNORE_INDEX).view(rows, length).sum(-1, dtype=torch.float32)
-    return SequenceLogprobs(token_logprobs.sum(-1), counts, token_logprobs if per_token else None)
+    entropies = (scoring.entropy_of(targets.numel()) * (targets != IGNORE_INDEX)).view(rows, length) if entropy else None
+    return SequenceLogprobs(token_logprobs.sum(-1), counts, token_logprobs if per_token else None, entropies)
+
+
+class _Scoring:
+    """What the log-probabilities add to the model's own logit post-processing: the temperature, and (when asked)
+    each chunk's entropy, recorded while the forward runs (a backward's recomputation of a chunk records nothing)."""
+
+    def __init__(self, temperature: float, entropy: bool) -> None:
+        self.temperature = float(temperature)
+        self.chunks: list[torch.Tensor] | None = [] if entropy else None
+        self.scored: torch.Tensor | None = None
+        """The flat positions the chunks cover, in order (None: every position)."""
+        self._recording = False
+
+    @contextmanager
+    def recording(self) -> Iterator[None]:
+        self._recording = True
+        try:
+            yield
+        finally:
+            self._recording = False
+
+    def after(self, postprocess: Postprocess) -> Postprocess:
+        def scored_logits(logits: torch.Tensor) -> torch.Tensor:
+            logits = postprocess(logits)
+            if self.temperature != 1.0:
+                logits = logits / self.temperature
+            if self._recording and self.chunks is not None:
+                with torch.no_grad():
+                    self.chunks.append(_entropy(logits.detach()))
+            return logits
+
+        return scored_logits
+
+    def entropy_of(self, tokens: torch.Tensor | int) -> torch.Tensor:
+        """`[tokens]` the recorded entropies at their positions, 0 elsewhere."""
+        values = torch.cat(self.chunks).float()
+        if self.scored is None:
+            return values
+        return torch.zeros(tokens, dtype=values.dtype, device=values.device).index_copy(0, self.scored, values)
+
+
+def _entropy(logits: torch.Tensor) -> torch.Tensor:
+    """`[tokens]` entropy of the softmax of `[tokens, vocabulary]` logits, one chunk-sized temporary."""
+    log_normaliser = torch.logsumexp(logits, dim=-1)
+    weighted = torch.softmax(logits, dim=-1).mul_(logits).sum(-1)
+    return log_normaliser - weighted
 
 
 def token_target_logprobs(logits: torch.Tensor, targets: torch.Tensor, postprocess: Postprocess) -> torch.Tensor:
@@ -165,7 +226,7 @@ def _unchanged(logits: torch.Tensor) -> torch.Tensor:
 
 def _chunked_token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, targets: torch.Tensor,
                             attention_mask: torch.Tensor | None, chunk_size: int, position_ids: torch.Tensor | None,
-                            in_place_head: bool) -> torch.Tensor:
+                            in_place_head: bool, scoring: _Scoring) -> torch.Tensor:
     """`[tokens]` log-probabilities of the flattened `targets`, one chunk of logits alive at a time."""
     lm = unwrap_causal_lm(model)
     head = lm.get_output_embeddings()
@@ -178,12 +239,13 @@ def _chunked_token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, tar
     # scored 0 anyway, and the head's matrix product (three times: forward, recomputed, backward) is the largest
     # of a small model's step (a third of a GRPO row of 32 prompt and 64 completion tokens is prompt).
     if _shape_unknown(targets):  # a traced estimate's fake tensors: no data-dependent shape; every position runs
-        return anchor + _head_logprobs(model, lm, head, hidden, targets, chunk_size, in_place_head)
+        return anchor + _head_logprobs(model, lm, head, hidden, targets, chunk_size, in_place_head, scoring)
     scored = (targets != IGNORE_INDEX).nonzero().squeeze(1)
     if scored.numel() in (0, targets.numel()):  # none scored: the head still runs, so every rank's graph has it
-        return anchor + _head_logprobs(model, lm, head, hidden, targets, chunk_size, in_place_head)
+        return anchor + _head_logprobs(model, lm, head, hidden, targets, chunk_size, in_place_head, scoring)
+    scoring.scored = scored
     values = _head_logprobs(model, lm, head, hidden.index_select(0, scored), targets.index_select(0, scored),
-                            chunk_size, in_place_head)
+                            chunk_size, in_place_head, scoring)
     return anchor + torch.zeros(targets.numel(), dtype=values.dtype, device=values.device).index_copy(0, scored, values)
 
 
@@ -196,9 +258,9 @@ def _shape_unknown(tensor: torch.Tensor) -> bool:
 
 
 def _head_logprobs(model: torch.nn.Module, lm: torch.nn.Module, head: torch.nn.Module, hidden: torch.Tensor,
-                   targets: torch.Tensor, chunk_size: int, in_place_head: bool) -> torch.Tensor:
+                   targets: torch.Tensor, chunk_size: int, in_place_head: bool, scoring: _Scoring) -> torch.Tensor:
     """`[tokens]` log-probabilities of `targets` from the `[tokens, hidden]` final hidden states, a chunk at a time."""
-    postprocess = logit_postprocessing(lm.config)
+    postprocess = scoring.after(logit_postprocessing(lm.config))
     if not torch.is_grad_enabled():  # a reference model: no graph, so nothing to recompute
         return torch.cat([token_target_logprobs(head(hidden_chunk), target_chunk, postprocess)
                           for hidden_chunk, target_chunk in zip(hidden.split(chunk_size), targets.split(chunk_size),

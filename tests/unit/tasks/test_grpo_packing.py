@@ -190,7 +190,7 @@ def test_the_labels_of_unpacked_rows_are_the_padded_ones():
     samples = _completions(task)
     packed, padded = task.collate(samples, 0), task.padded(samples, 0)
     rows = {k: v for k, v in packed.items()}
-    _, labels = task._per_token(model, rows, 0)
+    _, labels, _ = task._per_token(model, rows, 0)
     kept = padded["labels"][:, 1:] != IGNORE_INDEX
     assert torch.equal(labels[:, 1:] != IGNORE_INDEX, kept)
 

@@ -254,3 +254,26 @@ def test_only_the_scored_positions_reach_the_head(grad):
     assert scored < input_ids.numel()
     torch.testing.assert_close(values.sums.detach(), materialized_logprobs(model, input_ids, labels).detach(),
                                rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("grad", [True, False], ids=["policy", "reference"])
+def test_temperature_and_entropy_are_trls(grad):
+    """GRPO scores completions at their sampling temperature and logs the entropy of each scored position: the
+    values of TRL's own `selective_log_softmax` and `entropy_from_logits` on the logits divided by the temperature.
+    Leaving the temperature out, or the entropy's positions misplaced, fails."""
+    trl_utils = pytest.importorskip("trl.trainer.utils")
+    model = tiny_llama(seed=4)
+    input_ids, labels = completion_batch(model.config.vocab_size)
+    temperature = 0.7
+    with torch.set_grad_enabled(grad):
+        scored = sequence_logprobs(model, input_ids, labels, chunk_size=16, per_token=True, temperature=temperature,
+                                   entropy=True)
+    with torch.no_grad():
+        logits = model(input_ids=input_ids).logits.float() / temperature
+    targets = labels[:, 1:]
+    kept = targets != IGNORE_INDEX
+    expected = trl_utils.selective_log_softmax(logits[:, :-1], targets.clamp(min=0)) * kept
+    expected_entropy = trl_utils.entropy_from_logits(logits[:, :-1]) * kept
+    torch.testing.assert_close(scored.per_token[:, :-1].detach(), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(scored.entropy[:, :-1], expected_entropy, rtol=1e-5, atol=1e-5)
+    assert not scored.entropy.requires_grad and bool((scored.entropy[:, -1] == 0).all())
