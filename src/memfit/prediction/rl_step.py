@@ -38,13 +38,12 @@ def rl_training_config(config: Any, hf_config: Any = None) -> Any:
     without `hf_config`). --packing auto runs off here: every completion at its length saves no row, and auto pads
     a micro-batch whose packing saves none (tasks/grpo.py); samples packs, and the estimate adds its mask."""
     from memfit.techniques.loss import DEFAULT_LOSS_CHUNK_TOKENS
-    from memfit.techniques.sequence_logprobs import logprob_chunk_tokens
+    from memfit.techniques.sequence_logprobs import config_logprob_chunk_tokens
 
     row = rl_row_length(config, config.data.seq_len)
-    chunk = config.memory.loss_chunk_size or DEFAULT_LOSS_CHUNK_TOKENS
-    if hf_config is not None and not config.memory.loss_chunk_size:
-        text = getattr(hf_config, "get_text_config", lambda: hf_config)()
-        chunk = logprob_chunk_tokens(int(text.vocab_size), int(text.hidden_size), config.training.batch_size * row)
+    chosen = config.memory.loss_chunk_size
+    chunk = (config_logprob_chunk_tokens(hf_config, config.training.batch_size * row, chosen) if hf_config is not None
+             else chosen or DEFAULT_LOSS_CHUNK_TOKENS)
     packing = "samples" if config.data.packing == "samples" else "off"
     return config.replace(seq_len=row, loss_chunk_size=chunk, packing=packing)
 

@@ -72,11 +72,15 @@ def logprob_chunk_tokens(vocab_size: int, hidden_size: int, tokens: int, chosen:
     return int(min(DEFAULT_LOSS_CHUNK_TOKENS, max(SMALLEST_CHUNK_TOKENS, chunk)))
 
 
-def model_logprob_chunk_tokens(model: torch.nn.Module, tokens: int, chosen: int | None = None) -> int:
-    """`logprob_chunk_tokens` for `model` (its vocabulary and width read from its config)."""
-    lm_config = unwrap_causal_lm(model).config
-    text_config = getattr(lm_config, "get_text_config", lambda: lm_config)()
+def config_logprob_chunk_tokens(hf_config, tokens: int, chosen: int | None = None) -> int:
+    """`logprob_chunk_tokens` for a model of `hf_config` (its text part's vocabulary and width)."""
+    text_config = getattr(hf_config, "get_text_config", lambda: hf_config)()
     return logprob_chunk_tokens(int(text_config.vocab_size), int(text_config.hidden_size), tokens, chosen)
+
+
+def model_logprob_chunk_tokens(model: torch.nn.Module, tokens: int, chosen: int | None = None) -> int:
+    """`logprob_chunk_tokens` for `model`, read from its config."""
+    return config_logprob_chunk_tokens(unwrap_causal_lm(model).config, tokens, chosen)
 
 
 @dataclass
@@ -153,7 +157,6 @@ def sequence_logprobs(
             # the model's forward has post-processed its logits already
             token_logprobs = token_target_logprobs(logits.reshape(-1, logits.size(-1)), targets,
                                                    scoring.after(_unchanged))
-            scoring.scored = None
     token_logprobs = token_logprobs.view(rows, length)
     counts = (targets != IGNORE_INDEX).view(rows, length).sum(-1, dtype=torch.float32)
     entropies = (scoring.entropy_of(targets.numel()) * (targets != IGNORE_INDEX)).view(rows, length) if entropy else None
@@ -191,7 +194,7 @@ class _Scoring:
 
         return scored_logits
 
-    def entropy_of(self, tokens: torch.Tensor | int) -> torch.Tensor:
+    def entropy_of(self, tokens: int) -> torch.Tensor:
         """`[tokens]` the recorded entropies at their positions, 0 elsewhere."""
         values = torch.cat(self.chunks).float()
         if self.scored is None:
