@@ -80,8 +80,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import peer_runs  # noqa: E402
 from _common import (  # noqa: E402
     MODEL_SHAPES,
-    PeakWatch,
-    current_rss_bytes,
     default_label,
     emit_result,
     instrumented_loop,
@@ -185,32 +183,12 @@ def load_reward(path: str, name: str = REWARD_NAME) -> Any:
 # ---------------------------------------------------------------------------
 
 
-def figures(clock: Clock, warmup: int, started: float, lengths: list[float], rewards: list[float],
-            import_rss: int) -> dict[str, Any]:
-    steps = range(warmup + 1, len(clock.wall))  # clock entry 0 is the start of step 1
-    wall = [1 / max(clock.wall[k] - clock.wall[k - 1], 1e-9) for k in steps]
-    cpu = [1 / max(clock.cpu[k] - clock.cpu[k - 1], 1e-9) for k in steps]
-    return {
-        "steps_per_second": median(wall),
-        "steps_per_cpu_second": median(cpu),
-        "step_rates": wall,
-        "startup_seconds": clock.wall[0] - started if clock.wall else None,
-        "peak_bytes": clock.peak,
-        "import_rss_bytes": import_rss,
-        "mean_lengths": lengths,
-        "rewards": rewards,
-        "steps": len(clock.wall) - 1,
-    }
-
-
 def memfit_worker(spec: dict[str, Any]) -> dict[str, Any]:
     started = time.perf_counter()
     import memfit.train.loop as loop
     from memfit.config_loading import load_config
 
-    watch = PeakWatch("cpu")
-    import_rss = current_rss_bytes()
-    clock = Clock(watch)
+    clock = Clock()
     lengths: list[float] = []
     rewards: list[float] = []
 
@@ -234,9 +212,9 @@ def memfit_worker(spec: dict[str, Any]) -> dict[str, Any]:
         "beta": 0.0, "loss_type": spec["loss_type"], "output_dir": spec["output_dir"], "cache_dir": spec["cache_dir"],
         "log_every": 1, "report": False, **spec["settings"],
     }
-    with instrumented_loop(loop, watch, on_record):
+    with instrumented_loop(loop, clock.watch, on_record):
         result = loop.train(load_config(overrides={k: str(v) for k, v in overrides.items()}))
-    out = figures(clock, spec["warmup"], started, lengths, rewards, import_rss)
+    out = clock.figures("steps", 1, spec["warmup"], started) | {"mean_lengths": lengths, "rewards": rewards}
     out["ran"] = {key: result.summary.get(key) for key in ("precision", "optimizer", "attention",
                                                            "gradient_checkpointing")}
     return out
@@ -249,9 +227,7 @@ def trl_worker(spec: dict[str, Any]) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    watch = PeakWatch("cpu")
-    import_rss = current_rss_bytes()
-    clock = Clock(watch)
+    clock = Clock()
     lengths: list[float] = []
     rewards: list[float] = []
     records = [json.loads(line) for line in Path(spec["data"]).read_text().splitlines() if line.strip()]
@@ -285,7 +261,7 @@ def trl_worker(spec: dict[str, Any]) -> dict[str, Any]:
     trainer = GRPOTrainer(model=model, reward_funcs=[reward], args=arguments,
                           train_dataset=Dataset.from_list(records), processing_class=tokenizer, callbacks=[Stamps()])
     trainer.train()
-    out = figures(clock, spec["warmup"], started, lengths, rewards, import_rss)
+    out = clock.figures("steps", 1, spec["warmup"], started) | {"mean_lengths": lengths, "rewards": rewards}
     out["ran"] = {"precision": "fp32", "optimizer": getattr(arguments.optim, "value", arguments.optim),
                   "attention": "sdpa", "gradient_checkpointing": arguments.gradient_checkpointing}
     return out

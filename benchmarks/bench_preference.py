@@ -78,8 +78,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import peer_runs  # noqa: E402
 from _common import (  # noqa: E402
     MODEL_SHAPES,
-    PeakWatch,
-    current_rss_bytes,
     default_label,
     emit_result,
     instrumented_loop,
@@ -214,31 +212,12 @@ def schedule_order(pairs: int, batch_size: int, steps: int) -> list[int]:
 # ---------------------------------------------------------------------------
 
 
-def figures(clock: Clock, pairs_per_step: int, warmup: int, started: float, losses: list[float],
-            import_rss: int) -> dict[str, Any]:
-    steps = range(warmup + 1, len(clock.wall))  # clock entry 0 is the start of step 1
-    wall = [pairs_per_step / max(clock.wall[k] - clock.wall[k - 1], 1e-9) for k in steps]
-    cpu = [pairs_per_step / max(clock.cpu[k] - clock.cpu[k - 1], 1e-9) for k in steps]
-    return {
-        "pairs_per_second": median(wall),
-        "pairs_per_cpu_second": median(cpu),
-        "step_rates": wall,
-        "startup_seconds": clock.wall[0] - started if clock.wall else None,
-        "peak_bytes": clock.peak,
-        "import_rss_bytes": import_rss,
-        "losses": losses,
-        "steps": len(clock.wall) - 1,
-    }
-
-
 def memfit_worker(spec: dict[str, Any]) -> dict[str, Any]:
     started = time.perf_counter()
     import memfit.train.loop as loop
     from memfit.config_loading import load_config
 
-    watch = PeakWatch("cpu")
-    import_rss = current_rss_bytes()
-    clock = Clock(watch)
+    clock = Clock()
     reference: dict[str, Any] = {}
 
     def on_record(record: dict[str, Any]) -> None:  # each step's end is stamped when its metrics line is written
@@ -256,9 +235,9 @@ def memfit_worker(spec: dict[str, Any]) -> dict[str, Any]:
         "cache_dir": spec["cache_dir"], "log_every": 10**6, "packing": spec.get("packing", "auto"),
         **spec["settings"],
     }
-    with instrumented_loop(loop, watch, on_record):
+    with instrumented_loop(loop, clock.watch, on_record):
         result = loop.train(load_config(overrides={k: str(v) for k, v in overrides.items()}))
-    out = figures(clock, spec["batch_size"], spec["warmup"], started, [float(x) for x in result.losses], import_rss)
+    out = clock.figures("pairs", spec["batch_size"], spec["warmup"], started) | {"losses": [float(x) for x in result.losses]}
     out["ran"] = {key: result.summary.get(key) for key in ("precision", "optimizer", "attention",
                                                            "gradient_checkpointing")}
     out["ran"]["reference"] = reference.get("mode")
@@ -272,9 +251,7 @@ def trl_worker(spec: dict[str, Any]) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import DPOConfig, DPOTrainer
 
-    watch = PeakWatch("cpu")
-    import_rss = current_rss_bytes()
-    clock = Clock(watch)
+    clock = Clock()
     losses: list[float] = []
     records = [json.loads(line) for line in Path(spec["data"]).read_text().splitlines() if line.strip()]
     ordered = Dataset.from_list([records[i] for i in spec["order"]])  # memfit's order, read sequentially
@@ -310,7 +287,7 @@ def trl_worker(spec: dict[str, Any]) -> dict[str, Any]:
     trainer = InOrder(model=model, args=arguments, train_dataset=ordered, processing_class=tokenizer,
                       callbacks=[Stamps()])
     trainer.train()
-    out = figures(clock, spec["batch_size"], spec["warmup"], started, losses, import_rss)
+    out = clock.figures("pairs", spec["batch_size"], spec["warmup"], started) | {"losses": losses}
     out["ran"] = {"precision": "fp32", "optimizer": getattr(arguments.optim, "value", arguments.optim), "attention": "sdpa",
                   "gradient_checkpointing": arguments.gradient_checkpointing,
                   "precompute_ref_log_probs": arguments.precompute_ref_log_probs,

@@ -14,17 +14,20 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _common import PeakWatch, machine_description, median, today
+from _common import PeakWatch, current_rss_bytes, machine_description, median, today
 
 CPU_ONLY = {"CUDA_VISIBLE_DEVICES": "", "TOKENIZERS_PARALLELISM": "false", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1"}
 """A worker's environment: the CPU alone, and no tokenizer threads or progress bars beside the step."""
 
 
 class Clock:
-    """Wall and CPU time at the start and at the end of every step, and the peak at the end of each."""
+    """Wall and CPU time at the start and at the end of every step, and the peak at the end of each; made once a
+    worker's imports are done, it holds the process's RSS at that moment (`import_rss`) and the CPU peak watch the
+    tool's loop reports to (`watch`)."""
 
-    def __init__(self, watch: PeakWatch):
-        self.watch = watch
+    def __init__(self):
+        self.import_rss = current_rss_bytes()
+        self.watch = PeakWatch("cpu")
         self.wall: list[float] = []
         self.cpu: list[float] = []
         self.peak = 0
@@ -33,6 +36,23 @@ class Clock:
         self.wall.append(time.perf_counter())
         self.cpu.append(time.process_time())
         self.peak = self.watch.total()
+
+    def figures(self, unit: str, per_step: int, warmup: int, started: float) -> dict[str, Any]:
+        """A worker's figures: `unit`s (steps, pairs) per second and per CPU second, the median over the steps after
+        `warmup` (tick 0 is the start of step 1), each step's rate, start-up from `started`, the peak, the import
+        RSS and the steps timed."""
+        steps = range(warmup + 1, len(self.wall))
+        wall = [per_step / max(self.wall[k] - self.wall[k - 1], 1e-9) for k in steps]
+        cpu = [per_step / max(self.cpu[k] - self.cpu[k - 1], 1e-9) for k in steps]
+        return {
+            f"{unit}_per_second": median(wall),
+            f"{unit}_per_cpu_second": median(cpu),
+            "step_rates": wall,
+            "startup_seconds": self.wall[0] - started if self.wall else None,
+            "peak_bytes": self.peak,
+            "import_rss_bytes": self.import_rss,
+            "steps": len(self.wall) - 1,
+        }
 
 
 def summarize(results: dict[str, list[dict]], rates: tuple[str, ...], **extra: Any) -> dict[str, dict[str, Any]]:
