@@ -220,16 +220,21 @@ def test_the_cached_and_the_adapters_off_references_give_the_same_loss(tmp_path,
         torch.testing.assert_close(shared_gradients[name], gradient, rtol=0, atol=1e-5, msg=name)
 
 
+def evaluated(handler, model: torch.nn.Module, samples: list[dict]) -> tuple[float, dict[str, float]]:
+    """(the summed loss, the metrics) of `samples` as one evaluation batch of `handler`."""
+    stream = PreferenceMetrics()
+    with torch.no_grad():
+        total = handler.eval_loss_sum(model, handler.collate(samples, 0), stream)
+    return total.item(), stream.result()
+
+
 def test_evaluation_reads_the_same_metrics_in_either_layout(tmp_path):
     handler, model = _policy_and_task("dpo", "sdpa", tmp_path)
     samples = random_pairs(EDGE_LENGTHS)
     results = []
     for layout in (two_rows(), shared(BOOLEAN_MASK)):
         handler.pair_layout = layout
-        stream = PreferenceMetrics()
-        with torch.no_grad():
-            total = handler.eval_loss_sum(model, handler.collate(samples, 0), stream)
-        results.append((total.item(), stream.result()))
+        results.append(evaluated(handler, model, samples))
     assert results[1][0] == pytest.approx(results[0][0], abs=1e-5)
     assert results[1][1] == pytest.approx(results[0][1], abs=1e-5)
 

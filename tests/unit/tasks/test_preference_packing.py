@@ -19,7 +19,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from test_pair_layout import EDGE_LENGTHS, VOCAB, _policy_and_task, random_pairs, tracked_task_step
+from test_pair_layout import EDGE_LENGTHS, VOCAB, _policy_and_task, evaluated, random_pairs, tracked_task_step
 from test_preference_task import preference_config, write_pairs
 
 from fault_injection import assert_same_weights, final_weights, largest_update
@@ -144,17 +144,12 @@ def test_an_out_of_memory_split_halves_the_pairs_and_the_halves_add_up_to_the_wh
 
 
 def test_evaluation_reads_the_same_metrics_packed(tmp_path):
-    from memfit.tasks.preference import PreferenceMetrics
-
     handler, model = _policy_and_task("dpo", "sdpa", tmp_path)
     samples = random_pairs(MIXED_LENGTHS)
     results = []
     for packing in (PADDED, PACKED):
         handler.pair_packing = packing
-        stream = PreferenceMetrics()
-        with torch.no_grad():
-            total = handler.eval_loss_sum(model, handler.collate(samples, 0), stream)
-        results.append((total.item(), stream.result()))
+        results.append(evaluated(handler, model, samples))
     assert results[1][0] == pytest.approx(results[0][0], abs=1e-5)
     assert results[1][1] == pytest.approx(results[0][1], abs=1e-5)
 
