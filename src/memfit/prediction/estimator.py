@@ -262,7 +262,7 @@ def _step_moment(request: _Request, run: RunShape, inventory: ParameterInventory
 
 def _with_rl_generation(request: _Request, run: RunShape, moment: dict[str, float], loaded_parameters: int,
                         notes: dict[str, Any]) -> dict[str, float]:
-    """An RL step's peak: its training pass with the reference's copy, generation's cache and prompt logits, or the
+    """An RL step's peak: its training pass with the reference's copy, generation's cache and prompt forward, or the
     no-grad forward that scores every completion of the step (prediction/rl_step.py)."""
     config = request.config
     copy, streamed = rl_reference_bytes(config, run, request.hf_config, loaded_parameters)

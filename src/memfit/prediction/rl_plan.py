@@ -2,7 +2,7 @@
 
 An RL step generates its completions before it trains on them (prediction/rl_step.py), so a plan chooses two
 batches: the training micro-batch (--batch-size, searched like any task's) and the generation batch
-(--generation-batch-size). Generating more completions at once is faster and holds more cache and prompt logits;
+(--generation-batch-size). Generating more completions at once is faster and holds more cache and sampler buffers;
 the training pass does not depend on it. So each configuration the planner estimates gets the largest generation
 batch that fits beside it: every completion of the step, else half as many (rounded up, as the rollout halves on
 out-of-memory), down to one. A batch the user gave stays.

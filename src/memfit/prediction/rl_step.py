@@ -7,7 +7,7 @@ A step has up to three phases, and its peak is the largest (memfit.tasks.grpo ru
   at once (--generation-batch-size, default every completion of the step) the key-value cache of their prompt and
   completion tokens, completions x tokens x layers x 2 (K and V) x KV heads x head size x the compute dtype's bytes,
   plus one position's logits a completion and the sampler's buffers; or, where larger, the prompt's first forward
-  (its logits at every prompt position: transformers' forward keeps them all).
+  (each distinct prompt once, a block's working set over its tokens, and one position's logits a prompt).
 - **Scoring** (--beta > 0 or --num-iterations > 1): one no-grad forward over every completion of the step at once,
   its log-probabilities a chunk at a time, beside the weights, the optimizer state and the reference.
 - **Training**: memfit's causal-LM step over --batch-size completions of prompt + completion tokens, its
@@ -65,11 +65,10 @@ class GenerationPhase:
     kv_cache_bytes: int
     """The cache at its largest: every token of a row but the last drawn (never fed back)."""
     logits_bytes: int
-    """What the largest moment holds beside the cache: the prompt's first forward (its logits at every prompt
-    position, or a block's working set) or a late decoding step (the cache's growing copy of one layer, or one
-    position's logits and the sampler's buffers), whichever is larger."""
+    """What a late decoding step holds beside the cache: the cache's growing copy of one layer, or one position's
+    logits and the sampler's buffers, whichever is larger."""
     prompt_moment_bytes: int = 0
-    """The prompt's first forward: its cache, and the larger of a block's working set and its logits + the draw."""
+    """The prompt's first forward over the distinct prompts: their cache and a block's working set."""
 
     @property
     def working_bytes(self) -> int:
@@ -80,9 +79,10 @@ def generation_phase(config: Any, arch: Any, precision: Any, row_tokens: int, co
                      ) -> GenerationPhase:
     """The cache and the logits of the completions generated at once (module docstring).
 
-    transformers' forward returns the logits of every position it is given: the prompt's first forward makes
-    [completions, prompt, vocabulary] in the compute dtype. The cache grows a token at a time by concatenation, so
-    one layer's keys (or values) are held twice for a moment.
+    The prompt's first forward runs each distinct prompt once (a batch holds each --num-generations times, in a
+    row) and makes one position's logits a prompt (memfit.tasks.rollout's `_prompt_forward`); its cache is then
+    copied to every completion. The cache grows a token at a time by concatenation, so one layer's keys (or values)
+    are held twice for a moment.
     """
     compute, residual = _bytes_of(precision)
     at_once = min(int(config.rl.generation_batch_size or completions_in_step), completions_in_step)
@@ -94,11 +94,16 @@ def generation_phase(config: Any, arch: Any, precision: Any, row_tokens: int, co
     draw = at_once * arch.vocab * (GENERATION_DRAW_BYTES + upcast)
     growing = at_once * cached * arch.kv_heads * arch.head_dim * compute
     late = max(growing, at_once * arch.vocab * compute + draw)
-    tokens = at_once * prompt
+    tokens = distinct_prompts(at_once, int(config.rl.num_generations)) * prompt
     block = (3 * compute * arch.intermediate + 4 * residual * arch.hidden + 2 * compute * arch.head_dim) * tokens
-    head = tokens * (arch.vocab * compute + arch.hidden * residual) + draw
-    prompt_moment = tokens * per_token_layer + max(block, head)
+    prompt_moment = tokens * per_token_layer + block
     return GenerationPhase(at_once, row_tokens, int(kv), int(late), int(prompt_moment))
+
+
+def distinct_prompts(at_once: int, num_generations: int) -> int:
+    """The most distinct prompts among `at_once` consecutive completions of --num-generations a prompt."""
+    group = max(1, num_generations)
+    return min(at_once, -(-at_once // group) + (1 if at_once % group else 0))
 
 
 def _bytes_of(precision: Any) -> tuple[int, int]:

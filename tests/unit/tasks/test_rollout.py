@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -67,3 +69,23 @@ def test_top_p_near_zero_is_greedy_and_temperature_is_read(model):
     draws = {tuple(sample_completions(model, PROMPTS[:1], [seed], hot, generation_batch=1).completions[0])
              for seed in range(6)}
     assert len(draws) > 3  # near-uniform draws from a 256-token vocabulary differ
+
+
+def test_a_prompt_shared_by_completions_runs_once_with_its_last_logits_only(model, monkeypatch):
+    shared = [PROMPTS[0]] * 3 + [PROMPTS[2]] * 2
+    seeds = [completion_seed(7, 0, index // 3, index % 3) for index in range(5)]
+    one_by_one = sample_completions(model, shared, seeds, SAMPLING, generation_batch=1)
+    forward, first_forwards = type(model).forward, []
+
+    @functools.wraps(forward)  # the rollout reads the forward's signature (its cache keyword, logits_to_keep)
+    def watched(self, input_ids=None, **kwargs):
+        output = forward(self, input_ids=input_ids, **kwargs)
+        if input_ids.shape[1] > 1:
+            first_forwards.append((input_ids.shape[0], output.logits.shape[1]))
+        return output
+
+    monkeypatch.setattr(type(model), "forward", watched)
+    together = sample_completions(model, shared, seeds, SAMPLING, generation_batch=5)
+    assert first_forwards == [(2, 1)]  # two distinct prompts, one position's logits each
+    assert together.completions == one_by_one.completions
+    assert len({tuple(c) for c in together.completions}) == 5  # the completions of one prompt still differ
