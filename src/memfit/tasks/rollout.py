@@ -103,23 +103,21 @@ def _sample_batch(model: torch.nn.Module, prompts: list[list[int]], seeds: list[
     with torch.no_grad():
         logits, cache, attention_mask, positions = _prompt_forward(model, prompts, sampling.pad_token_id, device,
                                                                   keyword)
-        for drawn in range(sampling.max_completion_length):
-            if drawn:
-                output = model(input_ids=step_ids, attention_mask=attention_mask, position_ids=positions,
-                               use_cache=True, **{keyword: cache})
-                cache = getattr(output, "cache", None) or output.past_key_values
-                logits = output.logits[:, -1, :]
+        for drawn in range(1, sampling.max_completion_length + 1):
             chosen = _draw(logits.float(), generators, sampling).to(device)
             chosen = torch.where(finished, torch.full_like(chosen, sampling.pad_token_id), chosen)
             for row in torch.nonzero(~finished).flatten().tolist():
                 tokens[row].append(int(chosen[row]))
             finished = finished | torch.isin(chosen, eos)
-            if bool(finished.all()):
-                break
-            step_ids = chosen[:, None]
+            if bool(finished.all()) or drawn == sampling.max_completion_length:
+                break  # the last token drawn is never fed back
             attention_mask = torch.cat([attention_mask, torch.ones((rows, 1), dtype=attention_mask.dtype,
                                                                    device=device)], dim=1)
-            positions = positions[:, -1:] + 1
+            positions = positions + 1
+            output = model(input_ids=chosen[:, None], attention_mask=attention_mask, position_ids=positions,
+                           use_cache=True, **{keyword: cache})
+            cache = getattr(output, "cache", None) or output.past_key_values
+            logits = output.logits[:, -1, :]
     return [(row_tokens, not bool(finished[row])) for row, row_tokens in enumerate(tokens)]
 
 
