@@ -69,6 +69,17 @@ class PackedRows:
         mask = inside.reshape(*inside.shape, *([1] * (gathered.dim() - 2)))
         return torch.where(mask, gathered, torch.full_like(gathered, fill))
 
+    def repack(self, values: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
+        """`[sequences, longest]` values, one sequence a row, laid out as the packed rows `[rows, width]` (what
+        `unpack` undoes); positions of no sequence hold `fill`."""
+        offsets = torch.arange(values.shape[1], device=values.device)
+        inside = offsets.unsqueeze(0) < self.length_of.to(values.device).unsqueeze(1)
+        columns = self.start_of.to(values.device).unsqueeze(1) + offsets.unsqueeze(0)
+        rows = self.row_of.to(values.device).unsqueeze(1).expand_as(columns)
+        packed = torch.full(self.input_ids.shape, fill, dtype=values.dtype, device=values.device)
+        packed[rows[inside], columns[inside]] = values[inside]
+        return packed
+
 
 def pack_sequences(input_ids: Sequence[torch.Tensor], labels: Sequence[torch.Tensor], pad_token_id: int | None,
                    width: int | None = None) -> PackedRows:

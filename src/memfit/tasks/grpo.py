@@ -39,7 +39,7 @@ import torch
 
 from memfit.data.micro_batch_packing import PackedRows, pack_padded_rows
 from memfit.distributed.reference_shards import shard_reference_copy
-from memfit.tasks.grpo_losses import STAT_NAMES, group_advantages, grpo_loss
+from memfit.tasks.grpo_losses import STAT_NAMES, gradient_ahead, group_advantages, grpo_loss, token_weights
 from memfit.tasks.rewards import load_reward_functions, score_completions
 from memfit.tasks.rollout import Sampling, completion_seed, sample_completions
 from memfit.tasks.sample_loss_task import SampleLossTask
@@ -274,24 +274,48 @@ class GRPOTask(SampleLossTask):
         with reference_pass(self._copy):  # a streamed copy: timed, its head put back after the pass
             return self._per_token(self._copy, rows, chunk)[0]
 
-    def _per_token(self, model: torch.nn.Module, rows: dict[str, torch.Tensor], chunk: int, entropy: bool = False
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def _per_token(self, model: torch.nn.Module, rows: dict[str, torch.Tensor], chunk: int, entropy: bool = False,
+                   token_gradient: Any = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(`[completions, longest]` per-token log-probabilities, the labels, the per-token entropies when asked)
         one completion a row, as the loss reads them: computed on the packed rows and laid back out when the batch
-        is packed (`collate`). The logits are divided by the sampling temperature first, as TRL's GRPOTrainer does."""
-        scoring = {"temperature": self.config.rl.temperature, "entropy": entropy, "per_token": True}
-        if "packed_row_of" not in rows:
+        is packed (`collate`). The logits are divided by the sampling temperature first, as TRL's GRPOTrainer does.
+        `token_gradient`: the loss's gradient known ahead, over the rows' positions (`_gradient_ahead`)."""
+        scoring = {"temperature": self.config.rl.temperature, "entropy": entropy, "per_token": True,
+                   "token_gradient": token_gradient}
+        packed = _packed(rows)
+        if packed is None:
             scored = sequence_logprobs(model, rows["input_ids"], rows["labels"], rows.get("attention_mask"),
                                        chunk_size=chunk, **scoring)
             return scored.per_token, rows["labels"], scored.entropy
-        packed = PackedRows(rows["input_ids"], rows["labels"], rows["position_ids"], rows["packed_row_of"],
-                            rows["packed_start_of"], rows["packed_length_of"])
         # no attention mask: transformers restricts attention to each completion from the restarting positions
         scored = sequence_logprobs(model, packed.input_ids, packed.labels, None, chunk_size=chunk,
                                    position_ids=packed.position_ids, **scoring)
         # a completion's last position scores the next one's first label, which packing ignores: 0, as padding is
         return (packed.unpack(scored.per_token), packed.unpack(packed.labels, fill=IGNORE_INDEX),
                 None if scored.entropy is None else packed.unpack(scored.entropy))
+
+    def _gradient_ahead(self, rows: dict[str, torch.Tensor], advantages: torch.Tensor, old: torch.Tensor | None,
+                        ref: torch.Tensor | None) -> Any:
+        """The gradient the loss gives each position's log-probability, known from its value (grpo_losses
+        `gradient_ahead`), over the positions of the rows the log-probabilities are computed on (packed or not):
+        the policy's head then takes its gradients in forward, without a second pass over its chunks."""
+        packed = _packed(rows)
+        labels = rows["labels"] if packed is None else packed.unpack(packed.labels, fill=IGNORE_INDEX)
+        mask = torch.nn.functional.pad(labels[:, 1:] != IGNORE_INDEX, (0, 1), value=False).float()
+        completions, tokens = self._step_counts
+        rl = self.config.rl
+        weights = token_weights(mask, self.config.task.loss_type, max_completion_length=rl.max_completion_length,
+                                completions_in_step=completions, tokens_in_step=tokens)
+        per_token = [advantages.to(mask.device).float()[:, None].expand_as(mask), old, ref, weights]
+
+        def laid_out(values: torch.Tensor | None) -> torch.Tensor | None:
+            if values is None:
+                return None
+            values = values.to(mask.device)
+            return (values if packed is None else packed.repack(values)).reshape(-1)
+
+        return gradient_ahead(*map(laid_out, per_token), beta=self.beta, epsilon_low=rl.epsilon,
+                              epsilon_high=rl.epsilon if rl.epsilon_high is None else rl.epsilon_high)
 
     # -- the batch and the loss ------------------------------------------------------------------------------------
 
@@ -349,8 +373,10 @@ class GRPOTask(SampleLossTask):
         completions, tokens = self._step_counts
         rows = {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask,
                 "position_ids": position_ids} | {k: v for k, v in placement.items() if k in PLACEMENT_KEYS}
+        ahead = self._gradient_ahead(rows, advantages, old_per_token_logps, ref_per_token_logps)
         per_token, labels, entropies = self._per_token(model, rows, self._chunk_size(chunk_size, model,
-                                                                                      input_ids.numel()), entropy=True)
+                                                                                      input_ids.numel()), entropy=True,
+                                                       token_gradient=ahead)
         # per_token[t] is the log-probability of the token at t + 1 (labels are shifted inside): the same shift for
         # the mask and the stored log-probabilities, which were computed the same way
         mask = torch.nn.functional.pad(labels[:, 1:] != IGNORE_INDEX, (0, 1), value=False).float()
@@ -512,6 +538,14 @@ def packed_rows(batch: dict[str, torch.Tensor], pad_token_id: int | None) -> dic
     return rest | {"input_ids": packed.input_ids, "labels": packed.labels, "position_ids": packed.position_ids,
                    "packed_row_of": packed.row_of, "packed_start_of": packed.start_of,
                    "packed_length_of": packed.length_of}
+
+
+def _packed(rows: dict[str, torch.Tensor]) -> PackedRows | None:
+    """The packed rows of a batch `packed_rows` made (None for padded rows)."""
+    if "packed_row_of" not in rows:
+        return None
+    return PackedRows(rows["input_ids"], rows["labels"], rows["position_ids"], rows["packed_row_of"],
+                      rows["packed_start_of"], rows["packed_length_of"])
 
 
 @contextlib.contextmanager

@@ -30,6 +30,8 @@ normalises over the step.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -92,20 +94,39 @@ STAT_NAMES = ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/r
 """The stats `grpo_loss` sums over tokens, under TRL's metric names; divide each by the summed "tokens"."""
 
 
-def _normalised_share(
-    token_loss: Tensor, mask: Tensor, loss_type: str, *, max_completion_length: int,
-    completions_in_step: int, tokens_in_step: int | Tensor,
+def token_losses(per_token_logps: Tensor, advantage: Tensor, old_per_token_logps: Tensor | None,
+                 ref_per_token_logps: Tensor | None, *, beta: float, epsilon_low: float, epsilon_high: float
+                 ) -> tuple[Tensor, Tensor, Tensor]:
+    """(each token's loss l_t, its ratio rho, its kl_t: 0 when beta is 0), elementwise (the module docstring).
+
+    `advantage` broadcasts against the log-probabilities (a completion's, one a row); `old_per_token_logps` None:
+    the completions are trained once (rho is 1 with the policy's gradient)."""
+    old = per_token_logps.detach() if old_per_token_logps is None else old_per_token_logps
+    ratio = torch.exp(per_token_logps - old)
+    clipped_ratio = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
+    token_loss = -torch.min(ratio * advantage, clipped_ratio * advantage)
+    if beta != 0.0:
+        log_ratio_to_ref = ref_per_token_logps - per_token_logps
+        token_kl = torch.exp(log_ratio_to_ref) - log_ratio_to_ref - 1
+        token_loss = token_loss + beta * token_kl
+    else:
+        token_kl = torch.zeros_like(per_token_logps)
+    return token_loss, ratio, token_kl
+
+
+def token_weights(
+    mask: Tensor, loss_type: str, *, max_completion_length: int, completions_in_step: int,
+    tokens_in_step: int | Tensor,
 ) -> Tensor:
-    """This micro-batch's share of the step's loss under `loss_type` (see the module docstring)."""
-    masked = token_loss * mask
+    """`[B, T]` what each token's loss counts for in this micro-batch's share of the step's loss under `loss_type`
+    (the module docstring): the share is the weighted sum of the token losses, 0 off the mask."""
     if loss_type in ("dapo", "bnpo"):
-        denominator = torch.as_tensor(tokens_in_step, dtype=masked.dtype, device=masked.device)
-        return masked.sum() / denominator.clamp(min=1.0)
+        denominator = torch.as_tensor(tokens_in_step, dtype=mask.dtype, device=mask.device)
+        return mask / denominator.clamp(min=1.0)
     if loss_type == "grpo":
-        per_completion = masked.sum(-1) / mask.sum(-1).clamp(min=1.0)
-        return per_completion.sum() / completions_in_step
+        return mask / (mask.sum(-1, keepdim=True).clamp(min=1.0) * completions_in_step)
     if loss_type == "dr_grpo":
-        return masked.sum() / (completions_in_step * max_completion_length)
+        return mask / (completions_in_step * max_completion_length)
     raise ValueError(f"loss_type must be one of {', '.join(LOSS_TYPES)}, got {loss_type!r}")
 
 
@@ -153,21 +174,11 @@ def grpo_loss(
     if beta != 0.0 and ref_per_token_logps is None:
         raise ValueError("beta > 0 needs ref_per_token_logps (the reference's per-token log-probabilities)")
     mask = completion_mask.to(per_token_logps.dtype)
-    old = per_token_logps.detach() if old_per_token_logps is None else old_per_token_logps
-    ratio = torch.exp(per_token_logps - old)
-    clipped_ratio = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
     advantage = advantages.to(per_token_logps.dtype).unsqueeze(1)
-    token_loss = -torch.min(ratio * advantage, clipped_ratio * advantage)
-    if beta != 0.0:
-        log_ratio_to_ref = ref_per_token_logps - per_token_logps
-        token_kl = torch.exp(log_ratio_to_ref) - log_ratio_to_ref - 1
-        token_loss = token_loss + beta * token_kl
-    else:
-        token_kl = torch.zeros_like(per_token_logps)
-    loss = _normalised_share(
-        token_loss, mask, loss_type, max_completion_length=max_completion_length,
-        completions_in_step=completions_in_step, tokens_in_step=tokens_in_step,
-    )
+    token_loss, ratio, token_kl = token_losses(per_token_logps, advantage, old_per_token_logps, ref_per_token_logps,
+                                               beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high)
+    loss = (token_loss * token_weights(mask, loss_type, max_completion_length=max_completion_length,
+                                       completions_in_step=completions_in_step, tokens_in_step=tokens_in_step)).sum()
     with torch.no_grad():
         low = ((ratio < 1 - epsilon_low) & (advantage < 0)).to(mask.dtype)
         high = ((ratio > 1 + epsilon_high) & (advantage > 0)).to(mask.dtype)
@@ -181,3 +192,27 @@ def grpo_loss(
         if entropies is not None:
             stats["entropy"] = (entropies * mask).sum()
     return loss, {name: value.detach() for name, value in stats.items()}
+
+
+def gradient_ahead(advantage: Tensor, old_per_token_logps: Tensor | None, ref_per_token_logps: Tensor | None,
+                   weights: Tensor, *, beta: float, epsilon_low: float, epsilon_high: float
+                   ) -> Callable[[Tensor, Tensor], Tensor]:
+    """`(positions, log-probabilities) -> the gradient of the loss share with respect to them`, from the values
+    alone: the share is the weighted sum of elementwise token losses, so a token's gradient depends on its own value
+    (techniques/sequence_logprobs.py takes each chunk's gradients in forward with it).
+
+    `advantage` (each token's completion's), the old and reference log-probabilities (None where absent) and the
+    `token_weights`: flat, one value a position of the layout `positions` index.
+    """
+    def gradient(positions: Tensor, values: Tensor) -> Tensor:
+        def at(tensor: Tensor | None) -> Tensor | None:
+            return None if tensor is None else tensor[positions].to(values.device)
+
+        with torch.enable_grad():
+            leaf = values.detach().float().requires_grad_()
+            token_loss = token_losses(leaf, at(advantage), at(old_per_token_logps), at(ref_per_token_logps),
+                                      beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high)[0]
+            (grad,) = torch.autograd.grad((token_loss * at(weights)).sum(), leaf)
+        return grad
+
+    return gradient

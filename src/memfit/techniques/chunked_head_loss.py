@@ -36,6 +36,10 @@ import torch.nn.functional as F
 log = logging.getLogger("memfit")
 
 
+FROZEN_HEAD = "the output head's weight does not train"
+"""`in_place_head_problem`'s answer for a plain Linear head whose weight is frozen (its only problem)."""
+
+
 def in_place_head_problem(head: torch.nn.Module, model: torch.nn.Module | None = None) -> str:
     """Why the in-place head gradient cannot run for `head` of `model` ('' when it can)."""
     if any(cls.__name__ == "FSDPModule" for module in (model, head) for cls in type(module).__mro__):
@@ -50,7 +54,7 @@ def in_place_head_problem(head: torch.nn.Module, model: torch.nn.Module | None =
     if hasattr(weight, "ds_id"):
         return "the output head's weight is partitioned by DeepSpeed"
     if not weight.requires_grad:
-        return "the output head's weight does not train"
+        return FROZEN_HEAD
     return ""
 
 
@@ -124,22 +128,36 @@ def backward_by_chunks(ctx, value_of: Callable, grad_of: Callable) -> tuple:
     rows. The head's gradient is added to in place, chunk by chunk: one head-sized buffer.
     """
     hidden, weight, bias, targets = ctx.saved_tensors
-    needs_hidden, needs_weight, needs_bias = ctx.needs_input_grad[:3]
+    return chunk_gradients(hidden, weight, bias, targets, ctx.chunk_size, ctx.autocast, ctx.needs_input_grad[:3],
+                           value_of, lambda start, end, value: grad_of(start, end))
+
+
+def chunk_gradients(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
+                    chunk_size: int, autocast: tuple, needs: tuple, value_of: Callable, grad_of: Callable,
+                    values: torch.Tensor | None = None) -> tuple:
+    """(grad hidden, grad weight, grad bias) of `value_of(head(hidden), targets)` a chunk at a time (None where
+    `needs`, the three inputs' needs_input_grad, says no), `grad_of(start, end, value)` the gradient a chunk's value
+    gets; `values`, when given, receives each chunk's value (a forward that knows its gradient ahead: one pass).
+    """
+    needs_hidden, needs_weight, needs_bias = needs
     grad_hidden = torch.empty_like(hidden) if needs_hidden else None
     grad_weight = grad_bias = None
-    device_type, dtype, enabled = ctx.autocast
+    device_type, dtype, enabled = autocast
     # No autocast cache: a 16-bit copy of an fp32 head would stay for the whole backward; cast per chunk instead.
     recompute = torch.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=False)
-    for start in range(0, hidden.size(0), ctx.chunk_size):
-        end = start + ctx.chunk_size
+    for start in range(0, hidden.size(0), chunk_size):
+        end = start + chunk_size
         chunk = hidden[start:end].detach().requires_grad_(needs_hidden)
         # no saved-tensor hooks: activation offload must not move a chunk's short-lived tensors, used right here
         with torch.enable_grad(), recompute, torch.autograd.graph.saved_tensors_hooks(_same, _same):
-            logits = F.linear(chunk, weight, bias)  # as forward: no module call (its hooks, see forward)
+            logits = F.linear(chunk, weight.detach(), None if bias is None else bias.detach())  # no module call
             if not needs_hidden:  # nothing upstream trains: the logits are where the recomputed graph starts
                 logits = logits.detach().requires_grad_()
             value = value_of(logits, targets[start:end])
-            grads = torch.autograd.grad(value, [logits, chunk] if needs_hidden else [logits], grad_of(start, end))
+            if values is not None:
+                values[start:end] = value.detach()
+            grads = torch.autograd.grad(value, [logits, chunk] if needs_hidden else [logits],
+                                        grad_of(start, end, value.detach()))
         grad_logits = grads[0]
         del logits, value
         if needs_hidden:

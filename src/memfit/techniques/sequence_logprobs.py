@@ -15,6 +15,10 @@ A trained plain-Linear head runs all chunks in one autograd function that adds e
 head gradient into one head-sized buffer in place (as techniques/chunked_head_loss.py does for
 the loss); any other head (LoRA-wrapped, quantized, sharded, frozen) runs each chunk under
 non-reentrant checkpointing. Under `torch.no_grad()` (a reference model) the chunks simply run.
+A caller whose loss is a weighted sum of per-token functions of the log-probabilities (GRPO's) may say ahead what
+gradient each token's value will get (`token_gradient`): the plain-Linear head's function then takes each chunk's
+gradients while its logits are alive, and backward scales them instead of recomputing the chunks
+(`_InPlaceHeadTokenLogprobs`).
 Only the positions with a target reach the head (the prompt, padding and each row's last position are scored 0):
 with a third of a row prompt, a third of the head's work is skipped. Costs: the output projection runs a second
 time in backward, as for the chunked loss; the scored positions' hidden states are gathered into one tensor.
@@ -27,6 +31,7 @@ labels[t + 1], and IGNORE_INDEX (-100) marks tokens that are not scored (the pro
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -35,7 +40,13 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from memfit.techniques.chunked_head_loss import autocast_state, backward_by_chunks, in_place_head_problem
+from memfit.techniques.chunked_head_loss import (
+    FROZEN_HEAD,
+    autocast_state,
+    backward_by_chunks,
+    chunk_gradients,
+    in_place_head_problem,
+)
 from memfit.techniques.loss import (
     DEFAULT_LOSS_CHUNK_TOKENS,
     IGNORE_INDEX,
@@ -45,6 +56,11 @@ from memfit.techniques.loss import (
 )
 
 Postprocess = Callable[[torch.Tensor], torch.Tensor]
+TokenGradient = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""`(flat positions, their log-probabilities) -> the gradient the caller's loss will give those values`, up to one
+factor common to all tokens (a loss scale, an average over micro-batches): see `sequence_logprobs`."""
+
+log = logging.getLogger("memfit")
 
 SMALLEST_CHUNK_TOKENS = 64
 """The fewest tokens `logprob_chunk_tokens` gives a chunk: below it the head's matrix product runs at a fraction of
@@ -128,6 +144,7 @@ def sequence_logprobs(
     in_place_head: bool = True,
     temperature: float = 1.0,
     entropy: bool = False,
+    token_gradient: TokenGradient | None = None,
 ) -> SequenceLogprobs:
     """Summed (and optionally per-token) log-probabilities of each row's target tokens (module docstring).
 
@@ -143,6 +160,10 @@ def sequence_logprobs(
     TRL's GRPOTrainer does).
     `entropy`: also return each scored position's entropy (SequenceLogprobs.entropy), computed from the chunks'
     logits as the forward makes them (no further pass over the head).
+    `token_gradient`: the gradient the caller's loss gives each position's log-probability (positions index the
+    flattened `[rows, length]`), known from the value alone, up to a factor common to every token. Where the
+    plain-Linear head's function runs, each chunk's gradients are taken in forward and backward only scales them;
+    a gradient that turns out not to be a multiple of the said one is recomputed chunk by chunk, as without it.
     """
     rows, length = labels.shape
     targets = _shifted_targets(labels).reshape(-1)
@@ -150,7 +171,7 @@ def sequence_logprobs(
     with scoring.recording():
         if chunk_size > 0:
             token_logprobs = _chunked_token_logprobs(model, input_ids, targets, attention_mask, chunk_size,
-                                                     position_ids, in_place_head, scoring)
+                                                     position_ids, in_place_head, scoring, token_gradient)
         else:
             positions = {} if position_ids is None else {"position_ids": position_ids}
             logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **positions).logits
@@ -187,12 +208,16 @@ class _Scoring:
             logits = postprocess(logits)
             if self.temperature != 1.0:
                 logits = logits / self.temperature
-            if self._recording and self.chunks is not None:
-                with torch.no_grad():
-                    self.chunks.append(_entropy(logits.detach()))
             return logits
 
+        if self.chunks is not None:  # token_target_logprobs hands over the log-softmax it computes anyway
+            scored_logits.log_softmax_seen = self._seen
         return scored_logits
+
+    def _seen(self, log_probs: torch.Tensor) -> None:
+        if self._recording:
+            with torch.no_grad():
+                self.chunks.append(_entropy(log_probs.detach()))
 
     def entropy_of(self, tokens: int) -> torch.Tensor:
         """`[tokens]` the recorded entropies at their positions, 0 elsewhere."""
@@ -202,20 +227,26 @@ class _Scoring:
         return torch.zeros(tokens, dtype=values.dtype, device=values.device).index_copy(0, self.scored, values)
 
 
-def _entropy(logits: torch.Tensor) -> torch.Tensor:
-    """`[tokens]` entropy of the softmax of `[tokens, vocabulary]` logits, one chunk-sized temporary."""
-    log_normaliser = torch.logsumexp(logits, dim=-1)
-    weighted = torch.softmax(logits, dim=-1).mul_(logits).sum(-1)
-    return log_normaliser - weighted
+def _entropy(log_probs: torch.Tensor) -> torch.Tensor:
+    """`[tokens]` entropy of the `[tokens, vocabulary]` log-softmax, one chunk-sized temporary."""
+    return log_probs.exp().mul_(log_probs).sum(-1).neg_()
 
 
 def token_target_logprobs(logits: torch.Tensor, targets: torch.Tensor, postprocess: Postprocess) -> torch.Tensor:
     """`[tokens]` fp32 log p(target) of `[tokens, vocabulary]` logits after `postprocess`, 0 where the target is ignored.
 
     The negated unreduced cross-entropy: it keeps only the fp32 log-softmax for backward, where a
-    log_softmax followed by a gather would keep its input as well.
+    log_softmax followed by a gather would keep its input as well. A `postprocess` that records the entropy
+    (`_Scoring.after`) gets that log-softmax: cross-entropy's own two steps (log-softmax, then the negative
+    log-likelihood) run apart, the same values, so the entropy needs no second normalisation of the logits.
     """
-    return -F.cross_entropy(postprocess(logits.float()), targets, ignore_index=IGNORE_INDEX, reduction="none")
+    logits = postprocess(logits.float())
+    seen = getattr(postprocess, "log_softmax_seen", None)
+    if seen is None:
+        return -F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="none")
+    log_probs = torch.log_softmax(logits, dim=-1)
+    seen(log_probs)
+    return -F.nll_loss(log_probs, targets, ignore_index=IGNORE_INDEX, reduction="none")
 
 
 def _shifted_targets(labels: torch.Tensor) -> torch.Tensor:
@@ -229,7 +260,8 @@ def _unchanged(logits: torch.Tensor) -> torch.Tensor:
 
 def _chunked_token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, targets: torch.Tensor,
                             attention_mask: torch.Tensor | None, chunk_size: int, position_ids: torch.Tensor | None,
-                            in_place_head: bool, scoring: _Scoring) -> torch.Tensor:
+                            in_place_head: bool, scoring: _Scoring, token_gradient: TokenGradient | None = None
+                            ) -> torch.Tensor:
     """`[tokens]` log-probabilities of the flattened `targets`, one chunk of logits alive at a time."""
     lm = unwrap_causal_lm(model)
     head = lm.get_output_embeddings()
@@ -245,10 +277,12 @@ def _chunked_token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, tar
         return anchor + _head_logprobs(model, lm, head, hidden, targets, chunk_size, in_place_head, scoring)
     scored = (targets != IGNORE_INDEX).nonzero().squeeze(1)
     if scored.numel() in (0, targets.numel()):  # none scored: the head still runs, so every rank's graph has it
-        return anchor + _head_logprobs(model, lm, head, hidden, targets, chunk_size, in_place_head, scoring)
+        every = torch.arange(targets.numel(), device=targets.device)
+        return anchor + _head_logprobs(model, lm, head, hidden, targets, chunk_size, in_place_head, scoring,
+                                       _at(token_gradient, every))
     scoring.scored = scored
     values = _head_logprobs(model, lm, head, hidden.index_select(0, scored), targets.index_select(0, scored),
-                            chunk_size, in_place_head, scoring)
+                            chunk_size, in_place_head, scoring, _at(token_gradient, scored))
     return anchor + torch.zeros(targets.numel(), dtype=values.dtype, device=values.device).index_copy(0, scored, values)
 
 
@@ -260,16 +294,30 @@ def _shape_unknown(tensor: torch.Tensor) -> bool:
     return is_fake(tensor)
 
 
+def _at(token_gradient: TokenGradient | None, positions: torch.Tensor) -> Callable | None:
+    """`token_gradient` for the head's rows, which are the flat `positions`: `(start, end, values) -> gradient`."""
+    if token_gradient is None:
+        return None
+    return lambda start, end, values: token_gradient(positions[start:end], values)
+
+
 def _head_logprobs(model: torch.nn.Module, lm: torch.nn.Module, head: torch.nn.Module, hidden: torch.Tensor,
-                   targets: torch.Tensor, chunk_size: int, in_place_head: bool, scoring: _Scoring) -> torch.Tensor:
-    """`[tokens]` log-probabilities of `targets` from the `[tokens, hidden]` final hidden states, a chunk at a time."""
+                   targets: torch.Tensor, chunk_size: int, in_place_head: bool, scoring: _Scoring,
+                   gradient_ahead: Callable | None = None) -> torch.Tensor:
+    """`[tokens]` log-probabilities of `targets` from the `[tokens, hidden]` final hidden states, a chunk at a time.
+
+    `gradient_ahead(start, end, values)`: the gradient rows start:end will get (`_at`), or None."""
     postprocess = scoring.after(logit_postprocessing(lm.config))
     if not torch.is_grad_enabled():  # a reference model: no graph, so nothing to recompute
         return torch.cat([token_target_logprobs(head(hidden_chunk), target_chunk, postprocess)
                           for hidden_chunk, target_chunk in zip(hidden.split(chunk_size), targets.split(chunk_size),
                                                                 strict=True)])
-    if in_place_head and not in_place_head_problem(head, model):
-        return _InPlaceHeadTokenLogprobs.apply(hidden, head.weight, head.bias, targets, chunk_size, postprocess)
+    problem = in_place_head_problem(head, model)
+    # a frozen plain Linear (LoRA leaves the head alone) has no gradient to sum, but one known ahead still saves the
+    # chunks' recomputation
+    if in_place_head and (not problem or (problem == FROZEN_HEAD and gradient_ahead is not None)):
+        return _InPlaceHeadTokenLogprobs.apply(hidden, head.weight, head.bias, targets, chunk_size, postprocess,
+                                               gradient_ahead)
     # Non-reentrant checkpointing keeps only each chunk's inputs; backward rebuilds its logits.
     chunks = [checkpoint(_chunk_logprobs, head, postprocess, hidden_chunk, target_chunk, use_reentrant=False)
               for hidden_chunk, target_chunk in zip(hidden.split(chunk_size), targets.split(chunk_size), strict=True)]
@@ -287,26 +335,74 @@ class _InPlaceHeadTokenLogprobs(torch.autograd.Function):
     Checkpointed chunks would each make a head-sized weight gradient that autograd adds to the sum so
     far out of place (three head-sized tensors at once); here backward adds every chunk's into the
     first in place.
+
+    With a gradient known ahead (`gradient_ahead`), forward takes each chunk's gradients right after its values,
+    from the same logits, and keeps them (the hidden states' and the head's: tensors backward would make anyway);
+    backward checks that the gradient it gets is that one times a common factor, and scales them. The head's
+    projection then runs twice a chunk (values, hidden-state and head gradients: three products) instead of four.
+    A gradient of another shape is recomputed chunk by chunk, once said in the log.
     """
 
+    warned = False
+
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, chunk_size, postprocess):
+    def forward(ctx, hidden, weight, bias, targets, chunk_size, postprocess, gradient_ahead=None):
         token_logprobs = torch.empty(hidden.size(0), dtype=torch.float32, device=hidden.device)
+        ctx.save_for_backward(hidden, weight, bias, targets)
+        ctx.chunk_size, ctx.postprocess = chunk_size, postprocess
+        ctx.autocast = autocast_state(hidden)
+        ctx.ahead = None
+        if gradient_ahead is not None:
+            said = torch.empty_like(token_logprobs)
+
+            def gradient(start, end, values):
+                said[start:end] = gradient_ahead(start, end, values)
+                return said[start:end]
+
+            grads = chunk_gradients(hidden, weight, bias, targets, chunk_size, ctx.autocast,
+                                    ctx.needs_input_grad[:3], _value_of(postprocess), gradient, token_logprobs)
+            ctx.ahead = (said, *grads)
+            return token_logprobs
         for start in range(0, hidden.size(0), chunk_size):
             end = start + chunk_size
             # the projection itself, not a module call: module hooks would hang gradient hooks on inputs that
             # have no graph inside this forward
             token_logprobs[start:end] = token_target_logprobs(F.linear(hidden[start:end], weight, bias),
                                                               targets[start:end], postprocess)
-        ctx.save_for_backward(hidden, weight, bias, targets)
-        ctx.chunk_size, ctx.postprocess = chunk_size, postprocess
-        ctx.autocast = autocast_state(hidden)
         return token_logprobs
 
     @staticmethod
     def backward(ctx, grad_token_logprobs):
-        grads = backward_by_chunks(ctx, lambda logits, targets: token_target_logprobs(logits, targets, ctx.postprocess),
-                                   lambda start, end: grad_token_logprobs[start:end])
-        return *grads, None, None, None
+        ahead, ctx.ahead = ctx.ahead, None  # used once: a second backward recomputes
+        factor = None if ahead is None else _common_factor(grad_token_logprobs, ahead[0])
+        if factor is not None:
+            return *(None if grad is None else grad.mul_(factor) for grad in ahead[1:]), None, None, None, None
+        if ahead is not None and not _InPlaceHeadTokenLogprobs.warned:
+            _InPlaceHeadTokenLogprobs.warned = True
+            log.warning("memfit: the log-probabilities' gradient was not the one their caller said ahead: the head's"
+                        " chunks are recomputed in backward (slower, the same gradients)")
+        del ahead
+        grads = backward_by_chunks(ctx, _value_of(ctx.postprocess), lambda start, end: grad_token_logprobs[start:end])
+        return *grads, None, None, None, None
 
 
+def _value_of(postprocess: Postprocess) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    return lambda logits, targets: token_target_logprobs(logits, targets, postprocess)
+
+
+AHEAD_TOLERANCE = 1e-4
+"""How far (relative, in norm) the gradient backward gets may be from a multiple of the one said ahead: float
+rounding of the same loss computed another way, far below any error in it."""
+
+
+def _common_factor(received: torch.Tensor, said: torch.Tensor) -> torch.Tensor | None:
+    """The scalar c (a 0-d tensor) with received = c x said, within AHEAD_TOLERANCE, or None where there is none."""
+    received, said = received.float(), said.float()
+    said_norm = torch.linalg.vector_norm(said)
+    received_norm = torch.linalg.vector_norm(received)
+    factor = torch.dot(received, said) / said_norm.clamp(min=torch.finfo(torch.float32).tiny) ** 2
+    off = torch.linalg.vector_norm(received - factor * said)
+    both_zero = (said_norm == 0) & (received_norm == 0)
+    if not bool(both_zero | (off <= AHEAD_TOLERANCE * received_norm)):
+        return None
+    return torch.where(both_zero, torch.zeros_like(factor), factor)
