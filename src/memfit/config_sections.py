@@ -184,6 +184,8 @@ class MemoryConfig:
     """With --memory-budget / --gpu: time the planner's best few configurations for a few real steps under the same cap and train with the fastest measured (at most a tenth of the run's predicted time, cached per model, device and settings under $MEMFIT_CACHE_DIR or ~/.cache/memfit); --no-trial trusts the speed model."""
     oom_recovery: bool = True
     """On out-of-memory, split the micro-batch and redo it, keeping the exact update."""
+    host_mmap_threshold: int | None = field(default=None, metadata=SIZE)
+    """CPU runs under glibc: host blocks of this size and more are mapped by themselves and returned to the system when freed (default 4MiB; glibc's own threshold rises to 32 MiB, after which a step's freed blocks stay resident); 0 leaves glibc's setting (memory/host_heap.py)."""
     track_memory: bool | None = None
     """Track live tensor bytes by category during training and add them to the metrics: every step (a few times slower each); default: one early step, for the report's memory at the peak beside the estimate (one process, with the report, without --compile); --no-track-memory: none."""
     tiled_mlp: int | None = None

@@ -31,6 +31,7 @@ from typing import Any
 
 from memfit.checkpoint_files import TrainerState, resolve_resume
 from memfit.config import TrainConfig
+from memfit.memory.host_heap import bound_host_heap
 from memfit.memory.stats import reset_peaks
 from memfit.train.evaluation import Evaluator
 from memfit.train.first_step import FirstStepChecks
@@ -201,6 +202,7 @@ def _start(session: TrainingSession, start: _StartPoint, tracker: Any, save_outp
         facts=RunFactsLines(session),
     )
     start_fields = {name: value for observer in observers.in_line_order() for name, value in observer.on_start().items()}
+    start_fields |= bound_host_heap(session.device, session.config.memory.host_mmap_threshold)  # CPU runs only
     logger.log({"event": "start", **start_fields, "resumed_from": str(start.resume_from) if resumed else None})
     contexts = [tracker if tracker is not None else contextlib.nullcontext(), progress,
                 _activation_offload_context(session), _oom_is_fatal(runner, session.config),
