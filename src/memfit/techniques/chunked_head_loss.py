@@ -169,7 +169,7 @@ def chunk_gradients(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
             if needs_weight:
                 # the input the projection multiplied (cast to the compute dtype under autocast)
                 rows = chunk.detach().to(grad_logits.dtype)
-                grad_weight = _accumulate_product(grad_weight, grad_logits, rows, weight.dtype)
+                grad_weight = accumulate_head_product(grad_weight, grad_logits, rows, weight.dtype)
             if needs_bias:
                 chunk_bias = grad_logits.sum(0, dtype=bias.dtype)
                 grad_bias = chunk_bias if grad_bias is None else grad_bias.add_(chunk_bias)
@@ -181,7 +181,7 @@ def _same(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def _accumulate_product(total: torch.Tensor | None, grad_logits: torch.Tensor, rows: torch.Tensor,
+def accumulate_head_product(total: torch.Tensor | None, grad_logits: torch.Tensor, rows: torch.Tensor,
                         dtype: torch.dtype) -> torch.Tensor:
     """`total += grad_logits^T @ rows` in place, in `dtype` (the first chunk's product starts the sum)."""
     # A 16-bit product with an fp32 weight (autocast): upcasting the chunk's operands costs chunk-sized copies,

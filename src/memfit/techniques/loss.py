@@ -249,6 +249,8 @@ def logit_postprocessing(config) -> Callable[[torch.Tensor], torch.Tensor]:
             logits = torch.tanh(logits / softcap) * softcap
         return logits
 
+    # a post-processing that only multiplies says by what (techniques/head_gradients.py runs it in place)
+    postprocess.linear_factor = None if softcap else float(scale if scale is not None else 1) / float(divide or 1)
     return postprocess
 
 

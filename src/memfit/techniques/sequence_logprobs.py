@@ -47,6 +47,7 @@ from memfit.techniques.chunked_head_loss import (
     chunk_gradients,
     in_place_head_problem,
 )
+from memfit.techniques.head_gradients import head_gradients_in_place
 from memfit.techniques.loss import (
     DEFAULT_LOSS_CHUNK_TOKENS,
     IGNORE_INDEX,
@@ -210,14 +211,22 @@ class _Scoring:
                 logits = logits / self.temperature
             return logits
 
+        # a post-processing that only multiplies, and by what (head_gradients.py works such logits in place)
+        factor = getattr(postprocess, "linear_factor", None)
+        scored_logits.linear_factor = None if factor is None else factor / self.temperature
         if self.chunks is not None:  # token_target_logprobs hands over the log-softmax it computes anyway
             scored_logits.log_softmax_seen = self._seen
+            scored_logits.entropy_seen = self._seen_entropy
         return scored_logits
 
     def _seen(self, log_probs: torch.Tensor) -> None:
         if self._recording:
             with torch.no_grad():
                 self.chunks.append(_entropy(log_probs.detach()))
+
+    def _seen_entropy(self, entropies: torch.Tensor) -> None:
+        if self._recording:
+            self.chunks.append(entropies.detach())
 
     def entropy_of(self, tokens: int) -> torch.Tensor:
         """`[tokens]` the recorded entropies at their positions, 0 elsewhere."""
@@ -359,8 +368,14 @@ class _InPlaceHeadTokenLogprobs(torch.autograd.Function):
                 said[start:end] = gradient_ahead(start, end, values)
                 return said[start:end]
 
-            grads = chunk_gradients(hidden, weight, bias, targets, chunk_size, ctx.autocast,
-                                    ctx.needs_input_grad[:3], _value_of(postprocess), gradient, token_logprobs)
+            factor = getattr(postprocess, "linear_factor", None)
+            if factor is not None and not ctx.autocast[2] and hidden.dtype == weight.dtype:
+                grads = head_gradients_in_place(hidden, weight, bias, targets, chunk_size, factor,
+                                                ctx.needs_input_grad[:3], gradient, token_logprobs,
+                                                getattr(postprocess, "entropy_seen", None))
+            else:
+                grads = chunk_gradients(hidden, weight, bias, targets, chunk_size, ctx.autocast,
+                                        ctx.needs_input_grad[:3], _value_of(postprocess), gradient, token_logprobs)
             ctx.ahead = (said, *grads)
             return token_logprobs
         for start in range(0, hidden.size(0), chunk_size):

@@ -25,10 +25,12 @@ COMPLETION_LENGTHS = [12, 3, 7, 5, 2, 9, 4, 6]
 """Mixed lengths: packed, 8 completions fit 5 rows of 16 tokens (16 | 13+3 | 11+5 | 9+7 | 8+6+2 ...)."""
 
 
-def _config(loss_type: str = "grpo", beta: float = 0.0, num_iterations: int = 1, packing: str = "samples"):
+def _config(loss_type: str = "grpo", beta: float = 0.0, num_iterations: int = 1, packing: str = "samples",
+            temperature: float = 1.0):
     config = load_config(overrides={"model": "tiny", "task": "grpo", "reward_function": "length", "beta": beta,
                                     "num_iterations": num_iterations, "num_generations": 4, "batch_size": 8,
-                                    "max_completion_length": max(COMPLETION_LENGTHS), "packing": packing})
+                                    "max_completion_length": max(COMPLETION_LENGTHS), "packing": packing,
+                                    "temperature": temperature})
     config.task.loss_type = loss_type  # set directly: the flag parser turns dr_grpo's underscore into a dash
     return config
 
