@@ -106,13 +106,13 @@ def test_the_functions_hidden_state_head_and_bias_gradients_equal_the_plain_ones
 
 def test_a_last_chunk_added_twice_fails_the_comparison(monkeypatch, in_place_calls):
     """Fault twin: the equality test catches one chunk's head gradient counted twice."""
-    original = head_module._accumulate_product
+    original = head_module.accumulate_head_product
 
     def twice_for_the_partial_chunk(total, grad_logits, rows, dtype):
         total = original(total, grad_logits, rows, dtype)
         return original(total, grad_logits, rows, dtype) if rows.size(0) < CHUNK else total
 
-    monkeypatch.setattr(head_module, "_accumulate_product", twice_for_the_partial_chunk)
+    monkeypatch.setattr(head_module, "accumulate_head_product", twice_for_the_partial_chunk)
     _, errors = worst_error(tiny_llama())
     assert in_place_calls
     assert errors["lm_head.weight"] > 0.05, errors
