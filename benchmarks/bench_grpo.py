@@ -579,7 +579,11 @@ def report(args: argparse.Namespace, summary: dict[str, dict[str, Any]], ladder:
         "",
         "TRL's defaults: `gradient_checkpointing=True` (off while generating), the log-probabilities from its fused"
         " LM head (in tiles, no full logits); `bf16=False` set (its default is bf16). memfit's defaults: no"
-        " checkpointing, the log-probabilities in chunks whose logits are about the size of the batch's hidden states (64 tokens here), over the completions' positions only."
+        " checkpointing, the log-probabilities in chunks whose logits are about the size of the batch's hidden"
+        " states (64 tokens here), over the completions' positions only, with the head's gradients taken in forward"
+        " from the loss's gradient said ahead (no second pass over the chunks); each distinct prompt's first"
+        " forward once, its last position's logits only; glibc's mmap threshold fixed at 4 MiB"
+        " (`--host-mmap-threshold`: large freed host blocks leave the process)."
         + ((" Each row a fresh process; the two default runs alternate and their figures are medians."
             if args.repeats > 1 else " Each row one run, a fresh process.")
            if not args.quick else " --quick: every row in this script's process, one after another, so a row's peak"
