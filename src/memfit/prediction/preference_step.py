@@ -129,10 +129,10 @@ class PreferenceStep:
         return block_mask_bytes(self.packed.trained, seq_len, run.attention, holding, element_bytes, expanded)
 
     def chunk_forward_bytes(self, arch: Architecture, precision: Precision, tokens: int) -> float:
-        """What one chunk holds while its log-probabilities are computed, of a pass over `tokens` tokens: the
-        logits in the compute dtype, their fp32 copy (16-bit compute) and the fp32 log-softmax."""
-        upcast = 4 if precision.compute != 4 else 0
-        return float((precision.compute + upcast + 4) * self.chunk_of(arch, tokens) * arch.vocab)
+        """What one chunk holds while its log-probabilities are computed, of a pass over `tokens` tokens: the fp32
+        logits and their fp32 log-softmax. Logits in a 16-bit compute dtype are let go once their fp32 copy is made
+        (sequence_logprobs.token_target_logprobs rebinds them: at most 2 + 4 bytes an entry then, fewer than 8)."""
+        return float(8 * self.chunk_of(arch, tokens) * arch.vocab)
 
     def chunk_of(self, arch: Architecture, tokens: int) -> int:
         """Tokens of the largest chunk of a pass over `tokens` tokens, as the task sizes it."""
@@ -416,14 +416,15 @@ def no_grad_forward_bytes(step: PreferenceStep, arch: Architecture, precision: P
     A block keeps nothing: its largest moment is the MLP's (the activation's output, the up projection and their
     product, `intermediate` wide in the compute dtype) beside the residual stream's tensors (its input, the norm's
     output, the attention's output and the sum: four `hidden` wide in the residual dtype). After the blocks, one
-    chunk of logits beside the final hidden states. Tracked on CPU (fp32, bf16 autocast, bf16 weights; hidden
-    64-256, intermediate 256-1,024): within 4 % of each. A streamed reference (`streamed`) has the running unit's
-    weights beside each moment.
+    chunk of logits beside the final hidden states and their scored positions' copy (sequence_logprobs gathers
+    the rows with a target). Tracked on CPU (fp32, bf16 autocast, bf16 weights; hidden 64-256, intermediate
+    256-1,024): within 4 % of each. A streamed reference (`streamed`) has the running unit's weights beside each
+    moment.
     """
     if tokens <= 0:
         return 0.0
     block = (3 * precision.compute * arch.intermediate + 4 * precision.residual * arch.hidden) * tokens
-    head = step.chunk_forward_bytes(arch, precision, tokens) + precision.residual * arch.hidden * tokens
+    head = step.chunk_forward_bytes(arch, precision, tokens) + 2 * precision.residual * arch.hidden * tokens
     if streamed is not None:
         block, head = block + streamed.block, head + streamed.head
     return float(max(block, head) + TARGET_BYTES_PER_TOKEN * tokens)

@@ -19,18 +19,23 @@ from memfit.tasks import grpo, grpo_losses
 from memfit.techniques import sequence_logprobs
 
 
-@pytest.fixture
-def recomputed(monkeypatch):
-    """How many times backward recomputed the head's chunks."""
+def _counted(monkeypatch, name: str) -> dict[str, int]:
+    """How many times sequence_logprobs calls its `name` from now on."""
     calls = {"n": 0}
-    real = sequence_logprobs.backward_by_chunks
+    real = getattr(sequence_logprobs, name)
 
     def counted(*args, **kwargs):
         calls["n"] += 1
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(sequence_logprobs, "backward_by_chunks", counted)
+    monkeypatch.setattr(sequence_logprobs, name, counted)
     return calls
+
+
+@pytest.fixture
+def recomputed(monkeypatch):
+    """How many times backward recomputed the head's chunks."""
+    return _counted(monkeypatch, "backward_by_chunks")
 
 
 def _without_ahead(monkeypatch, packing: str, **settings):
@@ -103,15 +108,7 @@ def test_without_the_check_a_wrong_gradient_said_ahead_would_change_the_gradient
 @pytest.fixture
 def in_place(monkeypatch):
     """How many times the head's gradients were worked in place (techniques/head_gradients.py)."""
-    calls = {"n": 0}
-    real = sequence_logprobs.head_gradients_in_place
-
-    def counted(*args, **kwargs):
-        calls["n"] += 1
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(sequence_logprobs, "head_gradients_in_place", counted)
-    return calls
+    return _counted(monkeypatch, "head_gradients_in_place")
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
