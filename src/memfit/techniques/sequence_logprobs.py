@@ -16,12 +16,13 @@ head gradient into one head-sized buffer in place (as techniques/chunked_head_lo
 the loss); any other head (LoRA-wrapped, quantized, sharded, frozen) runs each chunk under
 non-reentrant checkpointing. Under `torch.no_grad()` (a reference model) the chunks simply run.
 A caller whose loss is a weighted sum of per-token functions of the log-probabilities (GRPO's) may say ahead what
-gradient each token's value will get (`token_gradient`): the plain-Linear head's function then takes each chunk's
-gradients while its logits are alive, and backward scales them instead of recomputing the chunks
-(`_InPlaceHeadTokenLogprobs`).
+gradient each token's value will get (`token_gradient`): a plain-Linear head's function (trained or frozen) then
+takes each chunk's gradients while its logits are alive, and backward scales them instead of recomputing the
+chunks (`_InPlaceHeadTokenLogprobs`).
 Only the positions with a target reach the head (the prompt, padding and each row's last position are scored 0):
 with a third of a row prompt, a third of the head's work is skipped. Costs: the output projection runs a second
-time in backward, as for the chunked loss; the scored positions' hidden states are gathered into one tensor.
+time in backward, as for the chunked loss (not with a gradient said ahead); the scored positions' hidden states are
+gathered into one tensor.
 Numerics: the same per-token values as the materialized log-softmax and gather, up to float
 summation order; log-probabilities and their sums are fp32 whatever the model's dtype.
 
@@ -347,8 +348,9 @@ class _InPlaceHeadTokenLogprobs(torch.autograd.Function):
 
     With a gradient known ahead (`gradient_ahead`), forward takes each chunk's gradients right after its values,
     from the same logits, and keeps them (the hidden states' and the head's: tensors backward would make anyway);
-    backward checks that the gradient it gets is that one times a common factor, and scales them. The head's
-    projection then runs twice a chunk (values, hidden-state and head gradients: three products) instead of four.
+    backward checks that the gradient it gets is that one times a common factor, and scales them. A chunk then
+    costs three of the head's matrix products (the logits, the hidden states' gradient, the head's) instead of four
+    (the logits made again in backward).
     A gradient of another shape is recomputed chunk by chunk, once said in the log.
     """
 
