@@ -21,7 +21,7 @@ environment's MALLOC_MMAP_THRESHOLD_ (glibc's own setting) wins; `--host-mmap-th
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
+import functools
 import logging
 import os
 from typing import TYPE_CHECKING
@@ -63,12 +63,13 @@ def _why_not(wanted: int) -> str:
     return ""
 
 
+@functools.cache
 def _glibc() -> ctypes.CDLL | None:
-    name = ctypes.util.find_library("c")
+    """The process's own C library when it is glibc (its symbols, no search for the file), else None."""
     try:
-        library = ctypes.CDLL(name) if name else None
+        library = ctypes.CDLL(None)
     except OSError:
         return None
-    if library is None or not hasattr(library, "gnu_get_libc_version") or not hasattr(library, "mallopt"):
+    if not hasattr(library, "gnu_get_libc_version") or not hasattr(library, "mallopt"):
         return None
     return library

@@ -294,14 +294,13 @@ class GRPOTask(SampleLossTask):
         return (packed.unpack(scored.per_token), packed.unpack(packed.labels, fill=IGNORE_INDEX),
                 None if scored.entropy is None else packed.unpack(scored.entropy))
 
-    def _gradient_ahead(self, rows: dict[str, torch.Tensor], advantages: torch.Tensor, old: torch.Tensor | None,
-                        ref: torch.Tensor | None) -> Any:
+    def _gradient_ahead(self, rows: dict[str, torch.Tensor], mask: torch.Tensor, advantages: torch.Tensor,
+                        old: torch.Tensor | None, ref: torch.Tensor | None) -> Any:
         """The gradient the loss gives each position's log-probability, known from its value (grpo_losses
         `gradient_ahead`), over the positions of the rows the log-probabilities are computed on (packed or not):
-        the policy's head then takes its gradients in forward, without a second pass over its chunks."""
+        the policy's head then takes its gradients in forward, without a second pass over its chunks. `mask`, `old`
+        and `ref`: one completion a row, as the loss reads them (`_completion_mask`)."""
         packed = _packed(rows)
-        labels = rows["labels"] if packed is None else packed.unpack(packed.labels, fill=IGNORE_INDEX)
-        mask = torch.nn.functional.pad(labels[:, 1:] != IGNORE_INDEX, (0, 1), value=False).float()
         completions, tokens = self._step_counts
         rl = self.config.rl
         weights = token_weights(mask, self.config.task.loss_type, max_completion_length=rl.max_completion_length,
@@ -311,11 +310,16 @@ class GRPOTask(SampleLossTask):
         def laid_out(values: torch.Tensor | None) -> torch.Tensor | None:
             if values is None:
                 return None
-            values = values.to(mask.device)
             return (values if packed is None else packed.repack(values)).reshape(-1)
 
-        return gradient_ahead(*map(laid_out, per_token), beta=self.beta, epsilon_low=rl.epsilon,
-                              epsilon_high=rl.epsilon if rl.epsilon_high is None else rl.epsilon_high)
+        low, high = self._clip_range
+        return gradient_ahead(*map(laid_out, per_token), beta=self.beta, epsilon_low=low, epsilon_high=high)
+
+    @property
+    def _clip_range(self) -> tuple[float, float]:
+        """(epsilon, epsilon_high): the ratio is clipped to [1 - the first, 1 + the second]."""
+        rl = self.config.rl
+        return rl.epsilon, rl.epsilon if rl.epsilon_high is None else rl.epsilon_high
 
     # -- the batch and the loss ------------------------------------------------------------------------------------
 
@@ -373,22 +377,18 @@ class GRPOTask(SampleLossTask):
         completions, tokens = self._step_counts
         rows = {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask,
                 "position_ids": position_ids} | {k: v for k, v in placement.items() if k in PLACEMENT_KEYS}
-        ahead = self._gradient_ahead(rows, advantages, old_per_token_logps, ref_per_token_logps)
-        per_token, labels, entropies = self._per_token(model, rows, self._chunk_size(chunk_size, model,
-                                                                                      input_ids.numel()), entropy=True,
-                                                       token_gradient=ahead)
-        # per_token[t] is the log-probability of the token at t + 1 (labels are shifted inside): the same shift for
-        # the mask and the stored log-probabilities, which were computed the same way
-        mask = torch.nn.functional.pad(labels[:, 1:] != IGNORE_INDEX, (0, 1), value=False).float()
-        rl = self.config.rl
+        mask = _completion_mask(rows)
+        old, ref = (None if logps is None else logps.to(mask.device)
+                    for logps in (old_per_token_logps, ref_per_token_logps))
+        ahead = self._gradient_ahead(rows, mask, advantages, old, ref)
+        per_token, _, entropies = self._per_token(model, rows, self._chunk_size(chunk_size, model, input_ids.numel()),
+                                                  entropy=True, token_gradient=ahead)
+        low, high = self._clip_range
         loss, stats = grpo_loss(
-            per_token, mask, advantages.to(per_token.device),
-            old_per_token_logps=None if old_per_token_logps is None else old_per_token_logps.to(mask.device),
-            ref_per_token_logps=None if ref_per_token_logps is None else ref_per_token_logps.to(mask.device),
-            loss_type=self.config.task.loss_type, beta=self.beta, epsilon_low=rl.epsilon,
-            epsilon_high=rl.epsilon if rl.epsilon_high is None else rl.epsilon_high,
-            max_completion_length=rl.max_completion_length, completions_in_step=completions, tokens_in_step=tokens,
-            entropies=entropies)
+            per_token, mask, advantages.to(per_token.device), old_per_token_logps=old, ref_per_token_logps=ref,
+            loss_type=self.config.task.loss_type, beta=self.beta, epsilon_low=low, epsilon_high=high,
+            max_completion_length=self.config.rl.max_completion_length, completions_in_step=completions,
+            tokens_in_step=tokens, entropies=entropies)
         for name, value in stats.items():
             self._stats[name] = self._stats.get(name, 0.0) + float(value)
         return loss * completions
@@ -538,6 +538,15 @@ def packed_rows(batch: dict[str, torch.Tensor], pad_token_id: int | None) -> dic
     return rest | {"input_ids": packed.input_ids, "labels": packed.labels, "position_ids": packed.position_ids,
                    "packed_row_of": packed.row_of, "packed_start_of": packed.start_of,
                    "packed_length_of": packed.length_of}
+
+
+def _completion_mask(rows: dict[str, torch.Tensor]) -> torch.Tensor:
+    """`[completions, longest]` 1 at the positions the loss scores, one completion a row (unpacked when packed).
+    Position t holds the log-probability of the token at t + 1 (labels are shifted inside sequence_logprobs): the
+    same shift for the mask and the stored log-probabilities, which were computed the same way."""
+    packed = _packed(rows)
+    labels = rows["labels"] if packed is None else packed.unpack(packed.labels, fill=IGNORE_INDEX)
+    return torch.nn.functional.pad(labels[:, 1:] != IGNORE_INDEX, (0, 1), value=False).float()
 
 
 def _packed(rows: dict[str, torch.Tensor]) -> PackedRows | None:

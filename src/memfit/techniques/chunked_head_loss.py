@@ -182,7 +182,7 @@ def _same(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def accumulate_head_product(total: torch.Tensor | None, grad_logits: torch.Tensor, rows: torch.Tensor,
-                        dtype: torch.dtype) -> torch.Tensor:
+                            dtype: torch.dtype) -> torch.Tensor:
     """`total += grad_logits^T @ rows` in place, in `dtype` (the first chunk's product starts the sum)."""
     # A 16-bit product with an fp32 weight (autocast): upcasting the chunk's operands costs chunk-sized copies,
     # where casting the product would cost a head-sized one.
